@@ -1,0 +1,376 @@
+"""Lazy reader for local Hugging Face Qwen3-VL checkpoints.
+
+Parses config.json in both the transformers 4.57 style (`rope_scaling`, `rope_theta`) and the 5.x
+style (`rope_parameters`), identifies dense vs MoE and the released size, and loads only the
+tensors a stage asks for, shard by shard: the vision export of a 235B-A22B checkpoint reads the
+tower's few hundred MB and never touches the language model's shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError, UnsupportedModelError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+_PREDECESSORS = {
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen2_5_omni": "Qwen2.5-Omni",
+    "qwen3_omni_moe": "Qwen3-Omni",
+}
+
+# (moe, text hidden size, text layers) -> released name.
+_RELEASED_SIZES = {
+    (False, 2048, 28): "2B",
+    (False, 2560, 36): "4B",
+    (False, 4096, 36): "8B",
+    (False, 5120, 64): "32B",
+    (True, 2048, 48): "30B-A3B",
+    (True, 4096, 94): "235B-A22B",
+}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return int(round(self.num_position_embeddings**0.5))
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool
+    max_position_embeddings: int
+    moe: MoeConfig | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_type: str
+    vision: VisionConfig
+    text: TextConfig
+    tie_word_embeddings: bool
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def is_moe(self) -> bool:
+        return self.text.moe is not None
+
+    @property
+    def size_name(self) -> str:
+        key = (self.is_moe, self.text.hidden_size, self.text.num_hidden_layers)
+        return _RELEASED_SIZES.get(key, "custom")
+
+    @property
+    def deepstack_count(self) -> int:
+        return len(self.vision.deepstack_visual_indexes)
+
+
+def _require(cfg: dict, key: str, where: str) -> object:
+    if key not in cfg:
+        raise CheckpointError(f"config.json: '{where}' has no '{key}'")
+    return cfg[key]
+
+
+def _rope_settings(text: dict) -> tuple[float, tuple[int, ...], bool]:
+    """(theta, mrope_section, interleaved) from either config style."""
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", text.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError("config.json: text_config has no rope_theta (rope_parameters or rope_theta)")
+    section = merged.get("mrope_section")
+    if not section:
+        raise CheckpointError("config.json: text_config has no mrope_section (rope_scaling or rope_parameters)")
+    return float(theta), tuple(int(s) for s in section), bool(merged.get("mrope_interleaved", False))
+
+
+def parse_config(cfg: dict) -> ModelInfo:
+    model_type = cfg.get("model_type")
+    if model_type in _PREDECESSORS:
+        raise UnsupportedModelError(
+            f"this is a {_PREDECESSORS[model_type]} checkpoint (model_type '{model_type}'); qwen3vl-trt compiles "
+            f"Qwen3-VL only (model_type {' or '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}: qwen3vl-trt compiles Qwen3-VL checkpoints "
+            f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    vis = _require(cfg, "vision_config", "config")
+    txt = _require(cfg, "text_config", "config")
+    assert isinstance(vis, dict) and isinstance(txt, dict)
+
+    def v(key: str, default: object = None) -> object:
+        return vis[key] if key in vis else (default if default is not None else _require(vis, key, "vision_config"))
+
+    def t(key: str, default: object = None) -> object:
+        return txt[key] if key in txt else (default if default is not None else _require(txt, key, "text_config"))
+
+    vision = VisionConfig(
+        depth=int(v("depth")),
+        hidden_size=int(v("hidden_size")),
+        num_heads=int(v("num_heads")),
+        intermediate_size=int(v("intermediate_size")),
+        out_hidden_size=int(v("out_hidden_size")),
+        hidden_act=str(v("hidden_act", "gelu_pytorch_tanh")),
+        in_channels=int(v("in_channels", 3)),
+        patch_size=int(v("patch_size")),
+        temporal_patch_size=int(v("temporal_patch_size", 2)),
+        spatial_merge_size=int(v("spatial_merge_size", 2)),
+        num_position_embeddings=int(v("num_position_embeddings")),
+        deepstack_visual_indexes=tuple(int(i) for i in v("deepstack_visual_indexes")),  # type: ignore[attr-defined]
+    )
+    if vision.hidden_size % vision.num_heads or vision.num_grid_per_side**2 != vision.num_position_embeddings:
+        raise CheckpointError("config.json: vision_config has inconsistent hidden_size/num_heads/num_position_embeddings")
+    if any(not 0 <= i < vision.depth for i in vision.deepstack_visual_indexes):
+        raise CheckpointError("config.json: deepstack_visual_indexes point outside the vision tower")
+
+    moe = None
+    if model_type == "qwen3_vl_moe":
+        moe = MoeConfig(
+            num_experts=int(t("num_experts")),
+            num_experts_per_tok=int(t("num_experts_per_tok")),
+            moe_intermediate_size=int(t("moe_intermediate_size")),
+            decoder_sparse_step=int(t("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in txt.get("mlp_only_layers") or ()),
+            norm_topk_prob=bool(txt.get("norm_topk_prob", True)),
+        )
+    theta, section, interleaved = _rope_settings(txt)
+    heads = int(t("num_attention_heads"))
+    hidden = int(t("hidden_size"))
+    text = TextConfig(
+        vocab_size=int(t("vocab_size")),
+        hidden_size=hidden,
+        num_hidden_layers=int(t("num_hidden_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(txt.get("num_key_value_heads") or heads),
+        head_dim=int(txt.get("head_dim") or hidden // heads),
+        intermediate_size=int(t("intermediate_size")),
+        rms_norm_eps=float(t("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        mrope_section=section,
+        mrope_interleaved=interleaved,
+        max_position_embeddings=int(t("max_position_embeddings", 262144)),
+        moe=moe,
+    )
+    if vision.out_hidden_size != text.hidden_size:
+        raise CheckpointError(
+            f"config.json: vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}"
+        )
+    tie = cfg.get("tie_word_embeddings", txt.get("tie_word_embeddings", False))
+    return ModelInfo(
+        model_type=model_type,
+        vision=vision,
+        text=text,
+        tie_word_embeddings=bool(tie),
+        image_token_id=int(cfg.get("image_token_id", 151655)),
+        video_token_id=int(cfg.get("video_token_id", 151656)),
+        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
+    )
+
+
+@dataclass(frozen=True)
+class _ShardHeader:
+    tensors: dict[str, dict]  # name -> {"dtype", "shape", "data_offsets"}
+
+
+def read_shard_header(path: Path) -> _ShardHeader:
+    """Reads a safetensors header and checks the file holds every byte the header promises."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"shard {path.name} is truncated or empty ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8:
+                raise CheckpointError(f"shard {path.name} is truncated: its header runs past the end of the file")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise CheckpointError(f"shard {path.name} is missing from {path.parent}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"shard {path.name} is not a safetensors file (bad header: {e})") from None
+    header.pop("__metadata__", None)
+    end = max((int(meta["data_offsets"][1]) for meta in header.values()), default=0)
+    expected = 8 + header_len + end
+    if size < expected:
+        raise CheckpointError(
+            f"shard {path.name} is truncated: {size} bytes on disk, its header describes {expected}; "
+            "re-download or re-copy this file"
+        )
+    return _ShardHeader(tensors=header)
+
+
+class Checkpoint:
+    """A local Hugging Face Qwen3-VL checkpoint, opened without reading any weights."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is not a directory: pass the checkpoint directory, not a file")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{self.path} has no config.json: is this a Hugging Face model directory?")
+        self.config_bytes = config_path.read_bytes()
+        try:
+            self.config: dict = json.loads(self.config_bytes)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+        self.info = parse_config(self.config)
+        self._weight_map = self._read_weight_map()
+        self._headers: dict[str, _ShardHeader] = {}
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+            return {str(k): str(v) for k, v in weight_map.items()}
+        single = self.path / SINGLE_FILE
+        if single.is_file():
+            return dict.fromkeys(read_shard_header(single).tensors, SINGLE_FILE)
+        if any(self.path.glob("*.bin")):
+            raise CheckpointError(
+                f"{self.path} holds PyTorch .bin weights; qwen3vl-trt reads safetensors checkpoints only "
+                "(save the model with safe_serialization=True)"
+            )
+        raise CheckpointError(f"{self.path} has no weights: expected {INDEX_FILE} or {SINGLE_FILE}")
+
+    @property
+    def shard_files(self) -> list[str]:
+        return sorted(set(self._weight_map.values()))
+
+    def tensor_names(self, prefix: str = "") -> list[str]:
+        return sorted(name for name in self._weight_map if name.startswith(prefix))
+
+    def _header(self, shard: str) -> _ShardHeader:
+        if shard not in self._headers:
+            self._headers[shard] = read_shard_header(self.path / shard)
+        return self._headers[shard]
+
+    def verify_shards(self) -> None:
+        """Checks every shard exists, is whole and holds the tensors the index assigns to it."""
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for name, shard in self._weight_map.items():
+            by_shard[shard].append(name)
+        for shard, names in sorted(by_shard.items()):
+            tensors = self._header(shard).tensors
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise CheckpointError(
+                    f"shard {shard} lacks {len(missing)} tensor(s) the index assigns to it, e.g. {missing[0]}"
+                )
+
+    def tensor_bytes(self, names: Iterable[str]) -> int:
+        total = 0
+        for name in names:
+            begin, end = self._header(self._shard_of(name)).tensors[name]["data_offsets"]
+            total += int(end) - int(begin)
+        return total
+
+    def _shard_of(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise CheckpointError(
+                f"checkpoint has no tensor '{name}' (not listed in its {INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE})"
+            ) from None
+
+    def iter_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, tensor) for the requested names, opening each needed shard once."""
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            by_shard[self._shard_of(name)].append(name)
+        for shard in sorted(by_shard):
+            header = self._header(shard)
+            absent = [n for n in by_shard[shard] if n not in header.tensors]
+            if absent:
+                raise CheckpointError(f"shard {shard} lacks tensor '{absent[0]}' that the index assigns to it")
+            with safe_open(str(self.path / shard), framework="pt") as f:
+                for name in by_shard[shard]:
+                    yield name, f.get_tensor(name)
+
+    def load_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return dict(self.iter_tensors(names))
+
+    def config_sha256(self) -> str:
+        return hashlib.sha256(self.config_bytes).hexdigest()
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Content hash of named tensors (name, dtype, shape and raw bytes), independent of sharding."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+    return digest.hexdigest()

@@ -1,0 +1,102 @@
+"""The `qwen3vl-trt` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import Qwen3VLTrtError
+
+
+def _make_tiny(args: argparse.Namespace) -> None:
+    from .tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(args.output, moe=args.moe, seed=args.seed, preset=args.preset, force=args.force)
+    print(f"wrote {'MoE' if args.moe else 'dense'} {args.preset} checkpoint to {path}")
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from .checkpoint import Checkpoint
+    from .contracts import VISUAL_PREFIX
+
+    ckpt = Checkpoint(args.model)
+    ckpt.verify_shards()
+    info = ckpt.info
+    visual = ckpt.tensor_names(VISUAL_PREFIX)
+    print(json.dumps({
+        "model_type": info.model_type,
+        "size": info.size_name,
+        "moe": info.is_moe,
+        "vision": info.vision.__dict__ | {"head_dim": info.vision.head_dim},
+        "text": {k: v for k, v in info.text.__dict__.items() if k != "moe"} | {"moe": info.text.moe and info.text.moe.__dict__},
+        "shards": len(ckpt.shard_files),
+        "visual_tensors": len(visual),
+        "visual_bytes": ckpt.tensor_bytes(visual),
+    }, indent=2, default=list))
+
+
+def _export_vision(args: argparse.Namespace) -> None:
+    from .export_vision import export_vision
+
+    export_vision(args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force)
+
+
+def _build(args: argparse.Namespace) -> None:
+    from .pipeline import build
+
+    build(args.model, args.output, dtype=args.dtype, force=args.force)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen3vl-trt", description="Compile Qwen3-VL for TensorRT and Triton.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-tiny", help="write a random-weight Qwen3-VL checkpoint (tests, demos, benchmarks)")
+    s.add_argument("--output", required=True, help="checkpoint directory to create")
+    s.add_argument("--moe", action="store_true", help="Qwen3-VL-MoE text model (a few experts)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--preset", default="tiny", choices=["tiny", "2b-vision", "8b-vision"],
+                   help="tiny (default), or a real released vision tower shape with a tiny LLM")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_make_tiny)
+
+    s = sub.add_parser("inspect", help="check a checkpoint's config and shards and print what it is")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    s.set_defaults(func=_inspect)
+
+    s = sub.add_parser("export-vision", help="export the vision encoder (ViT, merger, DeepStack) to ONNX")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    s.add_argument("--output", required=True, help="directory to create for the ONNX and its sidecar")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    s.add_argument("--verify", action="store_true", help="compare with transformers on random images (fp32)")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_export_vision)
+
+    s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    s.add_argument("--output", required=True, help="build directory to create")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="vision export dtype")
+    s.add_argument("--force", action="store_true", help="replace an existing build directory")
+    s.set_defaults(func=_build)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except Qwen3VLTrtError as e:
+        print(f"qwen3vl-trt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"qwen3vl-trt {args.command}: interrupted; no output was published", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Tensor contracts shared by exporters, config writers, runtimes and tests.
+
+Every tensor that crosses a stage boundary is declared here once. Symbolic dimensions are
+strings: N is the number of patches of all images in a batch, M = N / merge_size**2 the number of
+merged (LLM) tokens, K the number of DeepStack features, D the LLM hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name, or "model" for the exported compute dtype
+    shape: tuple[int | str, ...]
+    doc: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "doc": self.doc}
+
+
+# Values per patch of Conv3d's input: channels x temporal patch x patch x patch (3 x 2 x 16 x 16).
+PIXEL_VALUES = TensorSpec(
+    "pixel_values", "float32", ("N", "patch_dim"),
+    "normalized patches in the HF processor's order (2x2 merge blocks, row-major within a block)",
+)
+POS_EMBED_IDX = TensorSpec(
+    "pos_embed_idx", "int32", ("N", 4),
+    "flat indices into the learned position grid of the 4 bilinear taps of each patch",
+)
+POS_EMBED_W = TensorSpec(
+    "pos_embed_w", "float32", ("N", 4), "bilinear weights of the 4 taps (align_corners=True)"
+)
+ROTARY_POS = TensorSpec(
+    "rotary_pos", "int32", ("N", 2), "(row, col) of each patch in its image; 2-D rotary positions"
+)
+SEGMENT_START = TensorSpec(
+    "segment_start", "int32", ("N",),
+    "1 on the first patch of each attention segment (one per image and temporal patch), else 0; "
+    "concatenating the arrays of several requests stays valid",
+)
+IMAGE_EMBEDS = TensorSpec("image_embeds", "model", ("M", "D"), "merged visual tokens for the LLM")
+DEEPSTACK_EMBEDS = TensorSpec(
+    "deepstack_embeds", "model", ("K", "M", "D"),
+    "DeepStack features, one per deepstack_visual_indexes entry, added after LLM layer k",
+)
+
+VISION_INPUTS: tuple[TensorSpec, ...] = (PIXEL_VALUES, POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, SEGMENT_START)
+VISION_OUTPUTS: tuple[TensorSpec, ...] = (IMAGE_EMBEDS, DEEPSTACK_EMBEDS)
+
+VISION_ONNX_FILE = "vision_encoder.onnx"
+VISION_ONNX_DATA_FILE = "vision_encoder.onnx.data"
+VISION_SIDECAR_FILE = "vision_config.json"
+
+# Visual weights live under this prefix in released Qwen3-VL checkpoints (both dense and MoE).
+VISUAL_PREFIX = "model.visual."
+

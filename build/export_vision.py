@@ -1,0 +1,269 @@
+"""Stage export-vision: the ViT, its patch merger and the DeepStack mergers to ONNX.
+
+Reads only the checkpoint's visual tensors, exports one graph with a dynamic patch count (the
+portable variant: standard ONNX ops only, parsed by TensorRT 10.14 and run by ONNX Runtime),
+writes weights as external data beside it and a vision_config.json sidecar, and optionally checks
+the result against the transformers tower before publishing the directory atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from tqdm import tqdm
+
+from . import __version__
+from .checkpoint import Checkpoint, VisionConfig, tensors_sha256
+from .contracts import (
+    DEEPSTACK_EMBEDS,
+    IMAGE_EMBEDS,
+    VISION_INPUTS,
+    VISION_ONNX_DATA_FILE,
+    VISION_ONNX_FILE,
+    VISION_OUTPUTS,
+    VISION_SIDECAR_FILE,
+)
+from .errors import Qwen3VLTrtError
+from .fsutil import atomic_output_dir
+from .vision_metadata import vision_metadata
+from .vision_model import VisionTower
+
+# Opset 18: the torch exporter's native target (no down-conversion) and inside the
+# range TensorRT 10.x parses (opset 9 to 20 since 10.0).
+ONNX_OPSET = 18
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# Parity tolerance of the fp32 export against transformers (max |a-b| / max |b|).
+FP32_REL_TOLERANCE = 1e-4
+# Grids used by --verify: square, non-square, the smallest, and a two-frame video.
+VERIFY_GRIDS = ((1, 8, 8), (1, 6, 10), (1, 2, 2), (2, 4, 6))
+
+
+@dataclass
+class Parity:
+    grids: list[list[int]]
+    image_embeds_max_abs: float
+    image_embeds_max_rel: float
+    deepstack_max_abs: float
+    deepstack_max_rel: float
+
+    @property
+    def max_rel(self) -> float:
+        return max(self.image_embeds_max_rel, self.deepstack_max_rel)
+
+
+@dataclass
+class VisionExport:
+    output_dir: Path
+    dtype: str
+    sidecar: dict
+    parity: list[Parity] = field(default_factory=list)
+
+
+def parity_errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """(max abs error, max abs error relative to the largest expected magnitude)."""
+    if actual.shape != expected.shape:
+        raise Qwen3VLTrtError(f"shape mismatch: {actual.shape} vs expected {expected.shape}")
+    err = float(np.max(np.abs(actual.astype(np.float64) - expected.astype(np.float64))))
+    scale = float(np.max(np.abs(expected))) or 1.0
+    return err, err / scale
+
+
+def _sample_inputs(cfg: VisionConfig) -> tuple[torch.Tensor, ...]:
+    """Two images, so the traced graph sees more than one attention segment."""
+    grid = np.array([[1, 4, 4], [1, 2, 4]])
+    n = int(np.prod(grid, axis=1).sum())
+    meta = vision_metadata(grid, cfg.spatial_merge_size, cfg.num_grid_per_side)
+    pixels = torch.zeros(n, cfg.patch_dim)
+    return (pixels, *(torch.from_numpy(meta[spec.name]) for spec in VISION_INPUTS[1:]))
+
+
+def _export_graph(tower: VisionTower, path: Path) -> None:
+    cfg = tower.cfg
+    merged = torch.export.Dim("merged_tokens", min=1)
+    patches = cfg.merge_unit * merged  # the patch count is a whole number of merge blocks
+    dynamic_shapes = {spec.name: {0: patches} for spec in VISION_INPUTS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        program = torch.onnx.export(
+            tower,
+            _sample_inputs(cfg),
+            dynamo=True,
+            opset_version=ONNX_OPSET,
+            input_names=[spec.name for spec in VISION_INPUTS],
+            output_names=[spec.name for spec in VISION_OUTPUTS],
+            dynamic_shapes=dynamic_shapes,
+            verbose=False,
+        )
+    assert program is not None
+    model = program.model_proto
+    _name_dynamic_dims(model)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=VISION_ONNX_DATA_FILE,
+        size_threshold=1024,
+    )
+
+
+def _name_dynamic_dims(model: onnx.ModelProto) -> None:
+    """Gives the graph's dynamic dims the contract's names (N patches, M merged tokens)."""
+    symbols = {"N": None, "M": None}
+    for value in model.graph.input:
+        dim = value.type.tensor_type.shape.dim[0]
+        symbols["N"] = dim.dim_param
+        dim.dim_param = "N"
+    for value in model.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        dim = dims[1] if value.name == DEEPSTACK_EMBEDS.name else dims[0]
+        dim.dim_param = "M"
+
+
+def check_onnx(path: Path) -> onnx.ModelProto:
+    """onnx.checker plus strict full shape inference; returns the inferred model (no weights)."""
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path), load_external_data=False)
+    return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+
+
+def _sidecar(ckpt: Checkpoint, dtype: str, weights_sha256: str) -> dict:
+    cfg = ckpt.info.vision
+    tensor_dtype = {"model": ONNX_DTYPES[dtype]}
+
+    def resolve(spec_shape: tuple[int | str, ...]) -> list[int | str]:
+        sizes = {"patch_dim": cfg.patch_dim, "D": cfg.out_hidden_size, "K": len(cfg.deepstack_visual_indexes)}
+        return [sizes.get(d, d) if isinstance(d, str) else d for d in spec_shape]
+
+    def describe(spec):
+        return {**spec.as_dict(), "dtype": tensor_dtype.get(spec.dtype, spec.dtype), "shape": resolve(spec.shape)}
+
+    return {
+        "format_version": 1,
+        "graph_variant": "portable",
+        "onnx_file": VISION_ONNX_FILE,
+        "external_data_file": VISION_ONNX_DATA_FILE,
+        "opset": ONNX_OPSET,
+        "dtype": dtype,
+        "fp32_islands": ["rope", "layernorm", "softmax", "pos_embed"],
+        "inputs": [describe(s) for s in VISION_INPUTS],
+        "outputs": [describe(s) for s in VISION_OUTPUTS],
+        "patch_dim": cfg.patch_dim,
+        "patch_size": cfg.patch_size,
+        "temporal_patch_size": cfg.temporal_patch_size,
+        "spatial_merge_size": cfg.spatial_merge_size,
+        "num_grid_per_side": cfg.num_grid_per_side,
+        "depth": cfg.depth,
+        "hidden_size": cfg.hidden_size,
+        "num_heads": cfg.num_heads,
+        "head_dim": cfg.head_dim,
+        "out_hidden_size": cfg.out_hidden_size,
+        "deepstack_count": len(cfg.deepstack_visual_indexes),
+        "deepstack_visual_indexes": list(cfg.deepstack_visual_indexes),
+        "source_checkpoint": {
+            "path": str(ckpt.path.absolute()),
+            "model_type": ckpt.info.model_type,
+            "size": ckpt.info.size_name,
+            "config_sha256": ckpt.config_sha256(),
+            "visual_weights_sha256": weights_sha256,
+        },
+        "exported_with": {
+            "qwen3vl_trt": __version__,
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+        },
+    }
+
+
+def verify_against_transformers(
+    onnx_dir: Path, ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | None = None, seed: int = 0
+) -> list[Parity]:
+    """Random pixels on several grids through ONNX Runtime and the transformers tower."""
+    from .hf_reference import load_hf_vision_tower, run_hf_vision_tower
+    from .vision import VisionEncoder
+
+    encoder = VisionEncoder(onnx_dir)
+    reference = load_hf_vision_tower(ckpt, tensors)
+    rng = np.random.default_rng(seed)
+    cases = [[list(g)] for g in VERIFY_GRIDS] + [[list(g) for g in VERIFY_GRIDS]]
+    results = []
+    for grids in tqdm(cases, desc="verify vision (ORT vs transformers)", unit="case", leave=False):
+        grid = np.array(grids)
+        pixels = rng.uniform(-1, 1, size=(int(np.prod(grid, axis=1).sum()), ckpt.info.vision.patch_dim))
+        pixels = pixels.astype(np.float32)
+        ours = encoder.encode(pixels, grid)
+        theirs = run_hf_vision_tower(reference, pixels, grid)
+        img_abs, img_rel = parity_errors(ours[0], theirs[0])
+        ds_abs, ds_rel = parity_errors(ours[1], theirs[1])
+        results.append(Parity(grids, img_abs, img_rel, ds_abs, ds_rel))
+    return results
+
+
+def export_vision(
+    model_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dtype: str = "fp32",
+    verify: bool = False,
+    force: bool = False,
+    log=print,
+) -> VisionExport:
+    """Exports the vision encoder of a Qwen3-VL checkpoint to `output_dir` (see module doc)."""
+    if dtype not in TORCH_DTYPES:
+        raise Qwen3VLTrtError(f"unsupported dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    ckpt = Checkpoint(model_dir)
+    cfg = ckpt.info.vision
+    with atomic_output_dir(output_dir, force=force) as tmp:
+        names = VisionTower.checkpoint_names(cfg)
+        size_mb = ckpt.tensor_bytes(names) / 2**20
+        log(f"reading {len(names)} visual tensors ({size_mb:.0f} MiB) from {ckpt.path}")
+        tensors = dict(tqdm(ckpt.iter_tensors(names), total=len(names), desc="read vision weights", unit="tensor"))
+        weights_sha256 = tensors_sha256(tensors)
+        tower = VisionTower.from_checkpoint_tensors(cfg, tensors, TORCH_DTYPES[dtype])
+
+        start = time.perf_counter()
+        log(f"exporting vision encoder ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype}) to ONNX opset {ONNX_OPSET}")
+        _export_graph(tower, tmp / VISION_ONNX_FILE)
+        del tower
+        check_onnx(tmp / VISION_ONNX_FILE)
+        log(f"exported and checked in {time.perf_counter() - start:.1f}s")
+
+        sidecar = _sidecar(ckpt, dtype, weights_sha256)
+        parity: list[Parity] = []
+        if verify:
+            if dtype != "fp32":
+                raise Qwen3VLTrtError(
+                    "--verify compares against transformers in fp32 on ONNX Runtime; export with --dtype fp32 to verify"
+                )
+            (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+            parity = verify_against_transformers(tmp, ckpt, tensors)
+            for p in parity:
+                log(
+                    f"  grids {p.grids}: image_embeds max abs {p.image_embeds_max_abs:.2e} rel "
+                    f"{p.image_embeds_max_rel:.2e}; deepstack max abs {p.deepstack_max_abs:.2e} rel {p.deepstack_max_rel:.2e}"
+                )
+            worst = max(p.max_rel for p in parity)
+            sidecar["verification"] = {
+                "reference": "transformers vision tower, fp32, CPU",
+                "max_rel_error": worst,
+                "tolerance": FP32_REL_TOLERANCE,
+                "cases": [p.__dict__ for p in parity],
+            }
+            if worst > FP32_REL_TOLERANCE:
+                raise Qwen3VLTrtError(
+                    f"vision export does not match transformers: max relative error {worst:.2e} > "
+                    f"{FP32_REL_TOLERANCE:.0e}; nothing was written"
+                )
+        (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+    log(f"wrote {output_dir}")
+    return VisionExport(Path(output_dir), dtype, sidecar, parity)

@@ -1,0 +1,277 @@
+"""make-tiny: random-weight Qwen3-VL checkpoints in the released on-disk format.
+
+Tests and demos need real-architecture checkpoints without downloading weights. The files match
+what the released models ship: config.json in the 4.57 style (`rope_scaling` with
+`mrope_section` and `mrope_interleaved`), bf16 safetensors shards with an index (MoE experts
+fused as `[experts, hidden, 2 * moe_intermediate]`), processor configs with patch 16 and
+mean = std = 0.5, Qwen's byte-level BPE tokenizer with its special tokens at their real ids, and a
+chat template. Presets keep the real vision tower shapes for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .fsutil import atomic_output_dir
+from .tokenizer_files import SPECIAL_TOKENS, qwen_tokenizer_json
+
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 151655, 151656, 151652, 151653
+ENDOFTEXT_ID, IM_END_ID = 151643, 151645
+VOCAB_SIZE = 151936
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shapes of a generated checkpoint; vision fields mirror vision_config keys."""
+
+    vision: dict = field(default_factory=dict)
+    text: dict = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+
+
+_TINY_VISION = dict(
+    depth=4, hidden_size=128, num_heads=2, intermediate_size=256, deepstack_visual_indexes=[0, 1, 2]
+)
+_TINY_TEXT = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=128, mrope_section=[8, 4, 4],
+)
+_BENCH_TEXT = dict(num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                   intermediate_size=256, mrope_section=[24, 20, 20])
+
+PRESETS: dict[str, TinySpec] = {
+    "tiny": TinySpec(_TINY_VISION, _TINY_TEXT),
+    # Real vision towers of the released sizes, with a tiny language model behind them.
+    "2b-vision": TinySpec(
+        dict(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096, deepstack_visual_indexes=[5, 11, 17]),
+        dict(_BENCH_TEXT, hidden_size=2048),
+        tie_word_embeddings=True,
+    ),
+    "8b-vision": TinySpec(
+        dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]),
+        dict(_BENCH_TEXT, hidden_size=4096),
+    ),
+}
+_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
+                 mlp_only_layers=[], norm_topk_prob=True)
+
+
+def build_config(spec: TinySpec, moe: bool) -> dict:
+    """config.json as the released Qwen3-VL models write it (transformers 4.57 style)."""
+    text = dict(spec.text)
+    mrope_section = text.pop("mrope_section")
+    text_config = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": IM_END_ID,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_moe_text" if moe else "qwen3_vl_text",
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": mrope_section, "rope_type": "default"},
+        "rope_theta": 5000000,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+        "dtype": "bfloat16",
+        **text,
+        **(_TINY_MOE if moe else {}),
+    }
+    vision_config = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
+        "num_position_embeddings": 2304,
+        "out_hidden_size": text_config["hidden_size"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        **spec.vision,
+    }
+    return {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
+        "image_token_id": IMAGE_TOKEN_ID,
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
+        "text_config": text_config,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "video_token_id": VIDEO_TOKEN_ID,
+        "vision_config": vision_config,
+        "vision_end_token_id": VISION_END_ID,
+        "vision_start_token_id": VISION_START_ID,
+    }
+
+
+_PROCESSOR_COMMON = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+}
+PREPROCESSOR_CONFIG = {
+    **_PROCESSOR_COMMON,
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+VIDEO_PREPROCESSOR_CONFIG = {
+    **_PROCESSOR_COMMON,
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "fps": 2,
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+GENERATION_CONFIG = {
+    "bos_token_id": ENDOFTEXT_ID,
+    "pad_token_id": ENDOFTEXT_ID,
+    "do_sample": True,
+    "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+    "top_k": 20,
+    "top_p": 0.8,
+    "temperature": 0.7,
+    "repetition_penalty": 1.0,
+}
+
+# Qwen3-VL's chat format: ChatML turns, each image as <|vision_start|><|image_pad|><|vision_end|>
+# (the processor expands the pad to one token per merged patch), no default system turn.
+CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
+{%- set video_count = namespace(value=0) -%}
+{%- macro render(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- else -%}
+{%- for part in content -%}
+{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}
+{%- set image_count.value = image_count.value + 1 -%}
+{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+<|vision_start|><|image_pad|><|vision_end|>
+{%- elif part.type == 'video' or 'video' in part -%}
+{%- set video_count.value = video_count.value + 1 -%}
+{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+<|vision_start|><|video_pad|><|vision_end|>
+{%- elif 'text' in part -%}{{- part.text -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- for message in messages -%}
+{%- if message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+<tool_response>
+{{ render(message.content) }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif -%}
+{%- else -%}
+<|im_start|>{{ message.role }}
+{{ render(message.content) }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def _tokenizer_config() -> dict:
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": s}
+            for i, c, s in SPECIAL_TOKENS
+        },
+        "additional_special_tokens": [c for _, c, s in SPECIAL_TOKENS if s and c not in ("<|endoftext|>", "<|im_end|>")],
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def _released_layout(name: str, tensor: torch.Tensor, moe_intermediate: int | None) -> torch.Tensor:
+    """transformers 5.x keeps fused experts transposed in memory; checkpoints store them as 4.57 does."""
+    import transformers
+
+    if moe_intermediate is None or ".mlp.experts." not in name or int(transformers.__version__.split(".")[0]) < 5:
+        return tensor
+    return tensor.transpose(1, 2).contiguous()
+
+
+def _random_state_dict(model_dir: Path, config: dict, seed: int) -> dict[str, torch.Tensor]:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(hf_config)
+    moe_intermediate = config["text_config"].get("moe_intermediate_size")
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if config["tie_word_embeddings"] and name == "lm_head.weight":
+            continue  # tied checkpoints do not store the head
+        state[name] = _released_layout(name, tensor, moe_intermediate).to(torch.bfloat16)
+    return state
+
+
+def _write_shards(state: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", leave=False), start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def make_tiny_checkpoint(
+    output: str | os.PathLike[str],
+    moe: bool = False,
+    seed: int = 0,
+    preset: str = "tiny",
+    vision_overrides: dict | None = None,
+    shard_mb: int = 20,
+    force: bool = False,
+) -> Path:
+    """Writes a random-weight Qwen3-VL checkpoint and returns its directory."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    if vision_overrides:
+        spec = TinySpec({**spec.vision, **vision_overrides}, spec.text, spec.tie_word_embeddings)
+    config = build_config(spec, moe)
+    with atomic_output_dir(output, force=force) as tmp:
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", GENERATION_CONFIG)
+        _write_json(tmp / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+        _write_json(tmp / "video_preprocessor_config.json", VIDEO_PREPROCESSOR_CONFIG)
+        _write_json(tmp / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
+        (tmp / "tokenizer.json").write_text(qwen_tokenizer_json())
+        _write_shards(_random_state_dict(tmp, config, seed), tmp, shard_mb * 2**20)
+    return Path(output)

@@ -1,0 +1,113 @@
+"""Runs an exported vision encoder with ONNX Runtime.
+
+`VisionEncoder(onnx_dir).encode(pixel_values, grid_thw)` takes exactly what the transformers
+processor produces and returns the LLM's visual inputs. The grid-dependent inputs come from
+vision_metadata, the same module preprocessing uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .contracts import (
+    DEEPSTACK_EMBEDS,
+    IMAGE_EMBEDS,
+    PIXEL_VALUES,
+    VISION_INPUTS,
+    VISION_ONNX_FILE,
+    VISION_SIDECAR_FILE,
+)
+from .errors import InputError, Qwen3VLTrtError
+from .vision_metadata import check_grid_thw, num_patches, vision_metadata
+
+
+@dataclass(frozen=True)
+class VisionSidecar:
+    """What vision_config.json says about an exported encoder."""
+
+    raw: dict
+
+    @classmethod
+    def load(cls, onnx_dir: str | os.PathLike[str]) -> VisionSidecar:
+        path = Path(onnx_dir) / VISION_SIDECAR_FILE
+        if not path.is_file():
+            raise Qwen3VLTrtError(f"{onnx_dir} has no {VISION_SIDECAR_FILE}: is it an export-vision output directory?")
+        return cls(json.loads(path.read_text()))
+
+    @property
+    def patch_dim(self) -> int:
+        return int(self.raw["patch_dim"])
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.raw["spatial_merge_size"])
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return int(self.raw["num_grid_per_side"])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.raw["dtype"])
+
+
+def _as_numpy(x: object) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+class VisionEncoder:
+    """ONNX Runtime session over an export-vision output directory."""
+
+    def __init__(self, onnx_dir: str | os.PathLike[str], intra_op_threads: int | None = None):
+        import onnxruntime as ort
+
+        self.onnx_dir = Path(onnx_dir)
+        self.sidecar = VisionSidecar.load(self.onnx_dir)
+        if self.sidecar.dtype == "bf16":
+            raise Qwen3VLTrtError(
+                "ONNX Runtime's CPU provider cannot run the bf16 export; export with --dtype fp32 (or fp16) for ORT, "
+                "and build bf16 TensorRT engines from the bf16 ONNX on a GPU host"
+            )
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if intra_op_threads:
+            options.intra_op_num_threads = intra_op_threads
+        self.session = ort.InferenceSession(
+            str(self.onnx_dir / VISION_ONNX_FILE), options, providers=["CPUExecutionProvider"]
+        )
+
+    def inputs_for(self, pixel_values: object, grid_thw: object) -> dict[str, np.ndarray]:
+        """The encoder's full input feed for processor outputs; checks them against the contract."""
+        pixels = _as_numpy(pixel_values)
+        grid = check_grid_thw(_as_numpy(grid_thw), self.sidecar.spatial_merge_size)
+        if pixels.ndim != 2 or pixels.shape[1] != self.sidecar.patch_dim:
+            raise InputError(
+                f"{PIXEL_VALUES.name} must have shape [N, {self.sidecar.patch_dim}], got {list(pixels.shape)}"
+            )
+        if pixels.shape[0] != num_patches(grid):
+            raise InputError(
+                f"{PIXEL_VALUES.name} has {pixels.shape[0]} patches but grid_thw {grid.tolist()} "
+                f"describes {num_patches(grid)}"
+            )
+        feeds = {PIXEL_VALUES.name: np.ascontiguousarray(pixels, dtype=np.float32)}
+        feeds.update(vision_metadata(grid, self.sidecar.spatial_merge_size, self.sidecar.num_grid_per_side))
+        assert set(feeds) == {spec.name for spec in VISION_INPUTS}
+        return feeds
+
+    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        image_embeds, deepstack_embeds = self.session.run([IMAGE_EMBEDS.name, DEEPSTACK_EMBEDS.name], feeds)
+        return image_embeds, deepstack_embeds
+
+    def encode(self, pixel_values: object, grid_thw: object) -> tuple[np.ndarray, np.ndarray]:
+        """(image_embeds [M, D], deepstack_embeds [K, M, D]) for processor outputs."""
+        return self.run(self.inputs_for(pixel_values, grid_thw))

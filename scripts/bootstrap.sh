@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) .venv with qwen3vl-trt, its dev tools, and an overlay holding
+# transformers 4.57.3 (what the GPU image pins) so the tests run against both 4.57 and 5.x.
+# Idempotent: does nothing when pyproject.toml and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+venv=${QWEN3VL_VENV:-.venv}
+# torchvision is needed by transformers' Qwen3-VL processor (the tests' reference); its PyPI wheels
+# must match torch exactly. Override TORCH_SPEC for another platform or a CPU-only index.
+torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+
+stamp="$venv/.bootstrap-stamp"
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $torch_spec"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+echo "bootstrap: preparing $venv (torch: $torch_spec)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip
+# shellcheck disable=SC2086
+"${pip[@]}" install $torch_spec
+"${pip[@]}" install -e ".[dev]"
+rm -rf "$venv/overlay-tf457"
+"${pip[@]}" install --no-deps --target "$venv/overlay-tf457" \
+    "transformers==4.57.3" "huggingface-hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+echo "$want" > "$stamp"
+echo "bootstrap: $venv ready" >&2

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny real-architecture checkpoints and their vision exports, built once per run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.export_vision import export_vision, parity_errors
+from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+from qwen3vl_trt.tiny import make_tiny_checkpoint
+from qwen3vl_trt.vision import VisionEncoder
+
+# Vision towers under test: head_dim 64 (hidden 128 / 2 heads) and 72 (hidden 144 / 2 heads, as 8B+).
+CHECKPOINTS = {
+    "dense": dict(moe=False),
+    "moe": dict(moe=True),
+    "dense-hd72": dict(moe=False, vision_overrides=dict(hidden_size=144, num_heads=2, intermediate_size=288)),
+}
+PARITY_TOLERANCE = 1e-4
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(CHECKPOINTS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(checkpoints):
+    return checkpoints["dense"]
+
+
+@pytest.fixture(scope="session")
+def vision_exports(checkpoints, tmp_path_factory):
+    """fp32 exports of every tiny checkpoint, keyed like CHECKPOINTS."""
+    root = tmp_path_factory.mktemp("vision")
+    return {name: export_vision(path, root / name, dtype="fp32", log=_quiet).output_dir for name, path in checkpoints.items()}
+
+
+class VisionParity:
+    """Runs the same inputs through our ONNX (ORT) and the transformers tower."""
+
+    def __init__(self, model_dir, onnx_dir):
+        self.encoder = VisionEncoder(onnx_dir)
+        self.reference = load_hf_vision_tower(Checkpoint(model_dir))
+
+    def errors(self, pixel_values, grid_thw) -> dict[str, float]:
+        ours = self.encoder.encode(pixel_values, grid_thw)
+        theirs = run_hf_vision_tower(self.reference, pixel_values, grid_thw)
+        assert ours[0].shape == theirs[0].shape and ours[1].shape == theirs[1].shape
+        return {
+            "image_embeds": parity_errors(ours[0], theirs[0])[1],
+            "deepstack_embeds": parity_errors(ours[1], theirs[1])[1],
+        }
+
+
+@pytest.fixture(scope="session")
+def parity(checkpoints, vision_exports):
+    cache: dict[str, VisionParity] = {}
+
+    def get(name: str) -> VisionParity:
+        if name not in cache:
+            cache[name] = VisionParity(checkpoints[name], vision_exports[name])
+        return cache[name]
+
+    return get
+
+
+def random_pixels(grid_thw, patch_dim: int = 1536, seed: int = 0) -> np.ndarray:
+    n = int(np.prod(np.asarray(grid_thw), axis=1).sum())
+    return np.random.default_rng(seed).uniform(-1, 1, size=(n, patch_dim)).astype(np.float32)
+
+
+def pytest_report_header(config):
+    import onnxruntime
+    import torch
+    import transformers
+
+    return f"transformers {transformers.__version__}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}"

@@ -1,0 +1,125 @@
+"""Checkpoint reader: both config styles, size identification, and a clear error for each bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+
+from qwen3vl_trt.checkpoint import Checkpoint, parse_config
+from qwen3vl_trt.contracts import VISUAL_PREFIX
+from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
+from qwen3vl_trt.tiny import PRESETS, build_config
+
+
+def _v5_style(cfg: dict) -> dict:
+    """The same config as transformers 5.x writes it: rope_parameters instead of rope_scaling."""
+    cfg = copy.deepcopy(cfg)
+    text = cfg["text_config"]
+    scaling = text.pop("rope_scaling")
+    text["rope_parameters"] = {**scaling, "rope_theta": text.pop("rope_theta")}
+    return cfg
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_both_config_styles_parse_identically(moe):
+    cfg = build_config(PRESETS["tiny"], moe=moe)
+    old, new = parse_config(cfg), parse_config(_v5_style(cfg))
+    assert old == new
+    assert old.is_moe is moe and old.text.mrope_section == (8, 4, 4) and old.text.mrope_interleaved
+    assert old.text.rope_theta == 5e6 and old.vision.head_dim == 64 and old.deepstack_count == 3
+
+
+def _released(moe: bool, hidden: int, layers: int) -> dict:
+    cfg = build_config(PRESETS["tiny"], moe=moe)
+    cfg["text_config"].update(hidden_size=hidden, num_hidden_layers=layers)
+    cfg["vision_config"]["out_hidden_size"] = hidden
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("moe", "hidden", "layers", "name"),
+    [(False, 2048, 28, "2B"), (False, 2560, 36, "4B"), (False, 4096, 36, "8B"), (False, 5120, 64, "32B"),
+     (True, 2048, 48, "30B-A3B"), (True, 4096, 94, "235B-A22B"), (False, 64, 3, "custom")],
+)
+def test_identifies_released_sizes(moe, hidden, layers, name):
+    assert parse_config(_released(moe, hidden, layers)).size_name == name
+
+
+@pytest.mark.parametrize(("model_type", "name"), [("qwen2_vl", "Qwen2-VL"), ("qwen2_5_vl", "Qwen2.5-VL")])
+def test_predecessors_are_named(model_type, name):
+    cfg = build_config(PRESETS["tiny"], moe=False) | {"model_type": model_type}
+    with pytest.raises(UnsupportedModelError, match=f"{name}.*Qwen3-VL only"):
+        parse_config(cfg)
+
+
+def test_other_architectures_are_rejected():
+    with pytest.raises(UnsupportedModelError, match="'llama'"):
+        parse_config({"model_type": "llama"})
+
+
+@pytest.fixture
+def copy_of(tiny_dense, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_dense, dst)
+    return dst
+
+
+def test_not_a_directory(tiny_dense, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        Checkpoint(tiny_dense / "config.json")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        Checkpoint(tmp_path)
+
+
+def test_missing_shard(copy_of):
+    ckpt = Checkpoint(copy_of)
+    shard = ckpt._weight_map[VISUAL_PREFIX + "blocks.0.attn.qkv.weight"]
+    (copy_of / shard).unlink()
+    with pytest.raises(CheckpointError, match=f"shard {shard} is missing"):
+        ckpt.load_tensors([VISUAL_PREFIX + "blocks.0.attn.qkv.weight"])
+    with pytest.raises(CheckpointError, match="missing"):
+        Checkpoint(copy_of).verify_shards()
+
+
+def test_truncated_shard(copy_of):
+    shard = Checkpoint(copy_of).shard_files[0]
+    data = (copy_of / shard).read_bytes()
+    (copy_of / shard).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"shard {shard} is truncated"):
+        Checkpoint(copy_of).verify_shards()
+
+
+def test_tensor_missing_from_index(copy_of):
+    index_path = copy_of / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = VISUAL_PREFIX + "merger.linear_fc2.weight"
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"no tensor '{name}'.*index"):
+        Checkpoint(copy_of).load_tensors([name])
+
+
+def test_no_weights_and_bin_weights(copy_of):
+    for f in copy_of.glob("model*"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="has no weights"):
+        Checkpoint(copy_of)
+    (copy_of / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
+        Checkpoint(copy_of)
+
+
+def test_loads_only_requested_tensors(tiny_dense):
+    ckpt = Checkpoint(tiny_dense)
+    names = ckpt.tensor_names(VISUAL_PREFIX)
+    assert names and all(n.startswith(VISUAL_PREFIX) for n in names)
+    tensors = ckpt.load_tensors(names[:3])
+    assert list(tensors) == names[:3]
