@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -128,7 +129,7 @@ class ModelInfo:
         return len(self.vision.deepstack_visual_indexes)
 
 
-def _require(cfg: dict, key: str, where: str) -> object:
+def _require(cfg: dict, key: str, where: str) -> Any:
     if key not in cfg:
         raise CheckpointError(f"config.json: '{where}' has no '{key}'")
     return cfg[key]
@@ -162,12 +163,13 @@ def parse_config(cfg: dict) -> ModelInfo:
         )
     vis = _require(cfg, "vision_config", "config")
     txt = _require(cfg, "text_config", "config")
-    assert isinstance(vis, dict) and isinstance(txt, dict)
+    if not isinstance(vis, dict) or not isinstance(txt, dict):
+        raise CheckpointError("config.json: vision_config and text_config must be objects")
 
-    def v(key: str, default: object = None) -> object:
+    def v(key: str, default: Any = None) -> Any:
         return vis[key] if key in vis else (default if default is not None else _require(vis, key, "vision_config"))
 
-    def t(key: str, default: object = None) -> object:
+    def t(key: str, default: Any = None) -> Any:
         return txt[key] if key in txt else (default if default is not None else _require(txt, key, "text_config"))
 
     vision = VisionConfig(
@@ -182,10 +184,12 @@ def parse_config(cfg: dict) -> ModelInfo:
         temporal_patch_size=int(v("temporal_patch_size", 2)),
         spatial_merge_size=int(v("spatial_merge_size", 2)),
         num_position_embeddings=int(v("num_position_embeddings")),
-        deepstack_visual_indexes=tuple(int(i) for i in v("deepstack_visual_indexes")),  # type: ignore[attr-defined]
+        deepstack_visual_indexes=tuple(int(i) for i in v("deepstack_visual_indexes")),
     )
     if vision.hidden_size % vision.num_heads or vision.num_grid_per_side**2 != vision.num_position_embeddings:
-        raise CheckpointError("config.json: vision_config has inconsistent hidden_size/num_heads/num_position_embeddings")
+        raise CheckpointError(
+            "config.json: vision_config has inconsistent hidden_size/num_heads/num_position_embeddings"
+        )
     if any(not 0 <= i < vision.depth for i in vision.deepstack_visual_indexes):
         raise CheckpointError("config.json: deepstack_visual_indexes point outside the vision tower")
 
@@ -341,9 +345,8 @@ class Checkpoint:
         try:
             return self._weight_map[name]
         except KeyError:
-            raise CheckpointError(
-                f"checkpoint has no tensor '{name}' (not listed in its {INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE})"
-            ) from None
+            listing = INDEX_FILE if (self.path / INDEX_FILE).is_file() else SINGLE_FILE
+            raise CheckpointError(f"checkpoint has no tensor '{name}' (not listed in its {listing})") from None
 
     def iter_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) for the requested names, opening each needed shard once."""
@@ -372,5 +375,5 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)  # a view: no copy
     return digest.hexdigest()

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from . import __version__
 from .errors import Qwen3VLTrtError
@@ -26,16 +27,22 @@ def _inspect(args: argparse.Namespace) -> None:
     ckpt.verify_shards()
     info = ckpt.info
     visual = ckpt.tensor_names(VISUAL_PREFIX)
-    print(json.dumps({
-        "model_type": info.model_type,
-        "size": info.size_name,
-        "moe": info.is_moe,
-        "vision": info.vision.__dict__ | {"head_dim": info.vision.head_dim},
-        "text": {k: v for k, v in info.text.__dict__.items() if k != "moe"} | {"moe": info.text.moe and info.text.moe.__dict__},
-        "shards": len(ckpt.shard_files),
-        "visual_tensors": len(visual),
-        "visual_bytes": ckpt.tensor_bytes(visual),
-    }, indent=2, default=list))
+    print(
+        json.dumps(
+            {
+                "model_type": info.model_type,
+                "size": info.size_name,
+                "moe": info.is_moe,
+                "vision": asdict(info.vision) | {"head_dim": info.vision.head_dim},
+                "text": asdict(info.text),
+                "shards": len(ckpt.shard_files),
+                "visual_tensors": len(visual),
+                "visual_bytes": ckpt.tensor_bytes(visual),
+            },
+            indent=2,
+            default=list,
+        )
+    )
 
 
 def _export_vision(args: argparse.Namespace) -> None:
@@ -59,8 +66,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="checkpoint directory to create")
     s.add_argument("--moe", action="store_true", help="Qwen3-VL-MoE text model (a few experts)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--preset", default="tiny", choices=["tiny", "2b-vision", "8b-vision"],
-                   help="tiny (default), or a real released vision tower shape with a tiny LLM")
+    s.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "2b-vision", "8b-vision"],
+        help="tiny (default), or a real released vision tower shape with a tiny LLM",
+    )
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_make_tiny)
 

@@ -23,27 +23,31 @@ class TensorSpec:
 
 # Values per patch of Conv3d's input: channels x temporal patch x patch x patch (3 x 2 x 16 x 16).
 PIXEL_VALUES = TensorSpec(
-    "pixel_values", "float32", ("N", "patch_dim"),
+    "pixel_values",
+    "float32",
+    ("N", "patch_dim"),
     "normalized patches in the HF processor's order (2x2 merge blocks, row-major within a block)",
 )
 POS_EMBED_IDX = TensorSpec(
-    "pos_embed_idx", "int32", ("N", 4),
+    "pos_embed_idx",
+    "int32",
+    ("N", 4),
     "flat indices into the learned position grid of the 4 bilinear taps of each patch",
 )
-POS_EMBED_W = TensorSpec(
-    "pos_embed_w", "float32", ("N", 4), "bilinear weights of the 4 taps (align_corners=True)"
-)
-ROTARY_POS = TensorSpec(
-    "rotary_pos", "int32", ("N", 2), "(row, col) of each patch in its image; 2-D rotary positions"
-)
+POS_EMBED_W = TensorSpec("pos_embed_w", "float32", ("N", 4), "bilinear weights of the 4 taps (align_corners=True)")
+ROTARY_POS = TensorSpec("rotary_pos", "int32", ("N", 2), "(row, col) of each patch in its image; 2-D rotary positions")
 SEGMENT_START = TensorSpec(
-    "segment_start", "int32", ("N",),
+    "segment_start",
+    "int32",
+    ("N",),
     "1 on the first patch of each attention segment (one per image and temporal patch), else 0; "
     "concatenating the arrays of several requests stays valid",
 )
 IMAGE_EMBEDS = TensorSpec("image_embeds", "model", ("M", "D"), "merged visual tokens for the LLM")
 DEEPSTACK_EMBEDS = TensorSpec(
-    "deepstack_embeds", "model", ("K", "M", "D"),
+    "deepstack_embeds",
+    "model",
+    ("K", "M", "D"),
     "DeepStack features, one per deepstack_visual_indexes entry, added after LLM layer k",
 )
 
@@ -56,4 +60,3 @@ VISION_SIDECAR_FILE = "vision_config.json"
 
 # Visual weights live under this prefix in released Qwen3-VL checkpoints (both dense and MoE).
 VISUAL_PREFIX = "model.visual."
-

@@ -25,7 +25,6 @@ from . import __version__
 from .checkpoint import Checkpoint, VisionConfig, tensors_sha256
 from .contracts import (
     DEEPSTACK_EMBEDS,
-    IMAGE_EMBEDS,
     VISION_INPUTS,
     VISION_ONNX_DATA_FILE,
     VISION_ONNX_FILE,
@@ -37,9 +36,9 @@ from .fsutil import atomic_output_dir
 from .vision_metadata import vision_metadata
 from .vision_model import VisionTower
 
-# Opset 18: the torch exporter's native target (no down-conversion) and inside the
-# range TensorRT 10.x parses (opset 9 to 20 since 10.0).
-ONNX_OPSET = 18
+# Opset 20: native Gelu (one kernel instead of a tanh formula) and LayerNormalization, and
+# inside the range TensorRT parses (opset 9 to 20 since 10.0).
+ONNX_OPSET = 20
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Parity tolerance of the fp32 export against transformers (max |a-b| / max |b|).
@@ -120,11 +119,8 @@ def _export_graph(tower: VisionTower, path: Path) -> None:
 
 def _name_dynamic_dims(model: onnx.ModelProto) -> None:
     """Gives the graph's dynamic dims the contract's names (N patches, M merged tokens)."""
-    symbols = {"N": None, "M": None}
     for value in model.graph.input:
-        dim = value.type.tensor_type.shape.dim[0]
-        symbols["N"] = dim.dim_param
-        dim.dim_param = "N"
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
     for value in model.graph.output:
         dims = value.type.tensor_type.shape.dim
         dim = dims[1] if value.name == DEEPSTACK_EMBEDS.name else dims[0]
@@ -211,7 +207,7 @@ def verify_against_transformers(
 
 
 def export_vision(
-    model_dir: str | os.PathLike[str],
+    model: Checkpoint | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
     dtype: str = "fp32",
     verify: bool = False,
@@ -221,7 +217,7 @@ def export_vision(
     """Exports the vision encoder of a Qwen3-VL checkpoint to `output_dir` (see module doc)."""
     if dtype not in TORCH_DTYPES:
         raise Qwen3VLTrtError(f"unsupported dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
-    ckpt = Checkpoint(model_dir)
+    ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     cfg = ckpt.info.vision
     with atomic_output_dir(output_dir, force=force) as tmp:
         names = VisionTower.checkpoint_names(cfg)
@@ -232,7 +228,7 @@ def export_vision(
         tower = VisionTower.from_checkpoint_tensors(cfg, tensors, TORCH_DTYPES[dtype])
 
         start = time.perf_counter()
-        log(f"exporting vision encoder ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype}) to ONNX opset {ONNX_OPSET}")
+        log(f"exporting vision encoder ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype}), opset {ONNX_OPSET}")
         _export_graph(tower, tmp / VISION_ONNX_FILE)
         del tower
         check_onnx(tmp / VISION_ONNX_FILE)
@@ -249,8 +245,9 @@ def export_vision(
             parity = verify_against_transformers(tmp, ckpt, tensors)
             for p in parity:
                 log(
-                    f"  grids {p.grids}: image_embeds max abs {p.image_embeds_max_abs:.2e} rel "
-                    f"{p.image_embeds_max_rel:.2e}; deepstack max abs {p.deepstack_max_abs:.2e} rel {p.deepstack_max_rel:.2e}"
+                    f"  grids {p.grids}: image_embeds max abs {p.image_embeds_max_abs:.2e} "
+                    f"rel {p.image_embeds_max_rel:.2e}; deepstack max abs {p.deepstack_max_abs:.2e} "
+                    f"rel {p.deepstack_max_rel:.2e}"
                 )
             worst = max(p.max_rel for p in parity)
             sidecar["verification"] = {

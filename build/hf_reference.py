@@ -18,14 +18,17 @@ def load_hf_vision_tower(ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | No
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(ckpt.path)
+    VisionModel: type[nn.Module]
     if ckpt.info.model_type == "qwen3_vl_moe":
-        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel as VisionModel
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel as VisionModel,
+        )
     else:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as VisionModel
     model = VisionModel(config.vision_config).float().eval()
     if tensors is None:
         tensors = ckpt.load_tensors(ckpt.tensor_names(VISUAL_PREFIX))
-    state = {name[len(VISUAL_PREFIX):]: t.float() for name, t in tensors.items() if name.startswith(VISUAL_PREFIX)}
+    state = {name[len(VISUAL_PREFIX) :]: t.float() for name, t in tensors.items() if name.startswith(VISUAL_PREFIX)}
     model.load_state_dict(state, strict=True)
     return model
 

@@ -36,15 +36,24 @@ class TinySpec:
     tie_word_embeddings: bool = False
 
 
-_TINY_VISION = dict(
-    depth=4, hidden_size=128, num_heads=2, intermediate_size=256, deepstack_visual_indexes=[0, 1, 2]
-)
+_TINY_VISION = dict(depth=4, hidden_size=128, num_heads=2, intermediate_size=256, deepstack_visual_indexes=[0, 1, 2])
 _TINY_TEXT = dict(
-    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    intermediate_size=128, mrope_section=[8, 4, 4],
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=128,
+    mrope_section=[8, 4, 4],
 )
-_BENCH_TEXT = dict(num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                   intermediate_size=256, mrope_section=[24, 20, 20])
+_BENCH_TEXT = dict(
+    num_hidden_layers=3,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=256,
+    mrope_section=[24, 20, 20],
+)
 
 PRESETS: dict[str, TinySpec] = {
     "tiny": TinySpec(_TINY_VISION, _TINY_TEXT),
@@ -59,8 +68,14 @@ PRESETS: dict[str, TinySpec] = {
         dict(_BENCH_TEXT, hidden_size=4096),
     ),
 }
-_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
-                 mlp_only_layers=[], norm_topk_prob=True)
+_TINY_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
 
 
 def build_config(spec: TinySpec, moe: bool) -> dict:
@@ -184,11 +199,19 @@ def _tokenizer_config() -> dict:
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": s}
+            str(i): {
+                "content": c,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": s,
+            }
             for i, c, s in SPECIAL_TOKENS
         },
-        "additional_special_tokens": [c for _, c, s in SPECIAL_TOKENS if s and c not in ("<|endoftext|>", "<|im_end|>")],
+        "additional_special_tokens": [
+            c for _, c, s in SPECIAL_TOKENS if s and c not in ("<|endoftext|>", "<|im_end|>")
+        ],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",

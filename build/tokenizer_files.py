@@ -50,7 +50,9 @@ SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = (
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (byte-level BPE's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -104,8 +106,15 @@ def qwen_tokenizer_json() -> str:
         for left, right in [_last_merge(token, ranks)]
     ]
     added = [
-        {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": special}
+        {
+            "id": i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": special,
+        }
         for i, content, special in SPECIAL_TOKENS
     ]
     tokenizer = {

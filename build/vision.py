@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class VisionSidecar:
         return str(self.raw["dtype"])
 
 
-def _as_numpy(x: object) -> np.ndarray:
+def _as_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
         x = x.detach().cpu()
         if str(x.dtype) == "torch.bfloat16":
@@ -86,7 +87,7 @@ class VisionEncoder:
             str(self.onnx_dir / VISION_ONNX_FILE), options, providers=["CPUExecutionProvider"]
         )
 
-    def inputs_for(self, pixel_values: object, grid_thw: object) -> dict[str, np.ndarray]:
+    def inputs_for(self, pixel_values: Any, grid_thw: Any) -> dict[str, np.ndarray]:
         """The encoder's full input feed for processor outputs; checks them against the contract."""
         pixels = _as_numpy(pixel_values)
         grid = check_grid_thw(_as_numpy(grid_thw), self.sidecar.spatial_merge_size)
@@ -108,6 +109,6 @@ class VisionEncoder:
         image_embeds, deepstack_embeds = self.session.run([IMAGE_EMBEDS.name, DEEPSTACK_EMBEDS.name], feeds)
         return image_embeds, deepstack_embeds
 
-    def encode(self, pixel_values: object, grid_thw: object) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, pixel_values: Any, grid_thw: Any) -> tuple[np.ndarray, np.ndarray]:
         """(image_embeds [M, D], deepstack_embeds [K, M, D]) for processor outputs."""
         return self.run(self.inputs_for(pixel_values, grid_thw))

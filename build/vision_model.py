@@ -57,9 +57,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_bias: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
         q, k, v = qkv[0], qkv[1], qkv[2]  # [heads, N, head_dim]
@@ -115,6 +113,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionTower(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg

@@ -15,15 +15,18 @@ want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $to
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-echo "bootstrap: preparing $venv (torch: $torch_spec)" >&2
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade pip
+echo "bootstrap: preparing $venv (torch: $torch_spec); log in $venv.log" >&2
+log="$PWD/$venv.log"
+: > "$log"
+trap 'echo "bootstrap failed; last lines of $log:" >&2; tail -n 30 "$log" >&2' ERR
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv" >> "$log" 2>&1
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install --upgrade pip >> "$log" 2>&1
 # shellcheck disable=SC2086
-"${pip[@]}" install $torch_spec
-"${pip[@]}" install -e ".[dev]"
+"${pip[@]}" install $torch_spec >> "$log" 2>&1
+"${pip[@]}" install -e ".[dev]" >> "$log" 2>&1
 rm -rf "$venv/overlay-tf457"
 "${pip[@]}" install --no-deps --target "$venv/overlay-tf457" \
-    "transformers==4.57.3" "huggingface-hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0"
+    "transformers==4.57.3" "huggingface-hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0" >> "$log" 2>&1
 echo "$want" > "$stamp"
 echo "bootstrap: $venv ready" >&2

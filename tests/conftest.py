@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.export_vision import export_vision, parity_errors
 from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
@@ -39,7 +38,10 @@ def tiny_dense(checkpoints):
 def vision_exports(checkpoints, tmp_path_factory):
     """fp32 exports of every tiny checkpoint, keyed like CHECKPOINTS."""
     root = tmp_path_factory.mktemp("vision")
-    return {name: export_vision(path, root / name, dtype="fp32", log=_quiet).output_dir for name, path in checkpoints.items()}
+    return {
+        name: export_vision(path, root / name, dtype="fp32", log=_quiet).output_dir
+        for name, path in checkpoints.items()
+    }
 
 
 class VisionParity:

@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-
 from qwen3vl_trt.checkpoint import Checkpoint, parse_config
 from qwen3vl_trt.contracts import VISUAL_PREFIX
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
@@ -41,8 +40,15 @@ def _released(moe: bool, hidden: int, layers: int) -> dict:
 
 @pytest.mark.parametrize(
     ("moe", "hidden", "layers", "name"),
-    [(False, 2048, 28, "2B"), (False, 2560, 36, "4B"), (False, 4096, 36, "8B"), (False, 5120, 64, "32B"),
-     (True, 2048, 48, "30B-A3B"), (True, 4096, 94, "235B-A22B"), (False, 64, 3, "custom")],
+    [
+        (False, 2048, 28, "2B"),
+        (False, 2560, 36, "4B"),
+        (False, 4096, 36, "8B"),
+        (False, 5120, 64, "32B"),
+        (True, 2048, 48, "30B-A3B"),
+        (True, 4096, 94, "235B-A22B"),
+        (False, 64, 3, "custom"),
+    ],
 )
 def test_identifies_released_sizes(moe, hidden, layers, name):
     assert parse_config(_released(moe, hidden, layers)).size_name == name

@@ -8,7 +8,6 @@ from importlib import resources
 import numpy as np
 import onnx
 import pytest
-
 from conftest import _quiet
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.contracts import (
@@ -23,9 +22,14 @@ from qwen3vl_trt.export_vision import ONNX_OPSET, check_onnx, export_vision
 from qwen3vl_trt.vision import VisionEncoder
 
 ELEM_TYPES = {
-    onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
-    onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.BOOL: "BOOL",
-    onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.INT8: "INT8",
+    onnx.TensorProto.FLOAT: "FP32",
+    onnx.TensorProto.FLOAT16: "FP16",
+    onnx.TensorProto.BFLOAT16: "BF16",
+    onnx.TensorProto.INT32: "INT32",
+    onnx.TensorProto.INT64: "INT64",
+    onnx.TensorProto.BOOL: "BOOL",
+    onnx.TensorProto.UINT8: "UINT8",
+    onnx.TensorProto.INT8: "INT8",
 }
 
 
@@ -67,7 +71,9 @@ def exports(tiny_dense, vision_exports, tmp_path_factory):
 def test_graph_checks_and_keeps_fp32_islands(exports, dtype):
     inferred = check_onnx(exports[dtype] / VISION_ONNX_FILE)  # checker + strict full shape inference
     types = elem_types(inferred)
-    compute = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
+    compute = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[
+        dtype
+    ]
     ops = {n.op_type for n in inferred.graph.node}
     assert {"LayerNormalization", "Softmax", "Cos", "Sin"} <= ops
     for node in inferred.graph.node:

@@ -9,9 +9,8 @@ import pytest
 import tiktoken
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
-
 from qwen3vl_trt.tokenizer_files import QWEN_SPLIT_PATTERN, load_qwen_ranks
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
@@ -54,7 +53,10 @@ def test_processor_and_chat_template(tiny_dense):
     processor = AutoProcessor.from_pretrained(tiny_dense)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\n<|im_start|>assistant\n"
+    )
     image = Image.fromarray(np.zeros((64, 96, 3), np.uint8))
     out = processor(text=[text], images=[image], return_tensors="pt")
     t, h, w = out["image_grid_thw"][0].tolist()

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import CHECKPOINTS, PARITY_TOLERANCE, random_pixels
 from PIL import Image
 from transformers import AutoImageProcessor
-
-from conftest import CHECKPOINTS, PARITY_TOLERANCE, random_pixels
 
 
 def _image(h: int, w: int, seed: int) -> Image.Image:
@@ -25,7 +24,9 @@ def _process(model_dir, images, min_pixels=None):
 
 CASES = {
     "one image": lambda d: _process(d, [_image(64, 96, 0)]),
-    "three images of different sizes": lambda d: _process(d, [_image(64, 64, 1), _image(96, 160, 2), _image(256, 128, 3)]),
+    "three images of different sizes": lambda d: _process(
+        d, [_image(64, 64, 1), _image(96, 160, 2), _image(256, 128, 3)]
+    ),
     "non-square grid": lambda d: _process(d, [_image(32, 320, 4)], min_pixels=1024),
     "smallest grid (2x2 patches)": lambda d: _process(d, [_image(32, 32, 5)], min_pixels=1024),
 }
@@ -55,8 +56,8 @@ def test_concatenated_requests_equal_separate_runs(parity):
     encoder = parity("dense").encoder
     grids = [np.array([[1, 4, 6]]), np.array([[2, 2, 2], [1, 8, 4]])]
     pixels = [random_pixels(g, seed=i) for i, g in enumerate(grids)]
-    separate = [encoder.encode(p, g) for p, g in zip(pixels, grids)]
-    feeds = [encoder.inputs_for(p, g) for p, g in zip(pixels, grids)]
+    separate = [encoder.encode(p, g) for p, g in zip(pixels, grids, strict=False)]
+    feeds = [encoder.inputs_for(p, g) for p, g in zip(pixels, grids, strict=False)]
     batched = encoder.run({name: np.concatenate([f[name] for f in feeds]) for name in feeds[0]})
     np.testing.assert_allclose(batched[0], np.concatenate([s[0] for s in separate]), rtol=0, atol=1e-5)
     np.testing.assert_allclose(batched[1], np.concatenate([s[1] for s in separate], axis=1), rtol=0, atol=1e-5)

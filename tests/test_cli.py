@@ -1,0 +1,44 @@
+"""The command line: real subprocesses, exit codes and messages a user sees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwen3vl_trt.cli", *args], capture_output=True, text=True)
+
+
+def test_make_tiny_inspect_export(tmp_path):
+    model = tmp_path / "tiny-moe"
+    made = run_cli("make-tiny", "--output", str(model), "--moe", "--seed", "3")
+    assert made.returncode == 0, made.stderr
+    inspected = run_cli("inspect", "--model", str(model))
+    assert inspected.returncode == 0, inspected.stderr
+    info = json.loads(inspected.stdout)
+    assert info["model_type"] == "qwen3_vl_moe" and info["moe"] and info["vision"]["head_dim"] == 64
+    exported = run_cli("export-vision", "--model", str(model), "--output", str(tmp_path / "v"), "--verify")
+    assert exported.returncode == 0, exported.stderr
+    assert "max abs" in exported.stdout and (tmp_path / "v" / "vision_config.json").is_file()
+    again = run_cli("make-tiny", "--output", str(model))
+    assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+
+
+def test_build_writes_manifest(tiny_dense, tmp_path):
+    built = run_cli("build", "--model", str(tiny_dense), "--output", str(tmp_path / "b"))
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert [s["stage"] for s in manifest["stages"]] == ["vision-onnx"]
+    assert manifest["stages"][0]["verification"] <= 1e-4
+
+
+def test_errors_are_one_line_without_traceback(tmp_path):
+    result = run_cli("export-vision", "--model", str(tmp_path / "missing"), "--output", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"qwen3vl-trt export-vision: error: checkpoint directory {tmp_path / 'missing'} does not exist"
+    )
+    assert not (tmp_path / "out").exists()
