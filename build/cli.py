@@ -48,7 +48,8 @@ def _inspect(args: argparse.Namespace) -> None:
 def _export_vision(args: argparse.Namespace) -> None:
     from .export_vision import export_vision
 
-    export_vision(args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force)
+    result = export_vision(args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force)
+    print(f"wrote {result.output_dir}")
 
 
 def _build(args: argparse.Namespace) -> None:

@@ -194,7 +194,7 @@ def verify_against_transformers(
     rng = np.random.default_rng(seed)
     cases = [[list(g)] for g in VERIFY_GRIDS] + [[list(g) for g in VERIFY_GRIDS]]
     results = []
-    for grids in tqdm(cases, desc="verify vision (ORT vs transformers)", unit="case", leave=False):
+    for grids in tqdm(cases, desc="verify vision (ORT vs transformers)", unit="case", leave=False, disable=None):
         grid = np.array(grids)
         pixels = rng.uniform(-1, 1, size=(int(np.prod(grid, axis=1).sum()), ckpt.info.vision.patch_dim))
         pixels = pixels.astype(np.float32)
@@ -223,7 +223,9 @@ def export_vision(
         names = VisionTower.checkpoint_names(cfg)
         size_mb = ckpt.tensor_bytes(names) / 2**20
         log(f"reading {len(names)} visual tensors ({size_mb:.0f} MiB) from {ckpt.path}")
-        tensors = dict(tqdm(ckpt.iter_tensors(names), total=len(names), desc="read vision weights", unit="tensor"))
+        tensors = dict(
+            tqdm(ckpt.iter_tensors(names), total=len(names), desc="read vision weights", unit="tensor", disable=None)
+        )
         weights_sha256 = tensors_sha256(tensors)
         tower = VisionTower.from_checkpoint_tensors(cfg, tensors, TORCH_DTYPES[dtype])
 
@@ -250,6 +252,7 @@ def export_vision(
                     f"rel {p.deepstack_max_rel:.2e}"
                 )
             worst = max(p.max_rel for p in parity)
+            log(f"verified against transformers: max relative error {worst:.2e} (tolerance {FP32_REL_TOLERANCE:.0e})")
             sidecar["verification"] = {
                 "reference": "transformers vision tower, fp32, CPU",
                 "max_rel_error": worst,
@@ -262,5 +265,4 @@ def export_vision(
                     f"{FP32_REL_TOLERANCE:.0e}; nothing was written"
                 )
         (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
-    log(f"wrote {output_dir}")
     return VisionExport(Path(output_dir), dtype, sidecar, parity)

@@ -259,7 +259,7 @@ def _write_shards(state: dict[str, torch.Tensor], out: Path, shard_bytes: int) -
         shards[-1][name] = state[name]
         size += nbytes
     weight_map = {}
-    for i, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", leave=False), start=1):
+    for i, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", leave=False, disable=None), start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
