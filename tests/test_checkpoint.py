@@ -129,3 +129,21 @@ def test_loads_only_requested_tensors(tiny_dense):
     assert names and all(n.startswith(VISUAL_PREFIX) for n in names)
     tensors = ckpt.load_tensors(names[:3])
     assert list(tensors) == names[:3]
+
+
+def test_single_file_checkpoint(tiny_dense, tmp_path):
+    """Small checkpoints ship one model.safetensors and no index."""
+    from safetensors.torch import save_file
+
+    dst = tmp_path / "single"
+    shutil.copytree(tiny_dense, dst)
+    sharded = Checkpoint(dst)
+    tensors = sharded.load_tensors(sharded.tensor_names())
+    for shard in sharded.shard_files:
+        (dst / shard).unlink()
+    (dst / "model.safetensors.index.json").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    single = Checkpoint(dst)
+    name = VISUAL_PREFIX + "patch_embed.proj.weight"
+    assert single.tensor_names() == sorted(tensors)
+    assert single.load_tensors([name])[name].equal(tensors[name])
