@@ -185,13 +185,18 @@ def parse_config(cfg: dict) -> ModelInfo:
         spatial_merge_size=int(v("spatial_merge_size", 2)),
         num_position_embeddings=int(v("num_position_embeddings")),
         deepstack_visual_indexes=tuple(int(i) for i in v("deepstack_visual_indexes")),
+        # transformers 5.x writes the vision rotary base under rope_parameters; 4.57 fixes it at 1e4.
+        rope_theta=float((vis.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
     )
     if vision.hidden_size % vision.num_heads or vision.num_grid_per_side**2 != vision.num_position_embeddings:
         raise CheckpointError(
             "config.json: vision_config has inconsistent hidden_size/num_heads/num_position_embeddings"
         )
-    if any(not 0 <= i < vision.depth for i in vision.deepstack_visual_indexes):
-        raise CheckpointError("config.json: deepstack_visual_indexes point outside the vision tower")
+    if not vision.deepstack_visual_indexes or any(not 0 <= i < vision.depth for i in vision.deepstack_visual_indexes):
+        raise CheckpointError(
+            "config.json: vision_config.deepstack_visual_indexes must name layers of the vision tower "
+            f"(got {list(vision.deepstack_visual_indexes)} for depth {vision.depth})"
+        )
 
     moe = None
     if model_type == "qwen3_vl_moe":
@@ -334,10 +339,17 @@ class Checkpoint:
                     f"shard {shard} lacks {len(missing)} tensor(s) the index assigns to it, e.g. {missing[0]}"
                 )
 
+    def _tensor_meta(self, name: str) -> dict:
+        shard = self._shard_of(name)
+        meta = self._header(shard).tensors.get(name)
+        if meta is None:
+            raise CheckpointError(f"shard {shard} lacks tensor '{name}' that the index assigns to it")
+        return meta
+
     def tensor_bytes(self, names: Iterable[str]) -> int:
         total = 0
         for name in names:
-            begin, end = self._header(self._shard_of(name)).tensors[name]["data_offsets"]
+            begin, end = self._tensor_meta(name)["data_offsets"]
             total += int(end) - int(begin)
         return total
 
@@ -352,12 +364,9 @@ class Checkpoint:
         """Yields (name, tensor) for the requested names, opening each needed shard once."""
         by_shard: dict[str, list[str]] = defaultdict(list)
         for name in names:
+            self._tensor_meta(name)  # every name checked before any shard is read
             by_shard[self._shard_of(name)].append(name)
         for shard in sorted(by_shard):
-            header = self._header(shard)
-            absent = [n for n in by_shard[shard] if n not in header.tensors]
-            if absent:
-                raise CheckpointError(f"shard {shard} lacks tensor '{absent[0]}' that the index assigns to it")
             with safe_open(str(self.path / shard), framework="pt") as f:
                 for name in by_shard[shard]:
                     yield name, f.get_tensor(name)

@@ -33,7 +33,7 @@ from .contracts import (
 )
 from .errors import Qwen3VLTrtError
 from .fsutil import atomic_output_dir
-from .vision_metadata import vision_metadata
+from .vision_metadata import num_patches, vision_metadata
 from .vision_model import VisionTower
 
 # Opset 20: native Gelu (one kernel instead of a tanh formula) and LayerNormalization, and
@@ -80,9 +80,8 @@ def parity_errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, floa
 def _sample_inputs(cfg: VisionConfig) -> tuple[torch.Tensor, ...]:
     """Two images, so the traced graph sees more than one attention segment."""
     grid = np.array([[1, 4, 4], [1, 2, 4]])
-    n = int(np.prod(grid, axis=1).sum())
     meta = vision_metadata(grid, cfg.spatial_merge_size, cfg.num_grid_per_side)
-    pixels = torch.zeros(n, cfg.patch_dim)
+    pixels = torch.zeros(num_patches(grid), cfg.patch_dim)
     return (pixels, *(torch.from_numpy(meta[spec.name]) for spec in VISION_INPUTS[1:]))
 
 
@@ -91,19 +90,24 @@ def _export_graph(tower: VisionTower, path: Path) -> None:
     merged = torch.export.Dim("merged_tokens", min=1)
     patches = cfg.merge_unit * merged  # the patch count is a whole number of merge blocks
     dynamic_shapes = {spec.name: {0: patches} for spec in VISION_INPUTS}
+    onnx_logger = logging.getLogger("torch.onnx")
+    level = onnx_logger.level
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-        program = torch.onnx.export(
-            tower,
-            _sample_inputs(cfg),
-            dynamo=True,
-            opset_version=ONNX_OPSET,
-            input_names=[spec.name for spec in VISION_INPUTS],
-            output_names=[spec.name for spec in VISION_OUTPUTS],
-            dynamic_shapes=dynamic_shapes,
-            verbose=False,
-        )
+        onnx_logger.setLevel(logging.ERROR)
+        try:
+            program = torch.onnx.export(
+                tower,
+                _sample_inputs(cfg),
+                dynamo=True,
+                opset_version=ONNX_OPSET,
+                input_names=[spec.name for spec in VISION_INPUTS],
+                output_names=[spec.name for spec in VISION_OUTPUTS],
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+            )
+        finally:
+            onnx_logger.setLevel(level)
     assert program is not None
     model = program.model_proto
     _name_dynamic_dims(model)
@@ -196,8 +200,7 @@ def verify_against_transformers(
     results = []
     for grids in tqdm(cases, desc="verify vision (ORT vs transformers)", unit="case", leave=False, disable=None):
         grid = np.array(grids)
-        pixels = rng.uniform(-1, 1, size=(int(np.prod(grid, axis=1).sum()), ckpt.info.vision.patch_dim))
-        pixels = pixels.astype(np.float32)
+        pixels = rng.uniform(-1, 1, size=(num_patches(grid), ckpt.info.vision.patch_dim)).astype(np.float32)
         ours = encoder.encode(pixels, grid)
         theirs = run_hf_vision_tower(reference, pixels, grid)
         img_abs, img_rel = parity_errors(ours[0], theirs[0])
@@ -217,6 +220,10 @@ def export_vision(
     """Exports the vision encoder of a Qwen3-VL checkpoint to `output_dir` (see module doc)."""
     if dtype not in TORCH_DTYPES:
         raise Qwen3VLTrtError(f"unsupported dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    if verify and dtype != "fp32":
+        raise Qwen3VLTrtError(
+            "--verify compares against transformers in fp32 on ONNX Runtime; export with --dtype fp32 to verify"
+        )
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     cfg = ckpt.info.vision
     with atomic_output_dir(output_dir, force=force) as tmp:
@@ -239,10 +246,6 @@ def export_vision(
         sidecar = _sidecar(ckpt, dtype, weights_sha256)
         parity: list[Parity] = []
         if verify:
-            if dtype != "fp32":
-                raise Qwen3VLTrtError(
-                    "--verify compares against transformers in fp32 on ONNX Runtime; export with --dtype fp32 to verify"
-                )
             (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
             parity = verify_against_transformers(tmp, ckpt, tensors)
             for p in parity:

@@ -38,11 +38,6 @@ def num_patches(grid_thw: np.ndarray) -> int:
     return int(np.prod(np.asarray(grid_thw), axis=1).sum())
 
 
-def merged_tokens_per_image(grid_thw: np.ndarray, merge_size: int) -> list[int]:
-    """Visual tokens each image contributes to the LLM prompt (t * h * w / merge_size**2)."""
-    return [int(n) // merge_size**2 for n in np.prod(np.asarray(grid_thw), axis=1)]
-
-
 def _block_order_rows_cols(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) of each patch of an h x w grid in merge-block order."""
     bh, bw, ir, ic = np.meshgrid(np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m), indexing="ij")

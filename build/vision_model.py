@@ -157,8 +157,8 @@ class VisionTower(nn.Module):
                 )
             state[name] = src
         tower.load_state_dict(state, assign=True)
-        tower.inv_freq = _rope_inv_freq(cfg)
         tower.to(dtype)
+        tower.inv_freq = _rope_inv_freq(cfg)  # after the cast: rotary frequencies stay fp32
         for module in tower.modules():
             if isinstance(module, LayerNormFp32):
                 module.float()

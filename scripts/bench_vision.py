@@ -52,14 +52,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--workdir", type=Path, help="keeps the checkpoint and export for reruns (default: temp dir)")
     args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
+        run(args, args.workdir or Path(scratch))
 
+
+def run(args: argparse.Namespace, workdir: Path) -> None:
     from qwen3vl_trt.checkpoint import Checkpoint
     from qwen3vl_trt.export_vision import export_vision, parity_errors
     from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
     from qwen3vl_trt.tiny import make_tiny_checkpoint
     from qwen3vl_trt.vision import VisionEncoder
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
     model_dir, onnx_dir = workdir / f"ckpt-{args.preset}", workdir / f"vision-{args.preset}-fp32"
     if not model_dir.exists():
         print(f"making a random {args.preset} checkpoint in {model_dir}")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.export_vision import FP32_REL_TOLERANCE as PARITY_TOLERANCE  # noqa: F401 (re-exported)
 from qwen3vl_trt.export_vision import export_vision, parity_errors
 from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
 from qwen3vl_trt.tiny import make_tiny_checkpoint
 from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision_metadata import num_patches
 
 # Vision towers under test: head_dim 64 (hidden 128 / 2 heads) and 72 (hidden 144 / 2 heads, as 8B+).
 CHECKPOINTS = {
@@ -16,7 +18,6 @@ CHECKPOINTS = {
     "moe": dict(moe=True),
     "dense-hd72": dict(moe=False, vision_overrides=dict(hidden_size=144, num_heads=2, intermediate_size=288)),
 }
-PARITY_TOLERANCE = 1e-4
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -74,7 +75,7 @@ def parity(checkpoints, vision_exports):
 
 
 def random_pixels(grid_thw, patch_dim: int = 1536, seed: int = 0) -> np.ndarray:
-    n = int(np.prod(np.asarray(grid_thw), axis=1).sum())
+    n = num_patches(np.asarray(grid_thw))
     return np.random.default_rng(seed).uniform(-1, 1, size=(n, patch_dim)).astype(np.float32)
 
 

@@ -61,6 +61,14 @@ def test_predecessors_are_named(model_type, name):
         parse_config(cfg)
 
 
+def test_deepstack_indexes_are_checked():
+    cfg = build_config(PRESETS["tiny"], moe=False)
+    for bad in ([], [0, 4]):
+        cfg["vision_config"]["deepstack_visual_indexes"] = bad
+        with pytest.raises(CheckpointError, match="deepstack_visual_indexes"):
+            parse_config(cfg)
+
+
 def test_other_architectures_are_rejected():
     with pytest.raises(UnsupportedModelError, match="'llama'"):
         parse_config({"model_type": "llama"})

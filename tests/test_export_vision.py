@@ -79,6 +79,19 @@ def test_graph_checks_and_keeps_fp32_islands(exports, dtype):
     for node in inferred.graph.node:
         if node.op_type in ("LayerNormalization", "Softmax", "Cos", "Sin"):
             assert types[node.input[0]] == onnx.TensorProto.FLOAT, f"{node.op_type} {node.name} is not fp32"
+    # The rotary frequencies are fp32 constants with their exact values, not rounded ones cast back.
+    head_dim = 64
+    inv_freq = 1.0 / 10000 ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
+    inline = [t for t in inferred.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    constants = [onnx.numpy_helper.to_array(t) for t in inline]
+    constants += [onnx.numpy_helper.to_array(n.attribute[0].t) for n in inferred.graph.node if n.op_type == "Constant"]
+    assert any(
+        c.dtype == np.float32 and c.size == inv_freq.size and np.allclose(c.ravel(), inv_freq, rtol=1e-7, atol=0)
+        for c in constants
+    ), "fp32 rotary frequencies not found"
+    # The learned position grid is gathered and interpolated in fp32.
+    pos_gather = [n for n in inferred.graph.node if n.op_type == "Gather" and "pos_embed_idx" in n.input]
+    assert len(pos_gather) == 1 and types[pos_gather[0].input[0]] == onnx.TensorProto.FLOAT
     matmul_types = {types[n.input[0]] for n in inferred.graph.node if n.op_type == "MatMul"}
     assert compute in matmul_types, "the linear layers should run in the export dtype"
     outputs = {o.name: o.type.tensor_type for o in inferred.graph.output}
@@ -94,24 +107,32 @@ def test_every_op_is_parsed_by_tensorrt_10_14(exports, dtype):
     supported, (lo, hi) = trt_supported_ops()
     model = check_onnx(exports[dtype] / VISION_ONNX_FILE)
     opset = {o.domain: o.version for o in model.opset_import}
-    assert opset.get("", opset.get("ai.onnx")) == ONNX_OPSET and lo <= ONNX_OPSET <= hi
+    # 20: the highest opset every TensorRT 10.x parser documents (10.0: "opset 9 to opset 20").
+    assert opset.get("", opset.get("ai.onnx")) == ONNX_OPSET and lo <= ONNX_OPSET <= min(hi, 20)
     assert set(opset) <= {"", "ai.onnx"}, f"non-standard domains: {opset}"
     types = elem_types(model)
+    constants = {t.name for t in model.graph.initializer} | {
+        n.output[0] for n in model.graph.node if n.op_type == "Constant"
+    }
     for node in model.graph.node:
         assert node.op_type in supported, f"{node.op_type} is not in TensorRT 10.14's ONNX parser support list"
-        if node.op_type not in ("Constant", "Shape") and node.input and node.input[0] in types:
-            data_type = ELEM_TYPES[types[node.input[0]]]
-            assert data_type in supported[node.op_type], f"{node.op_type} on {data_type} is not supported by TensorRT"
+        if node.op_type in ("Constant", "Shape"):
+            continue
+        data_type = ELEM_TYPES[types[node.input[0]]]  # every data input has an inferred type
+        assert data_type in supported[node.op_type], f"{node.op_type} on {data_type} is not supported by TensorRT"
+        # Parser restrictions: axes (and the CumSum axis, Reshape shape) must be build-time constants.
+        if node.op_type in ("CumSum", "Unsqueeze", "Squeeze", "ReduceSum", "Split", "Reshape") and len(node.input) > 1:
+            assert all(i in constants for i in node.input[1:] if i), f"{node.op_type} {node.name} has runtime axes"
 
 
 def test_fp16_export_runs_close_to_fp32(exports):
-    grid = np.array([[1, 4, 4]])
-    pixels = np.random.default_rng(0).uniform(-1, 1, (16, 1536)).astype(np.float32)
+    grid = np.array([[1, 48, 64]])  # large positions: rounded rotary frequencies would show here
+    pixels = np.random.default_rng(0).uniform(-1, 1, (48 * 64, 1536)).astype(np.float32)
     ref = VisionEncoder(exports["fp32"]).encode(pixels, grid)
     half = VisionEncoder(exports["fp16"]).encode(pixels, grid)
-    assert half[0].dtype == np.float16
-    scale = np.abs(ref[0]).max()
-    assert np.abs(half[0].astype(np.float32) - ref[0]).max() / scale < 1e-2
+    for r, h in zip(ref, half, strict=True):
+        assert h.dtype == np.float16
+        assert np.abs(h.astype(np.float32) - r).max() / np.abs(r).max() < 1e-2
 
 
 def test_bf16_export_refuses_ort_clearly(exports):
@@ -161,6 +182,47 @@ def test_failure_leaves_nothing_behind(tiny_dense, tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         export_vision(broken, tmp_path / "out", log=_quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_published_files_are_readable_by_others(exports):
+    for path in [exports["fp32"], *exports["fp32"].iterdir()]:
+        assert path.stat().st_mode & 0o044 == 0o044, f"{path} is not readable by group and others"
+
+
+def test_failed_replace_keeps_the_previous_output(tiny_dense, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    export_vision(tiny_dense, out, log=_quiet)
+    before = (out / VISION_SIDECAR_FILE).read_text()
+    real_rename = Path.rename
+
+    def failing_rename(self, target):
+        if self.name.startswith(".out.tmp-"):
+            raise OSError("simulated failure while publishing")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="simulated"):
+        export_vision(tiny_dense, out, force=True, log=_quiet)
+    monkeypatch.undo()
+    assert (out / VISION_SIDECAR_FILE).read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_index_pointing_at_the_wrong_shard(tiny_dense, tmp_path):
+    import shutil
+
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(tiny_dense, ckpt_dir)
+    index_path = ckpt_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.visual.blocks.1.mlp.linear_fc1.weight"
+    index["weight_map"][name] = next(s for s in set(index["weight_map"].values()) if s != index["weight_map"][name])
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"lacks tensor '{name}'"):
+        export_vision(ckpt_dir, tmp_path / "out", log=_quiet)
+    assert not (tmp_path / "out").exists()
 
 
 def test_verify_needs_fp32(tiny_dense, tmp_path):
