@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.export_vision import FP32_REL_TOLERANCE as PARITY_TOLERANCE  # noqa: F401 (re-exported)
 from qwen3vl_trt.export_vision import export_vision, parity_errors
 from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
 from qwen3vl_trt.tiny import make_tiny_checkpoint

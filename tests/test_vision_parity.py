@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CHECKPOINTS, PARITY_TOLERANCE, random_pixels
+from conftest import CHECKPOINTS, random_pixels
 from PIL import Image
+from qwen3vl_trt.export_vision import FP32_REL_TOLERANCE as PARITY_TOLERANCE
 from transformers import AutoImageProcessor
 
 
