@@ -275,6 +275,18 @@ def read_shard_header(path: Path) -> _ShardHeader:
     return _ShardHeader(tensors=header)
 
 
+def read_config(model_dir: Path) -> tuple[bytes, dict]:
+    """config.json's bytes and parsed content."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json: is this a Hugging Face model directory?")
+    raw = config_path.read_bytes()
+    try:
+        return raw, json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+
+
 class Checkpoint:
     """A local Hugging Face Qwen3-VL checkpoint, opened without reading any weights."""
 
@@ -284,14 +296,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path} is not a directory: pass the checkpoint directory, not a file")
-        config_path = self.path / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"{self.path} has no config.json: is this a Hugging Face model directory?")
-        self.config_bytes = config_path.read_bytes()
-        try:
-            self.config: dict = json.loads(self.config_bytes)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+        self.config_bytes, self.config = read_config(self.path)
         self.info = parse_config(self.config)
         self._weight_map = self._read_weight_map()
         self._headers: dict[str, _ShardHeader] = {}

@@ -19,3 +19,31 @@ class OutputExistsError(Qwen3VLTrtError):
 
 class InputError(Qwen3VLTrtError):
     """Tensors handed to a runtime do not match its contract."""
+
+
+class RequestError(Qwen3VLTrtError):
+    """A client request cannot be served as sent; the message says what to change."""
+
+
+class ImageDecodeError(RequestError):
+    """Image bytes are empty, not an image, truncated or corrupt."""
+
+
+class ImageTooLargeError(RequestError):
+    """An image header claims more pixels than the decode limit allows (decompression-bomb guard)."""
+
+
+class ImageShapeError(RequestError):
+    """An image's aspect ratio is beyond what the model's resizing accepts."""
+
+
+class TooManyImagesError(RequestError):
+    """A request carries more images than the configured limit."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt, with its visual tokens expanded, is longer than the configured limit."""
+
+
+class MessageError(RequestError):
+    """Chat messages or prompt placeholders are malformed (roles, content parts, image count)."""

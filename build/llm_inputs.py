@@ -1,0 +1,139 @@
+"""The LLM engine's per-request inputs beyond text ids: visual fake ids, the DeepStack-interleaved
+prompt-embedding table, 3-D rope positions and the mrope cos/sin table.
+
+The engine follows TensorRT-LLM 1.2.1's legacy multimodal contract (the one its qwen2_vl path uses);
+the layouts below are the ones its code reads:
+
+- Fake ids and the prompt table: `tensorrt_llm/layers/embedding.py` (PromptTuningEmbedding: an id >=
+  vocab_size looks up row `id - vocab_size` of the request's table). Our table interleaves, per
+  visual token, the main embedding and the K DeepStack features, so the k-th visual token's id is
+  `vocab_size + (K+1)*k`; the Qwen3-VL engine model adds row `id - vocab_size + j + 1` after
+  decoder layer j.
+- `mrope_rotary_cos_sin`: `tensorrt_llm/runtime/multimodal_model_runner.py`
+  (setup_fake_prompts_qwen2vl) builds it from `RopeEmbeddingUtils.create_sinusoidal_positions_for_
+  attention_plugin` (`tensorrt_llm/functional.py`): float32, per request max_position_embeddings x
+  rotary_dim values, as (cos, sin) pairs: [p * rotary_dim + 2*i] = cos, [+1] = sin for sequence
+  position p and rotary pair i, with the 3-D position of the pair's axis already chosen. The context
+  attention kernel (`cpp/tensorrt_llm/kernels/unfusedAttentionKernels/unfusedAttentionKernels_2_
+  template.h`, applyBiasRopeUpdateKVCacheV2) reads it as float2 at `p * rotary_dim/2 + i` and
+  rotates GPT-NeoX style (pair i rotates dims i and i + rotary_dim/2), as transformers does.
+  Positions past the prompt are padded with position 0 (cos 1, sin 0), as the runner does.
+- `mrope_position_deltas`: int32 [1] per request, max(position) + 1 - prompt length; generation
+  steps use position `step + delta` on every axis (decoderMaskedMultiheadAttentionTemplate.h).
+
+transformers computes the frequencies and angles in float32 torch (Qwen3VLTextRotaryEmbedding);
+doing the same here keeps the table equal to what the HF text model applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+# Axis of each rope pair: 0 temporal, 1 height, 2 width.
+T_AXIS, H_AXIS, W_AXIS = 0, 1, 2
+
+
+def rope_index(
+    input_ids: np.ndarray, image_grid_thw: np.ndarray, image_token_id: int, merge_size: int
+) -> tuple[np.ndarray, int]:
+    """3-D positions [3, L] and the position delta of one unpadded request, as transformers'
+    Qwen3-VL get_rope_index computes them: text advances all axes together; an image's tokens take
+    (t, row, col) offsets from the position after the preceding text, and the text after it resumes
+    at that start + max(rows, cols)."""
+    ids = np.asarray(input_ids).reshape(-1)
+    grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    is_image = ids == image_token_id
+    counts = grids.prod(axis=1) // (merge_size * merge_size)
+    if int(is_image.sum()) != int(counts.sum()):
+        raise InputError(f"{int(is_image.sum())} image tokens in input_ids but the grids make {int(counts.sum())}")
+    positions = np.empty((3, ids.size), dtype=np.int64)
+    cursor, next_pos, image = 0, 0, 0
+    while cursor < ids.size:
+        if not is_image[cursor]:
+            end = cursor + 1
+            while end < ids.size and not is_image[end]:
+                end += 1
+            positions[:, cursor:end] = np.arange(next_pos, next_pos + end - cursor)
+            next_pos += end - cursor
+        else:
+            t, h, w = (int(v) for v in grids[image])
+            h, w = h // merge_size, w // merge_size
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            end = cursor + t * h * w
+            positions[:, cursor:end] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + next_pos
+            next_pos += max(h, w)
+            image += 1
+        cursor = end
+    delta = int(positions.max()) + 1 - ids.size if ids.size else 0
+    return positions, delta
+
+
+def rope_pair_axes(rotary_dim: int, mrope_section: Sequence[int], interleaved: bool) -> np.ndarray:
+    """Which position axis each of the rotary_dim/2 pairs rotates with.
+
+    Interleaved (Qwen3-VL): pair i is H if i % 3 == 1 and i < 3*section[1], W if i % 3 == 2 and
+    i < 3*section[2], else T. Chunked (Qwen2-VL): section[0] T pairs, then H, then W."""
+    half = rotary_dim // 2
+    if sum(mrope_section) != half:
+        raise InputError(f"mrope_section {list(mrope_section)} must sum to rotary_dim/2 = {half}")
+    axes = np.full(half, T_AXIS, dtype=np.int64)
+    pair = np.arange(half)
+    if interleaved:
+        axes[(pair % 3 == 1) & (pair < 3 * mrope_section[H_AXIS])] = H_AXIS
+        axes[(pair % 3 == 2) & (pair < 3 * mrope_section[W_AXIS])] = W_AXIS
+    else:
+        t, h, _ = mrope_section
+        axes[t : t + h] = H_AXIS
+        axes[t + h :] = W_AXIS
+    return axes
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """transformers' default rope frequencies, in float32 as it computes them."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def mrope_cos_sin(positions: np.ndarray, inv_freq: torch.Tensor, pair_axes: np.ndarray) -> np.ndarray:
+    """[L, rotary_dim/2, 2] float32 (cos, sin) of each prompt position and rotary pair."""
+    pos = torch.from_numpy(np.ascontiguousarray(positions)).float()  # [3, L]
+    chosen = pos[torch.from_numpy(pair_axes)].T  # [L, half]: the axis position each pair rotates with
+    angles = chosen * inv_freq
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).numpy()
+
+
+def engine_mrope_rotary_cos_sin(cos_sin: np.ndarray, max_position_embeddings: int) -> np.ndarray:
+    """The engine input for one request: [max_position_embeddings * rotary_dim] float32, (cos, sin)
+    pairs per position and rotary pair, prompt positions first, the rest position 0 (cos 1, sin 0)."""
+    length, half, _ = cos_sin.shape
+    if length > max_position_embeddings:
+        raise InputError(f"prompt of {length} tokens is longer than the engine's {max_position_embeddings} positions")
+    table = np.zeros((max_position_embeddings, half, 2), dtype=np.float32)
+    table[:, :, 0] = 1.0
+    table[:length] = cos_sin
+    return table.reshape(-1)
+
+
+def fake_prompt_ids(input_ids: np.ndarray, image_token_id: int, vocab_size: int, deepstack_count: int) -> np.ndarray:
+    """int32 engine ids: the k-th visual token of the request becomes vocab_size + (K+1)*k."""
+    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+    engine_ids = ids.copy()
+    visual = ids == image_token_id
+    engine_ids[visual] = vocab_size + (deepstack_count + 1) * np.arange(int(visual.sum()))
+    return engine_ids.astype(np.int32)
+
+
+def interleave_prompt_table(image_embeds: torch.Tensor, deepstack_embeds: torch.Tensor) -> torch.Tensor:
+    """image_embeds [M, D] + deepstack_embeds [K, M, D] -> prompt_embedding_table [(K+1)*M, D]: per
+    visual token, its main embedding then its K DeepStack features."""
+    if image_embeds.ndim != 2 or deepstack_embeds.ndim != 3 or deepstack_embeds.shape[1:] != image_embeds.shape:
+        raise InputError(
+            f"expected image_embeds [M, D] and deepstack_embeds [K, M, D], got {list(image_embeds.shape)} "
+            f"and {list(deepstack_embeds.shape)}"
+        )
+    rows = torch.cat([image_embeds.unsqueeze(1), deepstack_embeds.transpose(0, 1)], dim=1)
+    return rows.reshape(-1, image_embeds.shape[1])

@@ -1,0 +1,415 @@
+"""Image bytes -> normalized patches, equal to the transformers Qwen3-VL image processor.
+
+Stages: read the header (size, EXIF orientation; no pixels), enforce limits, decode, resize to the
+processor's smart_resize grid, normalize and patchify into one preallocated [N, patch_dim] buffer.
+Decoding follows `transformers.image_utils.load_image` (EXIF transpose, then PIL's RGB conversion,
+which drops alpha). Resizing follows the processor of the chosen backend:
+
+- "torchvision": transformers' default (torchvision) processor: bicubic with antialias on uint8
+  CHW tensors. Runs on the tensors' device, so the GPU path resizes in device memory.
+- "pil": the PIL-backend processor (and transformers 4.57's slow processor): PIL bicubic on uint8.
+
+Normalization and patchify run in torch on the tensors' device with the same floating-point
+operations, in the same order, as the matching processor, so the results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+import torch
+
+from ..errors import CheckpointError, ImageDecodeError, ImageShapeError, ImageTooLargeError, UnsupportedModelError
+
+ResizeBackend = Literal["torchvision", "pil"]
+RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")
+PREPROCESSOR_CONFIG_FILE = "preprocessor_config.json"
+_PIL_BICUBIC = 3
+_EXIF_ORIENTATION_TAG = 0x0112
+# Orientations 5-8 rotate by 90 degrees, so the upright image swaps width and height.
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
+# smart_resize's own bound in transformers.
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageProcessingConfig:
+    """The checkpoint's preprocessor_config.json, with the values Qwen3-VL relies on made explicit."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    do_rescale: bool
+    do_normalize: bool
+    min_pixels: int
+    max_pixels: int
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> ImageProcessingConfig:
+        path = Path(model_dir) / PREPROCESSOR_CONFIG_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing; copy preprocessor_config.json from the released checkpoint")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg, where=str(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = PREPROCESSOR_CONFIG_FILE) -> ImageProcessingConfig:
+        # Qwen2-VL's class defaults (patch 14, CLIP mean/std) differ from Qwen3-VL's released values,
+        # so every value that shapes the output must be in the file.
+        missing = [
+            k for k in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std") if k not in cfg
+        ]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)}; the processor's class defaults are Qwen2-VL's")
+        size = dict(cfg.get("size") or {})
+        min_pixels = cfg.get("min_pixels", size.get("shortest_edge"))
+        max_pixels = cfg.get("max_pixels", size.get("longest_edge"))
+        if min_pixels is None or max_pixels is None:
+            raise CheckpointError(f"{where} needs size.shortest_edge and size.longest_edge (pixel bounds)")
+        if not cfg.get("do_resize", True):
+            raise UnsupportedModelError(f"{where} sets do_resize=false; Qwen3-VL needs resizing to the patch grid")
+        if cfg.get("resample", _PIL_BICUBIC) != _PIL_BICUBIC:
+            raise UnsupportedModelError(f"{where} asks for resample={cfg['resample']}; only bicubic (3) is supported")
+        mean, std = tuple(float(v) for v in cfg["image_mean"]), tuple(float(v) for v in cfg["image_std"])
+        if len(mean) != 3 or len(std) != 3:
+            raise CheckpointError(f"{where}: image_mean and image_std need 3 values (RGB)")
+        return cls(
+            patch_size=int(cfg["patch_size"]),
+            temporal_patch_size=int(cfg["temporal_patch_size"]),
+            merge_size=int(cfg["merge_size"]),
+            image_mean=mean,
+            image_std=std,
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
+            do_rescale=bool(cfg.get("do_rescale", True)),
+            do_normalize=bool(cfg.get("do_normalize", True)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+        )
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Serving limits. The pixel cap lowers the processor's longest_edge (16.7 MP on released models),
+    which would let one image cost 16k visual tokens; the decode cap bounds memory before decoding."""
+
+    max_image_pixels: int = 2560 * 1024
+    max_decode_pixels: int = 64_000_000
+    max_images: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_pixels", "max_decode_pixels", "max_images"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ImageLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' smart_resize (Python's round, so .5 goes to even), with a typed error."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageShapeError(
+            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 ({width}x{height}) is over "
+            f"{MAX_ASPECT_RATIO}:1, the most the model's resizing accepts; crop the image"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What the header says, before any pixel is decoded. width/height are upright (EXIF applied)."""
+
+    index: int
+    format: str
+    mode: str
+    width: int
+    height: int
+    orientation: int
+    has_alpha: bool
+
+
+def _label(index: int) -> str:
+    return f"image {index}"
+
+
+def open_image(data: bytes, index: int, limits: ImageLimits) -> tuple[PIL.Image.Image, ImageHeader]:
+    """Parses the header only (PIL opens lazily) and enforces the decode limit on its dimensions."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ImageDecodeError(f"{_label(index)}: expected encoded image bytes, got {type(data).__name__}")
+    if len(data) == 0:
+        raise ImageDecodeError(f"{_label(index)}: empty bytes")
+    with warnings.catch_warnings():
+        # Our own decode limit applies below; PIL's bomb warning would only be noise.
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        try:
+            image = PIL.Image.open(io.BytesIO(data))
+        except PIL.Image.DecompressionBombError as e:
+            # Pillow refuses far past its own limit while parsing the header; report it like ours.
+            claimed = re.search(r"\((\d+) pixels\)", str(e))
+            size = f"{int(claimed.group(1)) / 1e6:.1f} MP" if claimed else "an enormous size"
+            raise ImageTooLargeError(
+                f"{_label(index)}: header says {size}, over the decode limit of "
+                f"{limits.max_decode_pixels / 1e6:.1f} MP; downscale it before sending"
+            ) from e
+        except (PIL.UnidentifiedImageError, OSError, ValueError) as e:
+            head = bytes(data[:8]).hex(" ")
+            raise ImageDecodeError(
+                f"{_label(index)}: not a recognized image ({len(data)} bytes starting {head}); send JPEG, PNG or WebP"
+            ) from e
+    width, height = image.size
+    if width * height > limits.max_decode_pixels:
+        raise ImageTooLargeError(
+            f"{_label(index)}: header says {width}x{height} ({width * height / 1e6:.1f} MP), over the decode limit "
+            f"of {limits.max_decode_pixels / 1e6:.1f} MP; downscale it before sending"
+        )
+    if width == 0 or height == 0:
+        raise ImageDecodeError(f"{_label(index)}: header says {width}x{height}")
+    try:
+        orientation = int(image.getexif().get(_EXIF_ORIENTATION_TAG, 1))
+    except Exception:  # a malformed EXIF block is ignored, as exif_transpose would fail on it the same way
+        orientation = 1
+    if orientation in _TRANSPOSING_ORIENTATIONS:
+        width, height = height, width
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    header = ImageHeader(index, image.format or "unknown", image.mode, width, height, orientation, has_alpha)
+    return image, header
+
+
+def decode_pil(image: PIL.Image.Image, header: ImageHeader) -> PIL.Image.Image:
+    """Upright RGB pixels: EXIF transpose as load_image does, then transformers' convert_to_rgb, which
+    composites any transparency onto white (5.x; 4.57 dropped the alpha channel instead)."""
+    try:
+        image.load()
+        if 2 <= header.orientation <= 8:
+            image = PIL.ImageOps.exif_transpose(image)
+        if header.has_alpha:
+            rgba = image.convert("RGBA")
+            white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            image = PIL.Image.alpha_composite(white, rgba).convert("RGB")
+        elif image.mode != "RGB":
+            image = image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ImageDecodeError(f"{_label(header.index)}: truncated or corrupt {header.format} data ({e})") from e
+    return image
+
+
+def _empty_float32(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        # numpy asks the kernel for huge pages on large arrays; first-touch faults on torch's 4 KiB pages
+        # cost more than the patchify itself.
+        return torch.from_numpy(np.empty(shape, dtype=np.float32))
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+class Normalizer:
+    """The processor's rescale + normalize as per-channel float ops in the processor's order, so the
+    results are bit-identical, written straight from uint8 into the (strided) output.
+
+    torchvision backend: one fused normalize, (x - mean/rescale) / (std/rescale) in float32.
+    PIL backend: x * rescale in float64 then cast to float32, then (x - mean) / std in float32.
+    """
+
+    def __init__(self, config: ImageProcessingConfig, backend: ResizeBackend, device: torch.device):
+        if backend not in RESIZE_BACKENDS:
+            raise ValueError(f"resize backend must be one of {RESIZE_BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.do_rescale, self.do_normalize = config.do_rescale, config.do_normalize
+        self.rescale_factor = config.rescale_factor
+        mean = torch.tensor(config.image_mean, dtype=torch.float32)
+        std = torch.tensor(config.image_std, dtype=torch.float32)
+        if backend == "torchvision" and self.do_rescale and self.do_normalize:
+            # The same expression as TorchvisionBackend._fuse_mean_std_and_rescale_factor.
+            mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
+            self.do_rescale = False
+        shape = (1, 3, 1)  # broadcasts over [patches, C, ph * pw]
+        self.mean = mean.view(shape).to(device)
+        self.std = std.view(shape).to(device)
+        self._divisor = _exact_float32_divisor(self.rescale_factor) if backend == "pil" else None
+
+    def __call__(self, patches_u8: torch.Tensor) -> torch.Tensor:
+        """patches_u8 [patches, 3, p * p] uint8, contiguous -> float32 of the same shape.
+
+        Works on a contiguous buffer: torch's in-place float32 kernels run several times faster there
+        than on uint8 inputs or on the interleaved output."""
+        values = _empty_float32(tuple(patches_u8.shape), patches_u8.device)
+        if self.do_rescale and self.backend == "pil" and self._divisor is None:
+            values.copy_(patches_u8.to(torch.float64).mul_(self.rescale_factor))
+        else:
+            values.copy_(patches_u8)
+            if self.do_rescale:
+                if self._divisor is not None:
+                    values.div_(self._divisor)
+                else:
+                    values.mul_(self.rescale_factor)
+        if self.do_normalize:
+            values.sub_(self.mean).div_(self.std)
+        return values
+
+
+def _exact_float32_divisor(rescale_factor: float) -> float | None:
+    """A float32 divisor that reproduces float32(float64(v) * rescale_factor) for every uint8 v, if one
+    exists (1/255: dividing by 255 does), so the PIL backend's float64 step needs no float64 pass."""
+    divisor = round(1.0 / rescale_factor)
+    values = torch.arange(256)
+    exact = (values.to(torch.float64) * rescale_factor).to(torch.float32)
+    return float(divisor) if torch.equal(values.to(torch.float32) / divisor, exact) else None
+
+
+def _merge_block_order(image_hwc: torch.Tensor, bh: int, bw: int, m: int, p: int) -> torch.Tensor:
+    """uint8 [H, W, 3] -> contiguous uint8 [bh, bw, mh, mw, C, ph, pw]. Reordering the uint8 pixels
+    moves a quarter of the bytes that reordering float32 would; on the CPU numpy's strided copy is
+    about twice as fast as torch's for this 7-D permutation."""
+    order = (0, 3, 1, 4, 6, 2, 5)
+    if image_hwc.device.type == "cpu":
+        blocks = image_hwc.numpy().reshape(bh, m, p, bw, m, p, 3).transpose(order)
+        return torch.from_numpy(np.ascontiguousarray(blocks))
+    return image_hwc.reshape(bh, m, p, bw, m, p, 3).permute(order).contiguous()
+
+
+def patchify_into(
+    image_hwc: torch.Tensor, config: ImageProcessingConfig, normalize: Normalizer, out: torch.Tensor
+) -> None:
+    """Writes one resized uint8 [H, W, 3] image into out [n_patches, patch_dim] in the processor's order:
+    merge blocks row-major, patches row-major inside a block, then (C, T, ph, pw) per patch, the
+    frame repeated over the temporal patch."""
+    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    h, w, _ = image_hwc.shape
+    bh, bw = h // (p * m), w // (p * m)
+    blocks = _merge_block_order(image_hwc, bh, bw, m, p).view(-1, 3, p * p)
+    # Three dims with a contiguous innermost one keep torch's kernels vectorized.
+    dst = out.view(-1, 3, t, p * p)
+    values = normalize(blocks)
+    for frame in range(t):
+        dst[:, :, frame].copy_(values)
+
+
+def resize_torchvision(image_hwc: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """transformers' TorchvisionBackend.resize (bicubic, antialias, uint8 in and out). The channels-last
+    view takes torch's vectorized uint8 path; the result equals resizing a contiguous CHW tensor."""
+    import torchvision.transforms.v2.functional as tvF
+
+    chw = image_hwc.permute(2, 0, 1).unsqueeze(0)
+    resized = tvF.resize(chw, [height, width], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    return resized[0].permute(1, 2, 0)
+
+
+class FrameDecoder(Protocol):
+    """Decodes a batch of images to upright RGB uint8 [H, W, 3] tensors on its device."""
+
+    device: torch.device
+
+    def decode(self, data: Sequence[bytes], headers: Sequence[ImageHeader]) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """A request's images after their headers were read and checked: what decoding will produce."""
+
+    data: tuple[bytes, ...]
+    opened: tuple[PIL.Image.Image, ...]
+    headers: tuple[ImageHeader, ...]
+    sizes: tuple[tuple[int, int], ...]  # resized (height, width)
+    image_grid_thw: np.ndarray  # [num_images, 3] int64
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.image_grid_thw.prod(axis=1).sum())
+
+
+def plan_images(data: Sequence[bytes], config: ImageProcessingConfig, limits: ImageLimits) -> ImagePlan:
+    """Reads every header and fixes each image's resized size and grid; no pixel is decoded."""
+    opened = [open_image(d, i, limits) for i, d in enumerate(data)]
+    headers = tuple(h for _, h in opened)
+    max_pixels = min(config.max_pixels, limits.max_image_pixels)
+    min_pixels = min(config.min_pixels, max_pixels)
+    sizes = []
+    for h in headers:
+        try:
+            sizes.append(smart_resize(h.height, h.width, config.factor, min_pixels, max_pixels))
+        except ImageShapeError as e:
+            raise ImageShapeError(f"{_label(h.index)}: {e}") from None
+    p = config.patch_size
+    grid = np.array([[1, rh // p, rw // p] for rh, rw in sizes], dtype=np.int64).reshape(-1, 3)
+    return ImagePlan(tuple(bytes(d) for d in data), tuple(im for im, _ in opened), headers, tuple(sizes), grid)
+
+
+def render_pixels(
+    plans: Sequence[ImagePlan],
+    config: ImageProcessingConfig,
+    normalize: Normalizer,
+    decoder: FrameDecoder | None = None,
+) -> list[torch.Tensor]:
+    """Decodes the images of all plans as one batch into one [N, patch_dim] buffer and returns each
+    plan's rows (views). decoder None decodes with Pillow on this host; otherwise the decoder's frames
+    (nvImageCodec's, in device memory) are resized and patchified on their device."""
+    headers = [h for plan in plans for h in plan.headers]
+    sizes = [s for plan in plans for s in plan.sizes]
+    counts = np.concatenate([plan.image_grid_thw.prod(axis=1) for plan in plans] or [np.zeros(0, np.int64)])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    device = decoder.device if decoder is not None else torch.device("cpu")
+    pixels = _empty_float32((int(offsets[-1]), config.patch_dim), device)
+    pairs = [(im, h) for plan in plans for im, h in zip(plan.opened, plan.headers, strict=True)]
+    frames: list[torch.Tensor | PIL.Image.Image] = []
+    if decoder is None:
+        frames = [decode_pil(im, h) for im, h in pairs]
+    else:
+        # nvImageCodec drops alpha; transparent images are flattened onto white by Pillow, then uploaded.
+        on_device = [i for i, h in enumerate(headers) if not h.has_alpha]
+        data = [d for plan in plans for d in plan.data]
+        decoded = decoder.decode([data[i] for i in on_device], [headers[i] for i in on_device])
+        by_index = dict(zip(on_device, decoded, strict=True))
+        for i, (im, h) in enumerate(pairs):
+            frames.append(by_index[i] if i in by_index else _as_tensor(np.asarray(decode_pil(im, h))).to(device))
+    for frame, (height, width), start, end in zip(frames, sizes, offsets[:-1], offsets[1:], strict=True):
+        patchify_into(_resize(frame, height, width, normalize.backend), config, normalize, pixels[start:end])
+    bounds = np.cumsum([0] + [plan.num_patches for plan in plans])
+    return [pixels[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only array (Pillow's pixels), which is only ever read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def _resize(frame: torch.Tensor | PIL.Image.Image, height: int, width: int, backend: ResizeBackend) -> torch.Tensor:
+    if backend == "pil":
+        image = frame if isinstance(frame, PIL.Image.Image) else PIL.Image.fromarray(frame.cpu().numpy())
+        resized = image.resize((width, height), resample=PIL.Image.Resampling.BICUBIC)
+        return _as_tensor(np.asarray(resized))
+    hwc = _as_tensor(np.asarray(frame)) if isinstance(frame, PIL.Image.Image) else frame
+    return resize_torchvision(hwc, height, width)

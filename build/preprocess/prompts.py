@@ -1,0 +1,199 @@
+"""Prompts: chat messages or a plain prompt -> token ids with one placeholder per image, and the
+images' bytes in prompt order.
+
+The chat template is the checkpoint's own, rendered the way transformers renders it (sandboxed
+Jinja with trim_blocks/lstrip_blocks, its tojson, raise_exception, strftime_now), and tokenized by
+the checkpoint's tokenizer.json, so the ids equal `processor.apply_chat_template(..., tokenize=True)`.
+Images travel as bytes: OpenAI-style `image_url` parts with a data: URL, or `image` parts holding
+the bytes. URLs and paths are not fetched: a server has no business reading them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from ..errors import CheckpointError, MessageError
+
+ROLES = ("system", "user", "assistant", "tool")
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # transformers overrides Jinja's tojson, which would HTML-escape.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def load_chat_template(model_dir: str | os.PathLike[str]) -> str:
+    """The processor's template: chat_template.jinja, chat_template.json, then tokenizer_config.json."""
+    root = Path(model_dir)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = root / name
+        if path.is_file():
+            try:
+                template = json.loads(path.read_text()).get("chat_template")
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+            if isinstance(template, str):
+                return template
+    raise CheckpointError(
+        f"{root} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
+    )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids with one image placeholder per image, and the images' bytes in the same order."""
+
+    token_ids: np.ndarray  # int64
+    images: tuple[bytes, ...]
+
+
+class PromptBuilder:
+    def __init__(self, model_dir: str | os.PathLike[str]):
+        root = Path(model_dir)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"{tokenizer_file} is missing; copy tokenizer.json from the released checkpoint")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        image_token_id = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+        if image_token_id is None:
+            raise CheckpointError(f"{tokenizer_file} has no {IMAGE_PLACEHOLDER} token")
+        self.image_token_id = image_token_id
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self.template = env.from_string(load_chat_template(root))
+        except jinja2.TemplateSyntaxError as e:
+            raise CheckpointError(f"{root}: the chat template does not parse: {e}") from e
+
+    def from_messages(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> Prompt:
+        chat, images = normalize_messages(messages)
+        try:
+            text = self.template.render(messages=chat, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except jinja2.TemplateError as e:
+            raise MessageError(f"the chat template rejected the messages: {e}") from e
+        ids = self._encode(text, add_special_tokens=False)
+        self._check_placeholders(ids, len(images), "the rendered chat")
+        return Prompt(ids, tuple(images))
+
+    def from_prompt(self, prompt: str, images: Sequence[bytes] = ()) -> Prompt:
+        if not isinstance(prompt, str):
+            raise MessageError(f"prompt must be a string, got {type(prompt).__name__}")
+        ids = self._encode(prompt, add_special_tokens=True)
+        self._check_placeholders(ids, len(images), "the prompt")
+        return Prompt(ids, tuple(images))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int64)
+
+    def _check_placeholders(self, ids: np.ndarray, num_images: int, where: str) -> None:
+        placeholders = int((ids == self.image_token_id).sum())
+        if placeholders != num_images:
+            raise MessageError(
+                f"{where} has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {num_images} image(s) were sent; "
+                f"put <|vision_start|>{IMAGE_PLACEHOLDER}<|vision_end|> where each image goes"
+            )
+
+
+def expand_image_tokens(ids: np.ndarray, image_token_id: int, tokens_per_image: Sequence[int]) -> np.ndarray:
+    """Repeats the k-th image placeholder tokens_per_image[k] times, as the processor does in text."""
+    repeats = np.ones(ids.size, dtype=np.int64)
+    repeats[ids == image_token_id] = np.asarray(tokens_per_image, dtype=np.int64)
+    return np.repeat(ids, repeats)
+
+
+def _image_bytes(part: Mapping[str, Any], where: str) -> bytes:
+    if "image_url" in part:
+        url = part["image_url"]
+        url = url.get("url") if isinstance(url, Mapping) else url
+        if not isinstance(url, str) or not url:
+            raise MessageError(f"{where}: image_url has no url")
+        if not url.startswith("data:"):
+            raise MessageError(f"{where}: only data: URLs are accepted (got {url[:40]!r}); send the image bytes inline")
+        header, _, payload = url.partition(",")
+        if ";base64" not in header:
+            raise MessageError(f"{where}: the data: URL must be base64 encoded")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise MessageError(f"{where}: the data: URL is not valid base64 ({e})") from e
+    image = part.get("image")
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if image is None and not any(k in part for k in ("url", "path", "base64")):
+        raise MessageError(f"{where}: image part without an image; put the encoded bytes under 'image'")
+    raise MessageError(
+        f"{where}: image parts must carry encoded bytes under 'image' or a data: URL under 'image_url'; "
+        "URLs and paths are not fetched"
+    )
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Validated messages in the form the template expects (image parts reduced to {"type": "image"})
+    and the image bytes in order."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise MessageError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    chat: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    for m, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise MessageError(f"message {m} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise MessageError(f"message {m} has role {role!r}; use one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, str):
+            chat.append({**message})
+            continue
+        if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
+            raise MessageError(f"message {m}: content must be a string or a list of parts")
+        parts: list[dict[str, Any]] = []
+        for p, part in enumerate(content):
+            where = f"message {m} part {p}"
+            if not isinstance(part, Mapping):
+                raise MessageError(f"{where} must be a dict with a 'type'")
+            kind = part.get("type")
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise MessageError(f"{where}: text part without a 'text' string")
+                parts.append({"type": "text", "text": text})
+            elif kind in ("image", "image_url"):
+                images.append(_image_bytes(part, where))
+                parts.append({"type": "image"})
+            elif kind in ("video", "video_url"):
+                raise MessageError(f"{where}: video input is not supported yet; send frames as images")
+            else:
+                raise MessageError(f"{where} has type {kind!r}; use 'text', 'image' or 'image_url'")
+        chat.append({**message, "content": parts})
+    return chat, images

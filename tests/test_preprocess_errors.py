@@ -1,0 +1,141 @@
+"""Bad requests get typed errors with messages that say what to change, before any costly work."""
+
+from __future__ import annotations
+
+import io
+import resource
+
+import numpy as np
+import pytest
+import torch
+from images import cmyk_jpeg, jpeg, png, png_header_only
+from PIL import Image
+from qwen3vl_trt.errors import (
+    ImageDecodeError,
+    ImageShapeError,
+    ImageTooLargeError,
+    MessageError,
+    PromptTooLongError,
+    TooManyImagesError,
+)
+from qwen3vl_trt.preprocess import Preprocessor, RequestLimits
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_dense):
+    return Preprocessor.from_pretrained(tiny_dense, limits=RequestLimits(max_images=3, max_prompt_tokens=600))
+
+
+def _image_chat(data):
+    return [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "?"}]}]
+
+
+def test_empty_bytes(pre):
+    with pytest.raises(ImageDecodeError, match="image 0: empty bytes"):
+        pre(_image_chat(b""))
+
+
+def test_not_an_image(pre):
+    with pytest.raises(ImageDecodeError, match="not a recognized image .*68 65 6c 6c 6f"):
+        pre(_image_chat(b"hello, this is text"))
+
+
+def test_truncated_jpeg(pre):
+    data = jpeg(256, 256, seed=3)
+    with pytest.raises(ImageDecodeError, match="image 0: truncated or corrupt JPEG"):
+        pre(_image_chat(data[: len(data) // 2]))
+
+
+def test_cmyk_jpeg_decodes_like_pillow(pre):
+    """CMYK JPEGs decode (libjpeg's Adobe handling, Pillow's conversion) to the RGB Pillow gives:
+    the same request with that RGB re-encoded losslessly yields identical pixels."""
+    data = cmyk_jpeg(96, 128, seed=5)
+    rgb = Image.open(io.BytesIO(data)).convert("RGB")
+    assert np.asarray(rgb).mean() > 20  # a real picture, not a black or inverted frame
+    lossless = io.BytesIO()
+    rgb.save(lossless, "PNG")
+    assert torch.equal(pre(_image_chat(data)).pixel_values, pre(_image_chat(lossless.getvalue())).pixel_values)
+
+
+def test_decompression_bomb_is_rejected_from_the_header(pre):
+    bomb = png_header_only(100_000, 100_000)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ImageTooLargeError, match=r"header says 10000\.0 MP, over the decode limit of 64\.0 MP"):
+        pre(_image_chat(bomb))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing was decoded
+
+
+def test_bomb_under_pils_own_threshold_is_rejected_by_ours(tiny_dense):
+    pre = Preprocessor.from_pretrained(tiny_dense, limits=RequestLimits(max_decode_pixels=1_000_000))
+    with pytest.raises(ImageTooLargeError, match="2000x2000"):
+        pre(_image_chat(png_header_only(2000, 2000)))
+
+
+def test_extreme_aspect_ratio(pre):
+    with pytest.raises(ImageShapeError, match=r"image 0: aspect ratio 201:1 .* over 200:1"):
+        pre(_image_chat(png(10, 2010)))
+
+
+def test_too_many_images(pre):
+    parts = [{"type": "image", "image": jpeg(32, 32, seed=i)} for i in range(4)]
+    with pytest.raises(TooManyImagesError, match="4 images in one request; the limit is 3"):
+        pre([{"role": "user", "content": parts}])
+
+
+def test_prompt_too_long(pre):
+    with pytest.raises(PromptTooLongError, match=r"the prompt is \d+ tokens .* the limit is 600"):
+        pre([{"role": "user", "content": "word " * 700}])
+    # Visual tokens count too: one 640x480 image is 300 tokens, two exceed 600 with the text.
+    parts = [{"type": "image", "image": jpeg(480, 640, seed=i)} for i in range(2)]
+    with pytest.raises(PromptTooLongError, match="600 of them for 2 image"):
+        pre([{"role": "user", "content": [*parts, {"type": "text", "text": "compare"}]}])
+
+
+def test_image_part_without_image(pre):
+    with pytest.raises(MessageError, match="message 0 part 0: image part without an image"):
+        pre([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+
+
+def test_urls_and_paths_are_not_fetched(pre):
+    with pytest.raises(MessageError, match="only data: URLs are accepted"):
+        pre([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.jpg"}}]}])
+    with pytest.raises(MessageError, match="paths are not fetched"):
+        pre([{"role": "user", "content": [{"type": "image", "path": "/etc/passwd"}]}])
+    with pytest.raises(MessageError, match="not valid base64"):
+        pre([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}])
+
+
+def test_unknown_role(pre):
+    with pytest.raises(MessageError, match="message 1 has role 'robot'; use one of system, user, assistant, tool"):
+        pre([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+
+
+def test_malformed_messages(pre):
+    with pytest.raises(MessageError, match="non-empty list"):
+        pre([])
+    with pytest.raises(MessageError, match="message 0 part 0 has type 'audio'"):
+        pre([{"role": "user", "content": [{"type": "audio", "audio": b"x"}]}])
+    with pytest.raises(MessageError, match="video input is not supported"):
+        pre([{"role": "user", "content": [{"type": "video", "video": b"x"}]}])
+
+
+def test_prompt_placeholders_must_match_images(pre):
+    with pytest.raises(MessageError, match=r"the prompt has 1 <\|image_pad\|> placeholder\(s\) but 2 image\(s\)"):
+        pre(prompt="<|vision_start|><|image_pad|><|vision_end|>hi", images=[jpeg(32, 32), jpeg(32, 32)])
+
+
+def test_batch_names_the_bad_request_and_decodes_nothing(pre, monkeypatch):
+    import qwen3vl_trt.preprocess.images as images
+
+    calls = []
+    monkeypatch.setattr(images, "decode_pil", lambda *a: calls.append(a))
+    good = {"messages": _image_chat(jpeg(64, 64))}
+    with pytest.raises(ImageDecodeError, match="request 1: image 0: empty bytes"):
+        pre.batch([good, {"messages": _image_chat(b"")}])
+    assert calls == []
+
+
+def test_errors_leave_the_preprocessor_usable(pre):
+    with pytest.raises(ImageDecodeError):
+        pre(_image_chat(b"\xff\xd8\xff"))
+    assert isinstance(pre(_image_chat(jpeg(64, 64))).pixel_values, torch.Tensor)
