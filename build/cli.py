@@ -58,6 +58,39 @@ def _build(args: argparse.Namespace) -> None:
     build(args.model, args.output, dtype=args.dtype, force=args.force)
 
 
+def _preprocess(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .errors import MessageError
+    from .preprocess import Preprocessor
+
+    pre = Preprocessor.from_pretrained(args.model, resize_backend=args.resize_backend, device=args.device)
+    images = []
+    for path in args.image:
+        try:
+            images.append(Path(path).read_bytes())
+        except OSError as e:
+            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    if args.prompt is not None:
+        request = pre(prompt=args.prompt, images=images)
+    else:
+        parts = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": args.text}]
+        request = pre([{"role": "user", "content": parts}])
+    summary = {
+        "tokens": request.num_tokens,
+        "visual_tokens": request.num_visual_tokens,
+        "images": [
+            {"file": path, "size": [h.width, h.height], "grid_thw": grid.tolist()}
+            for path, h, grid in zip(args.image, request.headers, request.image_grid_thw, strict=True)
+        ],
+        "pixel_values": list(request.pixel_values.shape),
+        "mrope_position_delta": request.mrope_position_delta,
+        "prompt_table_rows": request.num_visual_tokens * (request.deepstack_count + 1),
+        "input_ids": request.input_ids.tolist() if args.ids else f"{request.num_tokens} ids (--ids prints them)",
+    }
+    print(json.dumps(summary, indent=2))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen3vl-trt", description="Compile Qwen3-VL for TensorRT and Triton.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -87,6 +120,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true", help="compare with transformers on random images (fp32)")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_export_vision)
+
+    s = sub.add_parser("preprocess", help="show what a request (text and images) becomes for the engines")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    text = s.add_mutually_exclusive_group()
+    text.add_argument("--text", default="Describe the image.", help="user message after the images (chat template)")
+    text.add_argument("--prompt", help="raw prompt instead; one <|image_pad|> per image, no chat template")
+    s.add_argument("--resize-backend", default="torchvision", choices=["torchvision", "pil"])
+    s.add_argument("--device", default="cpu", help="cpu, or cuda (nvImageCodec decode into device memory)")
+    s.add_argument("--ids", action="store_true", help="print the token ids")
+    s.set_defaults(func=_preprocess)
 
     s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

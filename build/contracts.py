@@ -60,3 +60,29 @@ VISION_SIDECAR_FILE = "vision_config.json"
 
 # Visual weights live under this prefix in released Qwen3-VL checkpoints (both dense and MoE).
 VISUAL_PREFIX = "model.visual."
+
+# LLM engine inputs per request (TensorRT-LLM 1.2.1's legacy multimodal contract; see llm_inputs.py).
+LLM_INPUT_IDS = TensorSpec(
+    "input_ids", "int32", ("L",), "prompt ids; the k-th visual token is the fake id vocab_size + (K+1)*k"
+)
+PROMPT_EMBEDDING_TABLE = TensorSpec(
+    "prompt_embedding_table",
+    "model",
+    ("(K+1)*M", "D"),
+    "per visual token: its main embedding, then its K DeepStack features",
+)
+MROPE_ROTARY_COS_SIN = TensorSpec(
+    "mrope_rotary_cos_sin",
+    "float32",
+    ("max_position_embeddings*rotary_dim",),
+    "(cos, sin) per sequence position and rotary pair, at the pair's 3-D rope axis; past the prompt, position 0",
+)
+MROPE_POSITION_DELTAS = TensorSpec(
+    "mrope_position_deltas", "int32", (1,), "max 3-D position + 1 - prompt length; generation uses step + delta"
+)
+LLM_INPUTS: tuple[TensorSpec, ...] = (
+    LLM_INPUT_IDS,
+    PROMPT_EMBEDDING_TABLE,
+    MROPE_ROTARY_COS_SIN,
+    MROPE_POSITION_DELTAS,
+)

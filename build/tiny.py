@@ -10,12 +10,15 @@ chat template. Presets keep the real vision tower shapes for benchmarks.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -298,3 +301,18 @@ def make_tiny_checkpoint(
         (tmp / "tokenizer.json").write_text(qwen_tokenizer_json())
         _write_shards(_random_state_dict(tmp, config, seed), tmp, shard_mb * 2**20)
     return Path(output)
+
+
+def synthetic_photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """uint8 [H, W, 3]: smooth colour fields plus noise, which compresses like a photo (pure noise does not)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    fields = [128 + 100 * np.sin(x / (23 + 7 * c) + seed) * np.cos(y / (17 + 5 * c) - c) for c in range(3)]
+    return np.clip(np.stack(fields, axis=-1) + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
+
+
+def synthetic_jpeg(height: int, width: int, seed: int = 0, quality: int = 90, **save_options: object) -> bytes:
+    """A photo-like JPEG for tests, demos and benchmarks."""
+    buf = io.BytesIO()
+    Image.fromarray(synthetic_photo(height, width, seed)).save(buf, "JPEG", quality=quality, **save_options)
+    return buf.getvalue()

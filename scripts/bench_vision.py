@@ -15,11 +15,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from benchutil import time_interleaved
 
 
 def _grid_for(patches: int) -> np.ndarray:
@@ -27,20 +27,6 @@ def _grid_for(patches: int) -> np.ndarray:
     if side * side != patches or side % 2:
         sys.exit(f"--patches must be the square of an even number (e.g. 1024 = 32 x 32), got {patches}")
     return np.array([[1, side, side]])
-
-
-def _time_interleaved(fns: list, warmup: int, repeats: int) -> list[list[float]]:
-    """Alternates the candidates run by run, so machine noise hits both alike."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -83,7 +69,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     rel = max(parity_errors(ours[0], theirs[0])[1], parity_errors(ours[1], theirs[1])[1])
 
     attn = getattr(reference.config, "_attn_implementation", "default")
-    eager, ort = _time_interleaved(
+    eager, ort = time_interleaved(
         [lambda: run_hf_vision_tower(reference, pixels, grid), lambda: encoder.run(feeds)], args.warmup, args.repeats
     )
     eager_ms, ort_ms = statistics.median(eager) * 1e3, statistics.median(ort) * 1e3

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a tiny random-weight Qwen3-VL checkpoint, then
-# `qwen3vl-trt build` on it (vision encoder ONNX export, verified against transformers).
+# `qwen3vl-trt build` on it (vision encoder ONNX export, verified against transformers), then the
+# preprocessing of one chat request with a 1280x720 JPEG.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 out=${1:-runs/demo}
 .venv/bin/qwen3vl-trt make-tiny --output "$out/checkpoint" --force
 .venv/bin/qwen3vl-trt build --model "$out/checkpoint" --output "$out/build" --force
+# What one chat request with an image becomes for the engines (ids, grid, positions, table rows).
+.venv/bin/python -c "from qwen3vl_trt.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
+.venv/bin/qwen3vl-trt preprocess --model "$out/checkpoint" --image "$out/photo.jpg" --text "What is in this picture?"

@@ -8,14 +8,7 @@ import zlib
 
 import numpy as np
 from PIL import Image
-
-
-def photo(height: int, width: int, seed: int) -> np.ndarray:
-    """Smooth colour fields plus noise: compresses like a photo, unlike pure noise."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    fields = [128 + 100 * np.sin(x / (23 + 7 * c) + seed) * np.cos(y / (17 + 5 * c) - c) for c in range(3)]
-    return np.clip(np.stack(fields, axis=-1) + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
+from qwen3vl_trt.tiny import synthetic_jpeg, synthetic_photo
 
 
 def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
@@ -25,7 +18,7 @@ def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
 
 
 def jpeg(height: int, width: int, seed: int = 0, **kwargs) -> bytes:
-    return encode(Image.fromarray(photo(height, width, seed)), "JPEG", quality=90, **kwargs)
+    return synthetic_jpeg(height, width, seed, **kwargs)
 
 
 def exif_rotated_jpeg(height: int, width: int, orientation: int, seed: int = 0) -> bytes:
@@ -35,25 +28,25 @@ def exif_rotated_jpeg(height: int, width: int, orientation: int, seed: int = 0) 
 
 
 def gray_jpeg(height: int, width: int, seed: int = 0) -> bytes:
-    return encode(Image.fromarray(photo(height, width, seed)[..., 1]), "JPEG", quality=90)
+    return encode(Image.fromarray(synthetic_photo(height, width, seed)[..., 1]), "JPEG", quality=90)
 
 
 def cmyk_jpeg(height: int, width: int, seed: int = 0) -> bytes:
-    return encode(Image.fromarray(photo(height, width, seed)).convert("CMYK"), "JPEG", quality=90)
+    return encode(Image.fromarray(synthetic_photo(height, width, seed)).convert("CMYK"), "JPEG", quality=90)
 
 
 def png(height: int, width: int, seed: int = 0) -> bytes:
-    return encode(Image.fromarray(photo(height, width, seed)), "PNG")
+    return encode(Image.fromarray(synthetic_photo(height, width, seed)), "PNG")
 
 
 def rgba_png(height: int, width: int, seed: int = 0) -> bytes:
-    rgb = photo(height, width, seed)
+    rgb = synthetic_photo(height, width, seed)
     alpha = np.linspace(0, 255, width, dtype=np.uint8)[None, :].repeat(height, axis=0)
     return encode(Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), "PNG")
 
 
 def palette_png(height: int, width: int, seed: int = 0) -> bytes:
-    image = Image.fromarray(photo(height, width, seed)).quantize(colors=64)
+    image = Image.fromarray(synthetic_photo(height, width, seed)).quantize(colors=64)
     return encode(image, "PNG", transparency=0)
 
 

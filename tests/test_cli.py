@@ -42,3 +42,18 @@ def test_errors_are_one_line_without_traceback(tmp_path):
         == f"qwen3vl-trt export-vision: error: checkpoint directory {tmp_path / 'missing'} does not exist"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_preprocess_summarizes_a_request(tiny_dense, tmp_path):
+    from images import jpeg
+
+    image = tmp_path / "photo.jpg"
+    image.write_bytes(jpeg(480, 640))
+    result = run_cli("preprocess", "--model", str(tiny_dense), "--image", str(image), "--text", "What is it?", "--ids")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["images"][0]["grid_thw"] == [1, 30, 40] and summary["visual_tokens"] == 300
+    assert summary["pixel_values"] == [1200, 1536] and summary["prompt_table_rows"] == 4 * 300
+    assert summary["input_ids"].count(151655) == 300 and len(summary["input_ids"]) == summary["tokens"]
+    bad = run_cli("preprocess", "--model", str(tiny_dense), "--image", str(tmp_path / "none.jpg"))
+    assert bad.returncode == 2 and "cannot read image" in bad.stderr and "Traceback" not in bad.stderr

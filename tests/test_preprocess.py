@@ -11,6 +11,7 @@ import torch
 import transformers
 from images import jpeg, parity_images
 from PIL import Image, ImageOps
+from qwen3vl_trt.contracts import LLM_INPUTS
 from qwen3vl_trt.hf_reference import (
     hf_rope_index,
     hf_text_rotary,
@@ -189,8 +190,12 @@ def test_engine_mrope_layout(preprocessors, hf_model):
     np.testing.assert_allclose(pairs[:length, :, 0], cos[:, :half], atol=1e-6, rtol=0)
     np.testing.assert_allclose(pairs[:length, :, 1], sin[:, :half], atol=1e-6, rtol=0)
     assert (pairs[length:, :, 0] == 1).all() and (pairs[length:, :, 1] == 0).all()
-    assert request.mrope_position_deltas.dtype == np.int32
-    assert request.mrope_position_deltas.tolist() == [request.mrope_position_delta]
+    inputs = request.engine_inputs(max_positions)
+    assert set(inputs) == {spec.name for spec in LLM_INPUTS} - {"prompt_embedding_table"}
+    np.testing.assert_array_equal(inputs["mrope_rotary_cos_sin"], table)
+    assert inputs["mrope_position_deltas"].dtype == np.int32
+    assert inputs["mrope_position_deltas"].tolist() == [request.mrope_position_delta]
+    assert inputs["input_ids"] is request.engine_input_ids
     with pytest.raises(Exception, match="longer than the engine"):
         request.mrope_rotary_cos_sin(length - 1)
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import ModelInfo, parse_config, read_config
+from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
 from ..errors import CheckpointError, PromptTooLongError, Qwen3VLTrtError, TooManyImagesError
 from ..llm_inputs import (
     engine_mrope_rotary_cos_sin,
@@ -87,6 +88,14 @@ class Request:
     @property
     def mrope_position_deltas(self) -> np.ndarray:
         return np.array([self.mrope_position_delta], dtype=np.int32)
+
+    def engine_inputs(self, max_position_embeddings: int) -> dict[str, np.ndarray]:
+        """The LLM engine's per-request inputs that need no vision output, keyed by contract name."""
+        return {
+            LLM_INPUT_IDS.name: self.engine_input_ids,
+            MROPE_ROTARY_COS_SIN.name: self.mrope_rotary_cos_sin(max_position_embeddings),
+            MROPE_POSITION_DELTAS.name: self.mrope_position_deltas,
+        }
 
     def prompt_embedding_table(self, image_embeds: torch.Tensor, deepstack_embeds: torch.Tensor) -> torch.Tensor:
         """The vision encoder's outputs for this request laid out for the fake ids: [(K+1)*M, D]."""
