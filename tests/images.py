@@ -50,6 +50,11 @@ def palette_png(height: int, width: int, seed: int = 0) -> bytes:
     return encode(image, "PNG", transparency=0)
 
 
+def gray16_png(height: int, width: int, seed: int = 0) -> bytes:
+    values = synthetic_photo(height, width, seed)[..., 0].astype(np.uint16) * 257
+    return encode(Image.fromarray(values), "PNG")  # uint16 -> mode I;16
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height, with one tiny compressed row: a decompression bomb's shape."""
 
@@ -74,4 +79,5 @@ def parity_images() -> dict[str, bytes]:
         "png 400x300": png(300, 400, 9),
         "rgba png": rgba_png(160, 240, 10),
         "palette png with transparency": palette_png(128, 192, 11),
+        "16-bit grayscale png": gray16_png(100, 150, 12),
     }

@@ -87,12 +87,14 @@ def test_pixels_equal_processor_with_same_backend(name, backend, preprocessors, 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pixels_against_the_other_backend(backend, preprocessors, processors, image_files):
-    """The two transformers backends resize differently: at most a couple of uint8 levels apart."""
-    name = "jpeg 640x480"
+    """The two transformers backends resize with different bicubic kernels: a few uint8 levels apart at
+    most, well under one on average (measured: 5 levels max, 0.26 mean on this noisy downscale)."""
+    name = "jpeg 4:4:4 non-square 517x333"
     request = preprocessors[backend](_user({"type": "image", "image": IMAGES[name]}))
     pixel_values, _ = _hf_image_outputs(processors[OTHER[backend]], [image_files[name]])
-    error = (request.pixel_values - pixel_values).abs().max().item()
-    assert 0 < error <= 3 * 2 / 255  # normalized units: std 0.5, so one level is 2/255
+    levels = (request.pixel_values - pixel_values).abs() * 127.5  # std 0.5: one uint8 level is 2/255
+    assert 1 <= levels.max().item() <= 8
+    assert levels.mean().item() <= 0.5
 
 
 def test_batched_images_equal_processor(preprocessors, processors, image_files):
@@ -296,6 +298,8 @@ def test_nvimgcodec_cpu_decoder_equals_pillow(tiny_dense):
     for name, data in IMAGES.items():
         chat = _user({"type": "image", "image": data})
         assert torch.equal(nv(chat).pixel_values, pillow(chat).pixel_values), name
+    mixed = _user(*({"type": "image", "image": data} for data in IMAGES.values()))
+    assert torch.equal(nv(mixed).pixel_values, pillow(mixed).pixel_values)
 
 
 def test_exif_orientation_is_applied(preprocessors):

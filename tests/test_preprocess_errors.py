@@ -139,3 +139,22 @@ def test_errors_leave_the_preprocessor_usable(pre):
     with pytest.raises(ImageDecodeError):
         pre(_image_chat(b"\xff\xd8\xff"))
     assert isinstance(pre(_image_chat(jpeg(64, 64))).pixel_values, torch.Tensor)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on hosts without CUDA")
+def test_cuda_without_a_gpu_says_so(tiny_dense):
+    from qwen3vl_trt.errors import Qwen3VLTrtError
+
+    with pytest.raises(Qwen3VLTrtError, match="torch sees no CUDA device"):
+        Preprocessor.from_pretrained(tiny_dense, device="cuda")
+
+
+def test_bad_options_are_named(tiny_dense):
+    from qwen3vl_trt.errors import Qwen3VLTrtError
+
+    with pytest.raises(Qwen3VLTrtError, match="decoder must be"):
+        Preprocessor.from_pretrained(tiny_dense, decoder="libjpeg")
+    with pytest.raises(Qwen3VLTrtError, match="resize backend must be one of torchvision, pil"):
+        Preprocessor.from_pretrained(tiny_dense, resize_backend="lanczos")
+    with pytest.raises(Qwen3VLTrtError, match="either chat messages or prompt="):
+        Preprocessor.from_pretrained(tiny_dense)()

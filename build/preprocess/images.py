@@ -2,8 +2,9 @@
 
 Stages: read the header (size, EXIF orientation; no pixels), enforce limits, decode, resize to the
 processor's smart_resize grid, normalize and patchify into one preallocated [N, patch_dim] buffer.
-Decoding follows `transformers.image_utils.load_image` (EXIF transpose, then PIL's RGB conversion,
-which drops alpha). Resizing follows the processor of the chosen backend:
+Decoding follows `transformers.image_utils.load_image` (EXIF transpose, RGB) and flattens
+transparency onto white as transformers 5's convert_to_rgb does. Resizing follows the processor of
+the chosen backend:
 
 - "torchvision": transformers' default (torchvision) processor: bicubic with antialias on uint8
   CHW tensors. Runs on the tensors' device, so the GPU path resizes in device memory.
@@ -31,7 +32,14 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
-from ..errors import CheckpointError, ImageDecodeError, ImageShapeError, ImageTooLargeError, UnsupportedModelError
+from ..errors import (
+    CheckpointError,
+    ImageDecodeError,
+    ImageShapeError,
+    ImageTooLargeError,
+    Qwen3VLTrtError,
+    UnsupportedModelError,
+)
 
 ResizeBackend = Literal["torchvision", "pil"]
 RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")
@@ -236,7 +244,7 @@ def _empty_float32(shape: tuple[int, ...], device: torch.device) -> torch.Tensor
 
 class Normalizer:
     """The processor's rescale + normalize as per-channel float ops in the processor's order, so the
-    results are bit-identical, written straight from uint8 into the (strided) output.
+    results are bit-identical.
 
     torchvision backend: one fused normalize, (x - mean/rescale) / (std/rescale) in float32.
     PIL backend: x * rescale in float64 then cast to float32, then (x - mean) / std in float32.
@@ -244,7 +252,7 @@ class Normalizer:
 
     def __init__(self, config: ImageProcessingConfig, backend: ResizeBackend, device: torch.device):
         if backend not in RESIZE_BACKENDS:
-            raise ValueError(f"resize backend must be one of {RESIZE_BACKENDS}, got {backend!r}")
+            raise Qwen3VLTrtError(f"resize backend must be one of {', '.join(RESIZE_BACKENDS)}; got {backend!r}")
         self.backend = backend
         self.do_rescale, self.do_normalize = config.do_rescale, config.do_normalize
         self.rescale_factor = config.rescale_factor
@@ -366,6 +374,14 @@ def plan_images(data: Sequence[bytes], config: ImageProcessingConfig, limits: Im
     return ImagePlan(tuple(bytes(d) for d in data), tuple(im for im, _ in opened), headers, tuple(sizes), grid)
 
 
+def decodes_on_device(header: ImageHeader) -> bool:
+    """Whether a FrameDecoder (nvImageCodec) decodes this image; the rest go through Pillow and are
+    uploaded. JPEGs in YCbCr or grayscale are where the GPU decoders help and match libjpeg's
+    semantics; nvImageCodec drops alpha (transformers flattens it onto white), scales 16-bit PNGs
+    differently from Pillow, and its CMYK conversion is not known to match Pillow's."""
+    return header.format == "JPEG" and header.mode in ("RGB", "L")
+
+
 def render_pixels(
     plans: Sequence[ImagePlan],
     config: ImageProcessingConfig,
@@ -386,8 +402,7 @@ def render_pixels(
     if decoder is None:
         frames = [decode_pil(im, h) for im, h in pairs]
     else:
-        # nvImageCodec drops alpha; transparent images are flattened onto white by Pillow, then uploaded.
-        on_device = [i for i, h in enumerate(headers) if not h.has_alpha]
+        on_device = [i for i, h in enumerate(headers) if decodes_on_device(h)]
         data = [d for plan in plans for d in plan.data]
         decoded = decoder.decode([data[i] for i in on_device], [headers[i] for i in on_device])
         by_index = dict(zip(on_device, decoded, strict=True))

@@ -132,6 +132,13 @@ class Preprocessor:
         self.prompts = prompts
         self.limits = limits or RequestLimits()
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise Qwen3VLTrtError(
+                "device 'cuda' was asked for but torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?); "
+                "use device='cpu' on hosts without a GPU"
+            )
+        if self.device.type not in ("cpu", "cuda"):
+            raise Qwen3VLTrtError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if self.device.type == "cuda" and resize_backend == "pil":
             raise Qwen3VLTrtError(
                 "the pil resize backend runs on the CPU only; use resize_backend='torchvision' on CUDA"
