@@ -27,6 +27,16 @@ def exif_rotated_jpeg(height: int, width: int, orientation: int, seed: int = 0) 
     return jpeg(height, width, seed, exif=exif.tobytes())
 
 
+def xmp_rotated_jpeg(height: int, width: int, orientation: int, seed: int = 0) -> bytes:
+    """Orientation in XMP (tiff:Orientation) only, as some editors write it; Pillow and transformers honour it."""
+    xmp = (
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+        f'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="{orientation}"/>'
+        "</rdf:RDF></x:xmpmeta>"
+    ).encode()
+    return encode(Image.fromarray(synthetic_photo(height, width, seed)), "JPEG", quality=90, xmp=xmp)
+
+
 def gray_jpeg(height: int, width: int, seed: int = 0) -> bytes:
     return encode(Image.fromarray(synthetic_photo(height, width, seed)[..., 1]), "JPEG", quality=90)
 
@@ -43,6 +53,12 @@ def rgba_png(height: int, width: int, seed: int = 0) -> bytes:
     rgb = synthetic_photo(height, width, seed)
     alpha = np.linspace(0, 255, width, dtype=np.uint8)[None, :].repeat(height, axis=0)
     return encode(Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), "PNG")
+
+
+def la_png(height: int, width: int, seed: int = 0) -> bytes:
+    gray = synthetic_photo(height, width, seed)[..., 0]
+    alpha = np.linspace(255, 0, height, dtype=np.uint8)[:, None].repeat(width, axis=1)
+    return encode(Image.fromarray(np.dstack([gray, alpha]), "LA"), "PNG")
 
 
 def palette_png(height: int, width: int, seed: int = 0) -> bytes:
@@ -79,5 +95,6 @@ def parity_images() -> dict[str, bytes]:
         "png 400x300": png(300, 400, 9),
         "rgba png": rgba_png(160, 240, 10),
         "palette png with transparency": palette_png(128, 192, 11),
-        "16-bit grayscale png": gray16_png(100, 150, 12),
+        "la png (gray + alpha)": la_png(90, 140, 13),
+        "xmp-rotated jpeg (8)": xmp_rotated_jpeg(100, 60, 8, 14),
     }

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from images import jpeg, parity_images
-from PIL import Image, ImageOps
+from images import exif_rotated_jpeg, jpeg, parity_images
+from PIL import Image
 from qwen3vl_trt.contracts import LLM_INPUTS
 from qwen3vl_trt.hf_reference import (
     hf_rope_index,
@@ -19,6 +19,7 @@ from qwen3vl_trt.hf_reference import (
     load_hf_text_model,
 )
 from qwen3vl_trt.preprocess import Preprocessor
+from transformers.image_utils import load_image
 
 IMAGES = parity_images()
 BACKENDS = ("torchvision", "pil")
@@ -56,8 +57,8 @@ def _user(*parts):
 
 
 def _client_image(path):
-    """What a transformers user hands the processor: the opened file, upright."""
-    return ImageOps.exif_transpose(Image.open(path))
+    """What transformers makes of an image file or URL: load_image (EXIF transpose, RGB)."""
+    return load_image(str(path))
 
 
 def _hf_image_outputs(processor, paths):
@@ -68,15 +69,18 @@ def _hf_image_outputs(processor, paths):
     return out["pixel_values"], out["image_grid_thw"].numpy()
 
 
-# transformers 5 composites transparency onto white (as we do); 4.57 dropped the alpha channel.
-ALPHA_IMAGES = ("rgba png", "palette png with transparency")
-OLD_ALPHA = pytest.mark.skipif(
-    int(transformers.__version__.split(".")[0]) < 5, reason="transformers 4.57 drops alpha; we follow 5.x (white)"
+# After load_image has converted a palette PNG with a transparent colour to RGB, transformers 5's
+# processor still composites that colour onto white (its convert_to_rgb reads the leftover
+# `transparency` key); load_image itself, 4.57 and this package keep the colour.
+KEYED_TRANSPARENCY = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) >= 5, reason="transformers 5 whitens the colour load_image kept"
 )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=OLD_ALPHA) if n in ALPHA_IMAGES else n for n in IMAGES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=KEYED_TRANSPARENCY) if n == "palette png with transparency" else n for n in IMAGES]
+)
 def test_pixels_equal_processor_with_same_backend(name, backend, preprocessors, processors, image_files):
     request = preprocessors[backend](_user({"type": "image", "image": IMAGES[name]}, {"type": "text", "text": "?"}))
     pixel_values, grid = _hf_image_outputs(processors[backend], [image_files[name]])
@@ -273,20 +277,22 @@ def test_data_url_and_image_parts_are_the_same_image(preprocessors):
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
 
 
-def test_serving_pixel_cap_equals_processor_with_that_longest_edge(tiny_dense, image_files):
+@pytest.mark.parametrize("name", ["jpeg 640x480", "tiny jpeg 32x32"])
+def test_serving_pixel_cap_equals_processor_with_those_bounds(name, tiny_dense, image_files):
+    """The cap acts as the processor's longest_edge, and lowers shortest_edge to itself when the
+    checkpoint's is larger (so small images are upscaled to the cap's neighbourhood, not past 256x256)."""
     from qwen3vl_trt.preprocess import RequestLimits
 
     cap = 128 * 128
     pre = Preprocessor.from_pretrained(tiny_dense, limits=RequestLimits(max_image_pixels=cap))
-    request = pre(_user({"type": "image", "image": IMAGES["jpeg 640x480"]}))
+    request = pre(_user({"type": "image", "image": IMAGES[name]}))
     processor = load_hf_processor(tiny_dense, "torchvision").image_processor
     out = processor(
-        images=[_client_image(image_files["jpeg 640x480"])],
-        size={"shortest_edge": 1024, "longest_edge": cap},
+        images=[_client_image(image_files[name])],
+        size={"shortest_edge": min(65536, cap), "longest_edge": cap},
         return_tensors="pt",
     )
     np.testing.assert_array_equal(request.image_grid_thw, out["image_grid_thw"].numpy())
-    assert int(request.image_grid_thw.prod()) * 16 * 16 <= cap
     assert (request.pixel_values - out["pixel_values"]).abs().max().item() <= PIXEL_TOLERANCE
 
 
@@ -300,6 +306,47 @@ def test_nvimgcodec_cpu_decoder_equals_pillow(tiny_dense):
         assert torch.equal(nv(chat).pixel_values, pillow(chat).pixel_values), name
     mixed = _user(*({"type": "image", "image": data} for data in IMAGES.values()))
     assert torch.equal(nv(mixed).pixel_values, pillow(mixed).pixel_values)
+    for orientation in range(1, 9):
+        chat = _user({"type": "image", "image": exif_rotated_jpeg(60, 100, orientation, seed=orientation)})
+        assert torch.equal(nv(chat).pixel_values, pillow(chat).pixel_values), orientation
+
+
+def test_orientations_turn_frames_like_pillow():
+    """The device path turns frames with torch; all eight EXIF orientations equal PIL's transposes."""
+    from qwen3vl_trt.preprocess.images import _PIL_TRANSPOSE, orient
+
+    array = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    for orientation, transpose in _PIL_TRANSPOSE.items():
+        expected = array if transpose is None else np.asarray(Image.fromarray(array).transpose(transpose))
+        np.testing.assert_array_equal(orient(torch.from_numpy(array), orientation).numpy(), expected)
+
+
+@pytest.mark.parametrize("name", ["rgba png", "la png (gray + alpha)"])
+def test_transparent_images_equal_the_chat_path(name, preprocessors, processors, image_files):
+    """An image sent as a file goes through load_image in transformers, which drops the alpha channel."""
+    chat = _user({"type": "image", "path": str(image_files[name])}, {"type": "text", "text": "?"})
+    hf = processors["torchvision"].apply_chat_template(
+        chat, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    request = preprocessors["torchvision"](
+        _user({"type": "image", "image": IMAGES[name]}, {"type": "text", "text": "?"})
+    )
+    np.testing.assert_array_equal(request.input_ids, hf["input_ids"][0].numpy())
+    assert (request.pixel_values - hf["pixel_values"]).abs().max().item() <= PIXEL_TOLERANCE
+
+
+def test_16_bit_grayscale_keeps_its_top_8_bits(preprocessors):
+    """transformers' processors mis-scale 16-bit PNGs (PIL clips them to white, torchvision passes raw
+    values); here they equal the same picture saved with 8 bits."""
+    from images import gray16_png
+    from qwen3vl_trt.tiny import synthetic_photo
+
+    eight_bit = io.BytesIO()
+    Image.fromarray(synthetic_photo(100, 150, 12)[..., 0]).save(eight_bit, "PNG")
+    a = preprocessors["torchvision"](_user({"type": "image", "image": gray16_png(100, 150, 12)}))
+    b = preprocessors["torchvision"](_user({"type": "image", "image": eight_bit.getvalue()}))
+    assert torch.equal(a.pixel_values, b.pixel_values)
+    assert a.pixel_values.std().item() > 0.1  # a picture, not a flat frame
 
 
 def test_exif_orientation_is_applied(preprocessors):

@@ -46,6 +46,19 @@ RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")
 PREPROCESSOR_CONFIG_FILE = "preprocessor_config.json"
 _PIL_BICUBIC = 3
 _EXIF_ORIENTATION_TAG = 0x0112
+# EXIF orientation -> the transpose that makes the image upright (PIL.ImageOps.exif_transpose's table).
+_PIL_TRANSPOSE = {
+    1: None,
+    2: PIL.Image.Transpose.FLIP_LEFT_RIGHT,
+    3: PIL.Image.Transpose.ROTATE_180,
+    4: PIL.Image.Transpose.FLIP_TOP_BOTTOM,
+    5: PIL.Image.Transpose.TRANSPOSE,
+    6: PIL.Image.Transpose.ROTATE_270,
+    7: PIL.Image.Transpose.TRANSVERSE,
+    8: PIL.Image.Transpose.ROTATE_90,
+}
+# Formats a client may send (JPEG includes MPO); Pillow opens many more (EPS would run Ghostscript).
+ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 # Orientations 5-8 rotate by 90 degrees, so the upright image swaps width and height.
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
 # smart_resize's own bound in transformers.
@@ -166,11 +179,20 @@ class ImageHeader:
     width: int
     height: int
     orientation: int
-    has_alpha: bool
 
 
 def _label(index: int) -> str:
     return f"image {index}"
+
+
+def _orientation(image: PIL.Image.Image) -> int:
+    """EXIF (or XMP) orientation from what the header parse found. The base class method is called on
+    purpose: PngImageFile.getexif decodes the whole image to look for an eXIf chunk after the pixels."""
+    try:
+        value = int(PIL.Image.Image.getexif(image).get(_EXIF_ORIENTATION_TAG, 1))
+    except Exception:  # a malformed EXIF block: exif_transpose ignores it too
+        return 1
+    return value if value in _PIL_TRANSPOSE else 1
 
 
 def open_image(data: bytes, index: int, limits: ImageLimits) -> tuple[PIL.Image.Image, ImageHeader]:
@@ -183,19 +205,21 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> tuple[PIL.Image.
         # Our own decode limit applies below; PIL's bomb warning would only be noise.
         warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
         try:
-            image = PIL.Image.open(io.BytesIO(data))
+            image = PIL.Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
         except PIL.Image.DecompressionBombError as e:
-            # Pillow refuses far past its own limit while parsing the header; report it like ours.
+            # Pillow refuses past twice its own limit while parsing the header.
             claimed = re.search(r"\((\d+) pixels\)", str(e))
             size = f"{int(claimed.group(1)) / 1e6:.1f} MP" if claimed else "an enormous size"
+            limit = min(limits.max_decode_pixels, 2 * (PIL.Image.MAX_IMAGE_PIXELS or 0) or limits.max_decode_pixels)
             raise ImageTooLargeError(
-                f"{_label(index)}: header says {size}, over the decode limit of "
-                f"{limits.max_decode_pixels / 1e6:.1f} MP; downscale it before sending"
+                f"{_label(index)}: header says {size}, over the decode limit of {limit / 1e6:.1f} MP; "
+                "downscale it before sending"
             ) from e
         except (PIL.UnidentifiedImageError, OSError, ValueError) as e:
             head = bytes(data[:8]).hex(" ")
             raise ImageDecodeError(
-                f"{_label(index)}: not a recognized image ({len(data)} bytes starting {head}); send JPEG, PNG or WebP"
+                f"{_label(index)}: not a recognized image ({len(data)} bytes starting {head}); "
+                f"send {', '.join(ACCEPTED_FORMATS[:-1])} or {ACCEPTED_FORMATS[-1]}"
             ) from e
     width, height = image.size
     if width * height > limits.max_decode_pixels:
@@ -205,33 +229,49 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> tuple[PIL.Image.
         )
     if width == 0 or height == 0:
         raise ImageDecodeError(f"{_label(index)}: header says {width}x{height}")
-    try:
-        orientation = int(image.getexif().get(_EXIF_ORIENTATION_TAG, 1))
-    except Exception:  # a malformed EXIF block is ignored, as exif_transpose would fail on it the same way
-        orientation = 1
+    if image.mode in ("I", "F"):
+        raise ImageDecodeError(f"{_label(index)}: {image.mode}-mode (32-bit) images are not supported; send 8-bit")
+    orientation = _orientation(image)
     if orientation in _TRANSPOSING_ORIENTATIONS:
         width, height = height, width
-    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
-    header = ImageHeader(index, image.format or "unknown", image.mode, width, height, orientation, has_alpha)
-    return image, header
+    return image, ImageHeader(index, image.format or "unknown", image.mode, width, height, orientation)
 
 
 def decode_pil(image: PIL.Image.Image, header: ImageHeader) -> PIL.Image.Image:
-    """Upright RGB pixels: EXIF transpose as load_image does, then transformers' convert_to_rgb, which
-    composites any transparency onto white (5.x; 4.57 dropped the alpha channel instead)."""
+    """Upright RGB pixels as transformers' load_image returns them: EXIF transpose (the header's
+    orientation), then PIL's RGB conversion, which drops alpha. 16-bit grayscale keeps its top 8 bits
+    (PIL's conversion would clip it to white)."""
     try:
         image.load()
-        if 2 <= header.orientation <= 8:
-            image = PIL.ImageOps.exif_transpose(image)
-        if header.has_alpha:
-            rgba = image.convert("RGBA")
-            white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            image = PIL.Image.alpha_composite(white, rgba).convert("RGB")
-        elif image.mode != "RGB":
+        if image.mode.startswith("I;16"):
+            image = PIL.Image.fromarray((np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8))
+        transpose = _PIL_TRANSPOSE[header.orientation]
+        if transpose is not None:
+            image = image.transpose(transpose)
+        if image.mode != "RGB":
             image = image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:
         raise ImageDecodeError(f"{_label(header.index)}: truncated or corrupt {header.format} data ({e})") from e
     return image
+
+
+def orient(frame_hwc: torch.Tensor, orientation: int) -> torch.Tensor:
+    """The EXIF transpose of a stored-orientation [H, W, C] tensor, on its device; equals PIL's."""
+    if orientation == 2:
+        return frame_hwc.flip(1)
+    if orientation == 3:
+        return frame_hwc.flip(0, 1)
+    if orientation == 4:
+        return frame_hwc.flip(0)
+    if orientation == 5:
+        return frame_hwc.transpose(0, 1)
+    if orientation == 6:
+        return frame_hwc.transpose(0, 1).flip(1)
+    if orientation == 7:
+        return frame_hwc.transpose(0, 1).flip(0, 1)
+    if orientation == 8:
+        return frame_hwc.transpose(0, 1).flip(0)
+    return frame_hwc
 
 
 def _empty_float32(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -335,7 +375,8 @@ def resize_torchvision(image_hwc: torch.Tensor, height: int, width: int) -> torc
 
 
 class FrameDecoder(Protocol):
-    """Decodes a batch of images to upright RGB uint8 [H, W, 3] tensors on its device."""
+    """Decodes a batch of images to RGB uint8 [H, W, 3] tensors on its device, as stored (EXIF
+    orientation not applied)."""
 
     device: torch.device
 
@@ -375,11 +416,11 @@ def plan_images(data: Sequence[bytes], config: ImageProcessingConfig, limits: Im
 
 
 def decodes_on_device(header: ImageHeader) -> bool:
-    """Whether a FrameDecoder (nvImageCodec) decodes this image; the rest go through Pillow and are
-    uploaded. JPEGs in YCbCr or grayscale are where the GPU decoders help and match libjpeg's
-    semantics; nvImageCodec drops alpha (transformers flattens it onto white), scales 16-bit PNGs
-    differently from Pillow, and its CMYK conversion is not known to match Pillow's."""
-    return header.format == "JPEG" and header.mode in ("RGB", "L")
+    """Whether a FrameDecoder (nvImageCodec) decodes this image. JPEGs in YCbCr or grayscale (MPO is
+    JPEG too) are where the hardware decoder helps and nvImageCodec matches libjpeg; other formats and
+    CMYK JPEGs go through Pillow and are uploaded (nvImageCodec decodes PNGs on the CPU anyway, scales
+    16-bit ones differently, and its CMYK conversion is not known to match Pillow's)."""
+    return header.format in ("JPEG", "MPO") and header.mode in ("RGB", "L")
 
 
 def render_pixels(
@@ -387,31 +428,67 @@ def render_pixels(
     config: ImageProcessingConfig,
     normalize: Normalizer,
     decoder: FrameDecoder | None = None,
+    max_decoded_pixels: int = ImageLimits.max_decode_pixels,
 ) -> list[torch.Tensor]:
-    """Decodes the images of all plans as one batch into one [N, patch_dim] buffer and returns each
-    plan's rows (views). decoder None decodes with Pillow on this host; otherwise the decoder's frames
-    (nvImageCodec's, in device memory) are resized and patchified on their device."""
-    headers = [h for plan in plans for h in plan.headers]
-    sizes = [s for plan in plans for s in plan.sizes]
-    counts = np.concatenate([plan.image_grid_thw.prod(axis=1) for plan in plans] or [np.zeros(0, np.int64)])
+    """Decodes the images of all plans into one [N, patch_dim] buffer and returns each plan's rows
+    (views). decoder None decodes with Pillow on this host; otherwise JPEGs are decoded by the decoder
+    (nvImageCodec, into device memory) in batches of at most max_decoded_pixels (or one image), and
+    everything is resized and patchified on the decoder's device. Full-size frames are dropped as soon
+    as their patches are written."""
+    images = [
+        (data, opened, header, size)
+        for plan in plans
+        for data, opened, header, size in zip(plan.data, plan.opened, plan.headers, plan.sizes, strict=True)
+    ]
+    counts = [int(np.prod(size)) // (config.patch_size**2) for _, _, _, size in images]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     device = decoder.device if decoder is not None else torch.device("cpu")
     pixels = _empty_float32((int(offsets[-1]), config.patch_dim), device)
-    pairs = [(im, h) for plan in plans for im, h in zip(plan.opened, plan.headers, strict=True)]
-    frames: list[torch.Tensor | PIL.Image.Image] = []
-    if decoder is None:
-        frames = [decode_pil(im, h) for im, h in pairs]
-    else:
-        on_device = [i for i, h in enumerate(headers) if decodes_on_device(h)]
-        data = [d for plan in plans for d in plan.data]
-        decoded = decoder.decode([data[i] for i in on_device], [headers[i] for i in on_device])
-        by_index = dict(zip(on_device, decoded, strict=True))
-        for i, (im, h) in enumerate(pairs):
-            frames.append(by_index[i] if i in by_index else _as_tensor(np.asarray(decode_pil(im, h))).to(device))
-    for frame, (height, width), start, end in zip(frames, sizes, offsets[:-1], offsets[1:], strict=True):
-        patchify_into(_resize(frame, height, width, normalize.backend), config, normalize, pixels[start:end])
+
+    def write(i: int, frame: torch.Tensor | PIL.Image.Image) -> None:
+        height, width = images[i][3]
+        patchify_into(
+            _resize(frame, height, width, normalize.backend), config, normalize, pixels[offsets[i] : offsets[i + 1]]
+        )
+
+    on_device = [i for i, image in enumerate(images) if decoder is not None and decodes_on_device(image[2])]
+    if decoder is not None:
+        for chunk in _pixel_budget_chunks(on_device, [images[i][2] for i in on_device], max_decoded_pixels):
+            frames = decoder.decode([images[i][0] for i in chunk], [images[i][2] for i in chunk])
+            for i, frame in zip(chunk, frames, strict=True):
+                write(i, _upright(frame.to(device), images[i][2]))
+            del frames
+    for i, (_, opened, header, _) in enumerate(images):
+        if i not in on_device:
+            upright = decode_pil(opened, header)
+            write(i, upright if decoder is None else _as_tensor(np.asarray(upright)).to(device))
     bounds = np.cumsum([0] + [plan.num_patches for plan in plans])
     return [pixels[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _pixel_budget_chunks(indexes: list[int], headers: list[ImageHeader], budget: int) -> list[list[int]]:
+    chunks: list[list[int]] = []
+    total = budget + 1
+    for i, header in zip(indexes, headers, strict=True):
+        pixels = header.width * header.height
+        if total + pixels > budget:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += pixels
+    return chunks
+
+
+def _upright(frame: torch.Tensor, header: ImageHeader) -> torch.Tensor:
+    """A decoder's stored-orientation frame, turned upright by the header's orientation (so Pillow's
+    reading of EXIF and XMP decides, on every path) and checked against the header."""
+    frame = orient(frame, header.orientation)
+    if tuple(frame.shape) != (header.height, header.width, 3):
+        raise ImageDecodeError(
+            f"{_label(header.index)}: decoded to {tuple(frame.shape)}, but its header says "
+            f"{header.width}x{header.height} (upright); the file is inconsistent"
+        )
+    return frame
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

@@ -7,7 +7,8 @@ bit-identical to Pillow), which is how CPU-only hosts exercise it.
 
 Fancy chroma upsampling is requested explicitly: 0.6-0.8 defaulted to nearest-neighbour chroma,
 which differs from libjpeg/Pillow (what transformers decodes with) by up to 48 levels on 4:2:0.
-nvImageCodec applies EXIF orientation itself; ImageHeader's upright size is checked against it.
+Frames come back as stored: the caller applies the header's orientation, which Pillow read from
+EXIF or XMP (nvImageCodec reads EXIF only), so every path turns images the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _import_nvimgcodec() -> Any:
 
 
 class NvImageCodecDecoder:
-    """FrameDecoder over nvImageCodec: RGB uint8 [H, W, 3] tensors on `device`."""
+    """FrameDecoder over nvImageCodec: RGB uint8 [H, W, 3] tensors on `device`, in stored orientation."""
 
     def __init__(self, device: str | torch.device = "cuda", max_cpu_threads: int = 1):
         nv = _import_nvimgcodec()
@@ -68,7 +69,9 @@ class NvImageCodecDecoder:
             )
         except RuntimeError as e:
             raise Qwen3VLTrtError(f"nvImageCodec could not create a decoder on {self.device}: {e}") from e
-        self._params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False)
+        self._params = nv.DecodeParams(
+            apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False
+        )
         self._nv = nv
 
     def decode(self, data: Sequence[bytes], headers: Sequence[ImageHeader]) -> list[torch.Tensor]:
@@ -86,11 +89,7 @@ class NvImageCodecDecoder:
                 raise ImageDecodeError(
                     f"image {header.index}: truncated or corrupt {header.format} data (nvImageCodec)"
                 )
-            frame = torch.from_dlpack(image) if self.device.type == "cuda" else torch.from_numpy(np.asarray(image))
-            if tuple(frame.shape) != (header.height, header.width, 3):
-                raise ImageDecodeError(
-                    f"image {header.index}: decoded to {tuple(frame.shape)}, but its header says "
-                    f"{header.height}x{header.width} upright; the EXIF orientation may be malformed"
-                )
-            frames.append(frame)
+            frames.append(
+                torch.from_dlpack(image) if self.device.type == "cuda" else torch.from_numpy(np.asarray(image))
+            )
         return frames

@@ -245,7 +245,8 @@ class Preprocessor:
         return _Pending(input_ids, plan)
 
     def _finish(self, pending: Sequence[_Pending]) -> list[Request]:
-        pixels = render_pixels([p.plan for p in pending], self.image_config, self.normalize, self.decoder)
+        plans = [p.plan for p in pending]
+        pixels = render_pixels(plans, self.image_config, self.normalize, self.decoder, self.limits.max_decode_pixels)
         return [self._request(p, px) for p, px in zip(pending, pixels, strict=True)]
 
     def _request(self, pending: _Pending, pixel_values: torch.Tensor) -> Request:
