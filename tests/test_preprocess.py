@@ -360,3 +360,62 @@ def test_exif_orientation_is_applied(preprocessors):
 def test_tiny_image_is_upscaled_to_min_pixels(preprocessors):
     request = preprocessors["torchvision"](_user({"type": "image", "image": jpeg(32, 32)}))
     assert request.image_grid_thw.tolist() == [[1, 16, 16]]  # shortest_edge 65536 = 256 x 256
+
+
+def _config_only_copy(model_dir, target, template=None):
+    """The checkpoint's small files (no weights), optionally with another chat template."""
+    import shutil
+
+    target.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix == ".json" and path.name != "model.safetensors.index.json":
+            shutil.copy(path, target / path.name)
+    if template is not None:
+        (target / "chat_template.json").unlink()
+        (target / "chat_template.jinja").write_text(template)
+    return target
+
+
+# Exercises what released templates use: special-token variables, {% generation %}, system handling.
+CUSTOM_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{%- if m.content is string %}{{ m.content }}{% elif m.content is defined %}"
+    "{%- for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "{%- if m.role == 'assistant' %}{% generation %}{{ m.reasoning_content | default('') }}{% endgeneration %}"
+    "{%- endif %}{{ eos_token }}\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_features_equal_transformers(tiny_dense, tmp_path, image_files):
+    model = _config_only_copy(tiny_dense, tmp_path / "custom", CUSTOM_TEMPLATE)
+    ours = Preprocessor.from_pretrained(model)
+    theirs = load_hf_processor(model, "torchvision")
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"},
+        {"role": "user", "content": [{"type": "image", "image": IMAGES["png 400x300"]}, {"type": "text", "text": "?"}]},
+    ]
+    hf_chat = [dict(m) for m in chat]
+    hf_chat[0] = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}  # 4.57 needs parts
+    hf_chat[2] = {**chat[2], "content": [{"type": "text", "text": "Hello"}]}
+    hf_chat[3] = _user({"type": "image", "path": str(image_files["png 400x300"])}, {"type": "text", "text": "?"})[0]
+    request = ours(chat)
+    hf = theirs.apply_chat_template(hf_chat, tokenize=True, add_generation_prompt=True, return_dict=True)
+    np.testing.assert_array_equal(request.input_ids, np.asarray(hf["input_ids"]).reshape(-1))
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="4.57 rejects content=None")
+def test_tool_call_turns_without_content_equal_transformers(preprocessors, processors):
+    chat = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    request = preprocessors["torchvision"](chat)
+    hf = processors["torchvision"].apply_chat_template(
+        chat, tokenize=True, add_generation_prompt=True, return_dict=True
+    )
+    np.testing.assert_array_equal(request.input_ids, np.asarray(hf["input_ids"]).reshape(-1))

@@ -143,3 +143,47 @@ def test_bad_options_are_named(tiny_dense):
         Preprocessor.from_pretrained(tiny_dense, resize_backend="lanczos")
     with pytest.raises(Qwen3VLTrtError, match="either chat messages or prompt="):
         Preprocessor.from_pretrained(tiny_dense)()
+
+
+def test_template_errors_are_message_errors(tiny_dense, tmp_path):
+    from test_preprocess import _config_only_copy
+
+    model = _config_only_copy(tiny_dense, tmp_path / "strict", "{{ 'say: ' + messages[0].content }}")
+    pre = Preprocessor.from_pretrained(model)
+    with pytest.raises(MessageError, match="the chat template rejected the messages"):
+        pre([{"role": "user", "content": [{"type": "text", "text": "a list, not a string"}]}])
+    with pytest.raises(MessageError, match="continue_final_message is not supported"):
+        pre([{"role": "user", "content": "hi"}], continue_final_message=True)
+
+
+def test_broken_template_is_a_checkpoint_error(tiny_dense, tmp_path):
+    from qwen3vl_trt.errors import CheckpointError
+    from test_preprocess import _config_only_copy
+
+    model = _config_only_copy(tiny_dense, tmp_path / "broken", "{% for m in messages %}{{ m.role }")
+    with pytest.raises(CheckpointError, match="chat template does not compile"):
+        Preprocessor.from_pretrained(model)
+
+
+def test_prompt_images_must_be_wrapped(pre):
+    with pytest.raises(MessageError, match=r"image placeholder 0 is not written as <\|vision_start\|>"):
+        pre(prompt="<|image_pad|> what is this?", images=[jpeg(32, 32)])
+    with pytest.raises(MessageError, match="video input is not supported"):
+        pre(prompt="<|vision_start|><|video_pad|><|vision_end|>", images=[])
+    with pytest.raises(MessageError, match="the prompt is empty"):
+        pre(prompt="")
+
+
+def test_line_wrapped_base64_is_accepted(pre):
+    import base64
+
+    data = jpeg(64, 64)
+    url = "data:image/jpeg;base64," + base64.encodebytes(data).decode()  # MIME: a newline every 76 chars
+    wrapped = pre([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert torch.equal(wrapped.pixel_values, pre(_image_chat(data)).pixel_values)
+
+
+def test_formats_outside_the_allowlist_are_refused(pre):
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    with pytest.raises(ImageDecodeError, match="not a recognized image .* send JPEG, PNG, WEBP, GIF or BMP"):
+        pre(_image_chat(eps))

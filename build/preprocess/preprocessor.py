@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint import ModelInfo, parse_config, read_config
 from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
-from ..errors import CheckpointError, PromptTooLongError, Qwen3VLTrtError, TooManyImagesError
+from ..errors import CheckpointError, MessageError, PromptTooLongError, Qwen3VLTrtError, TooManyImagesError
 from ..llm_inputs import (
     engine_mrope_rotary_cos_sin,
     fake_prompt_ids,
@@ -221,13 +221,13 @@ class Preprocessor:
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any],
     ) -> Prompt:
-        if (messages is None) == (prompt is None):
-            raise Qwen3VLTrtError("pass either chat messages or prompt=, not both or neither")
-        if messages is not None:
+        if messages is not None and prompt is None:
             if images:
-                raise Qwen3VLTrtError("with chat messages, images go inside the messages as image parts")
+                raise MessageError("with chat messages, images go inside the messages as image parts")
             return self.prompts.from_messages(messages, add_generation_prompt, **template_kwargs)
-        return self.prompts.from_prompt(prompt or "", list(images))
+        if prompt is not None and messages is None:
+            return self.prompts.from_prompt(prompt, list(images))
+        raise MessageError("pass either chat messages or prompt=, not both or neither")
 
     def _prepare(self, prompt: Prompt) -> _Pending:
         limits = self.limits

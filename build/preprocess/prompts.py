@@ -30,6 +30,10 @@ from ..errors import CheckpointError, MessageError
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PLACEHOLDER = "<|image_pad|>"
+VISION_START, VISION_END, VIDEO_PLACEHOLDER = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
+# Names transformers passes a message's reasoning under; templates read the first (5.x aliases them).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _raise_exception(message: str) -> None:
@@ -45,6 +49,36 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _special_tokens(root: Path) -> dict[str, str]:
+    """The tokenizer's named special tokens, which transformers passes to the template (eos_token, ...)."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = root / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        for key in _SPECIAL_TOKEN_NAMES:
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, Mapping) else value
+            if isinstance(value, str) and key not in found:
+                found[key] = value
+    return found
 
 
 def load_chat_template(model_dir: str | os.PathLike[str]) -> str:
@@ -85,38 +119,71 @@ class PromptBuilder:
         if image_token_id is None:
             raise CheckpointError(f"{tokenizer_file} has no {IMAGE_PLACEHOLDER} token")
         self.image_token_id = image_token_id
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        self._vision_start = self.tokenizer.token_to_id(VISION_START)
+        self._vision_end = self.tokenizer.token_to_id(VISION_END)
+        self._video_token_id = self.tokenizer.token_to_id(VIDEO_PLACEHOLDER)
+        # transformers encodes chat prompts without truncation or padding, whatever tokenizer.json says.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.special_tokens = _special_tokens(root)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
             self.template = env.from_string(load_chat_template(root))
-        except jinja2.TemplateSyntaxError as e:
-            raise CheckpointError(f"{root}: the chat template does not parse: {e}") from e
+        except CheckpointError:
+            raise
+        except Exception as e:  # syntax errors, unknown tags or filters
+            raise CheckpointError(f"{root}: the chat template does not compile: {e}") from e
 
     def from_messages(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> Prompt:
+        """Renders the checkpoint's chat template; extra keyword arguments (tools, documents, template
+        switches) reach the template as transformers passes them."""
+        if "continue_final_message" in template_kwargs:
+            raise MessageError("continue_final_message is not supported; send the conversation to continue from")
         chat, images = normalize_messages(messages)
         try:
-            text = self.template.render(messages=chat, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        except jinja2.TemplateError as e:
+            text = self.template.render(
+                messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
+            )
+        except Exception as e:  # raise_exception() from the template, or its code tripping on odd content
             raise MessageError(f"the chat template rejected the messages: {e}") from e
         ids = self._encode(text, add_special_tokens=False)
         self._check_placeholders(ids, len(images), "the rendered chat")
         return Prompt(ids, tuple(images))
 
     def from_prompt(self, prompt: str, images: Sequence[bytes] = ()) -> Prompt:
+        """A raw prompt (no template); each image is <|vision_start|><|image_pad|><|vision_end|> in it."""
         if not isinstance(prompt, str):
             raise MessageError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise MessageError("the prompt is empty")
         ids = self._encode(prompt, add_special_tokens=True)
         self._check_placeholders(ids, len(images), "the prompt")
+        pads = np.flatnonzero(ids == self.image_token_id)
+        wrapped = (pads > 0) & (pads < ids.size - 1)
+        wrapped[wrapped] &= (ids[pads[wrapped] - 1] == self._vision_start) & (
+            ids[pads[wrapped] + 1] == self._vision_end
+        )
+        if not wrapped.all():
+            # transformers finds images by their vision_start token; a bare placeholder gets wrong positions.
+            raise MessageError(
+                f"image placeholder {int(np.flatnonzero(~wrapped)[0])} is not written as "
+                f"{VISION_START}{IMAGE_PLACEHOLDER}{VISION_END}"
+            )
         return Prompt(ids, tuple(images))
 
     def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int64)
 
     def _check_placeholders(self, ids: np.ndarray, num_images: int, where: str) -> None:
+        if self._video_token_id is not None and (ids == self._video_token_id).any():
+            raise MessageError(f"{where} contains {VIDEO_PLACEHOLDER}: video input is not supported yet")
         placeholders = int((ids == self.image_token_id).sum())
         if placeholders != num_images:
             raise MessageError(
@@ -144,7 +211,7 @@ def _image_bytes(part: Mapping[str, Any], where: str) -> bytes:
         if ";base64" not in header:
             raise MessageError(f"{where}: the data: URL must be base64 encoded")
         try:
-            return base64.b64decode(payload, validate=True)
+            return base64.b64decode("".join(payload.split()), validate=True)  # MIME line breaks are fine
         except (binascii.Error, ValueError) as e:
             raise MessageError(f"{where}: the data: URL is not valid base64 ({e})") from e
     image = part.get("image")
@@ -165,15 +232,21 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
         raise MessageError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     chat: list[dict[str, Any]] = []
     images: list[bytes] = []
-    for m, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise MessageError(f"message {m} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    for m, original in enumerate(messages):
+        if not isinstance(original, Mapping):
+            raise MessageError(f"message {m} must be a dict with 'role' and 'content', got {type(original).__name__}")
+        # As transformers 5 does: None-valued keys are dropped (OpenAI sends content=None with tool calls)
+        # and reasoning under any of its names is offered under all of them.
+        message = {key: value for key, value in original.items() if value is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         role = message.get("role")
         if role not in ROLES:
             raise MessageError(f"message {m} has role {role!r}; use one of {', '.join(ROLES)}")
         content = message.get("content")
-        if isinstance(content, str):
-            chat.append({**message})
+        if content is None or isinstance(content, str):
+            chat.append(message)
             continue
         if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
             raise MessageError(f"message {m}: content must be a string or a list of parts")
