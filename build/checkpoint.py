@@ -146,6 +146,12 @@ def _rope_settings(text: dict) -> tuple[float, tuple[int, ...], bool]:
     section = merged.get("mrope_section")
     if not section:
         raise CheckpointError("config.json: text_config has no mrope_section (rope_scaling or rope_parameters)")
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        # Scaled variants (yarn, dynamic, ...) change the frequencies and scale cos/sin.
+        raise UnsupportedModelError(
+            f"config.json: rope_type {rope_type!r} is not supported yet; the rotary tables assume unscaled rope"
+        )
     return float(theta), tuple(int(s) for s in section), bool(merged.get("mrope_interleaved", False))
 
 

@@ -69,6 +69,16 @@ def test_deepstack_indexes_are_checked():
             parse_config(cfg)
 
 
+@pytest.mark.parametrize("style", ["4.57", "5.x"])
+def test_scaled_rope_is_rejected(style):
+    cfg = build_config(PRESETS["tiny"], moe=False)
+    cfg["text_config"]["rope_scaling"].update(rope_type="yarn", factor=4.0)
+    if style == "5.x":
+        cfg = _v5_style(cfg)
+    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn' is not supported"):
+        parse_config(cfg)
+
+
 def test_other_architectures_are_rejected():
     with pytest.raises(UnsupportedModelError, match="'llama'"):
         parse_config({"model_type": "llama"})
