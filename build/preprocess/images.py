@@ -307,24 +307,23 @@ class Normalizer:
         self.std = std.view(shape).to(device)
         self._divisor = _exact_float32_divisor(self.rescale_factor) if backend == "pil" else None
 
-    def __call__(self, patches_u8: torch.Tensor) -> torch.Tensor:
-        """patches_u8 [patches, 3, p * p] uint8, contiguous -> float32 of the same shape.
+    def __call__(self, patches_u8: torch.Tensor, out: torch.Tensor) -> None:
+        """patches_u8 [patches, 3, T, p * p] uint8 (the frame broadcast over T) -> out, float32, same shape.
 
-        Works on a contiguous buffer: torch's in-place float32 kernels run several times faster there
-        than on uint8 inputs or on the interleaved output."""
-        values = _empty_float32(tuple(patches_u8.shape), patches_u8.device)
+        The conversion writes every temporal copy at once; the float ops then run over the contiguous
+        output (per channel: [patches, 3, T * p * p]), where torch's kernels vectorize."""
         if self.do_rescale and self.backend == "pil" and self._divisor is None:
-            values.copy_(patches_u8.to(torch.float64).mul_(self.rescale_factor))
+            out.copy_(patches_u8.to(torch.float64).mul_(self.rescale_factor))
         else:
-            values.copy_(patches_u8)
-            if self.do_rescale:
-                if self._divisor is not None:
-                    values.div_(self._divisor)
-                else:
-                    values.mul_(self.rescale_factor)
+            out.copy_(patches_u8)
+        flat = out.view(out.shape[0], 3, -1)
+        if self.do_rescale and not (self.backend == "pil" and self._divisor is None):
+            if self._divisor is not None:
+                flat.div_(self._divisor)
+            else:
+                flat.mul_(self.rescale_factor)
         if self.do_normalize:
-            values.sub_(self.mean).div_(self.std)
-        return values
+            flat.sub_(self.mean).div_(self.std)
 
 
 def _exact_float32_divisor(rescale_factor: float) -> float | None:
@@ -356,12 +355,9 @@ def patchify_into(
     p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
     h, w, _ = image_hwc.shape
     bh, bw = h // (p * m), w // (p * m)
-    blocks = _merge_block_order(image_hwc, bh, bw, m, p).view(-1, 3, p * p)
-    # Three dims with a contiguous innermost one keep torch's kernels vectorized.
+    blocks = _merge_block_order(image_hwc, bh, bw, m, p).view(-1, 3, 1, p * p)
     dst = out.view(-1, 3, t, p * p)
-    values = normalize(blocks)
-    for frame in range(t):
-        dst[:, :, frame].copy_(values)
+    normalize(blocks.expand(-1, -1, t, -1), dst)
 
 
 def resize_torchvision(image_hwc: torch.Tensor, height: int, width: int) -> torch.Tensor:
