@@ -306,18 +306,20 @@ class Normalizer:
         self.mean = mean.view(shape).to(device)
         self.std = std.view(shape).to(device)
         self._divisor = _exact_float32_divisor(self.rescale_factor) if backend == "pil" else None
+        # PIL's rescale is float64; without an exact float32 divisor it has to stay float64.
+        self._rescale_in_float64 = backend == "pil" and self.do_rescale and self._divisor is None
 
     def __call__(self, patches_u8: torch.Tensor, out: torch.Tensor) -> None:
         """patches_u8 [patches, 3, T, p * p] uint8 (the frame broadcast over T) -> out, float32, same shape.
 
         The conversion writes every temporal copy at once; the float ops then run over the contiguous
         output (per channel: [patches, 3, T * p * p]), where torch's kernels vectorize."""
-        if self.do_rescale and self.backend == "pil" and self._divisor is None:
+        if self._rescale_in_float64:
             out.copy_(patches_u8.to(torch.float64).mul_(self.rescale_factor))
         else:
             out.copy_(patches_u8)
         flat = out.view(out.shape[0], 3, -1)
-        if self.do_rescale and not (self.backend == "pil" and self._divisor is None):
+        if self.do_rescale and not self._rescale_in_float64:
             if self._divisor is not None:
                 flat.div_(self._divisor)
             else:
@@ -448,16 +450,17 @@ def render_pixels(
         )
 
     on_device = [i for i, image in enumerate(images) if decoder is not None and decodes_on_device(image[2])]
+    pillow_decoded = sorted(set(range(len(images))) - set(on_device))
     if decoder is not None:
         for chunk in _pixel_budget_chunks(on_device, [images[i][2] for i in on_device], max_decoded_pixels):
             frames = decoder.decode([images[i][0] for i in chunk], [images[i][2] for i in chunk])
             for i, frame in zip(chunk, frames, strict=True):
                 write(i, _upright(frame.to(device), images[i][2]))
             del frames
-    for i, (_, opened, header, _) in enumerate(images):
-        if i not in on_device:
-            upright = decode_pil(opened, header)
-            write(i, upright if decoder is None else _as_tensor(np.asarray(upright)).to(device))
+    for i in pillow_decoded:
+        _, opened, header, _ = images[i]
+        upright = decode_pil(opened, header)
+        write(i, upright if decoder is None else _as_tensor(np.asarray(upright)).to(device))
     bounds = np.cumsum([0] + [plan.num_patches for plan in plans])
     return [pixels[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
