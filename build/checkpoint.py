@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError, UnsupportedModelError
+from .safetensors_io import DTYPES, TensorLocation
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -252,6 +253,7 @@ def parse_config(cfg: dict) -> ModelInfo:
 @dataclass(frozen=True)
 class _ShardHeader:
     tensors: dict[str, dict]  # name -> {"dtype", "shape", "data_offsets"}
+    data_start: int  # file offset of the first data byte
 
 
 def read_shard_header(path: Path) -> _ShardHeader:
@@ -278,7 +280,7 @@ def read_shard_header(path: Path) -> _ShardHeader:
             f"shard {path.name} is truncated: {size} bytes on disk, its header describes {expected}; "
             "re-download or re-copy this file"
         )
-    return _ShardHeader(tensors=header)
+    return _ShardHeader(tensors=header, data_start=8 + header_len)
 
 
 def read_config(model_dir: Path) -> tuple[bytes, dict]:
@@ -381,6 +383,21 @@ class Checkpoint:
             with safe_open(str(self.path / shard), framework="pt") as f:
                 for name in by_shard[shard]:
                     yield name, f.get_tensor(name)
+
+    def locate(self, name: str) -> TensorLocation:
+        """Where tensor `name` lies on disk, for reading it in row ranges without loading its shard."""
+        meta = self._tensor_meta(name)
+        shard = self._shard_of(name)
+        dtype = DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor '{name}' in {shard} has unsupported dtype {meta['dtype']}")
+        begin, end = (int(v) for v in meta["data_offsets"])
+        location = TensorLocation(
+            self.path / shard, self._header(shard).data_start + begin, dtype, tuple(meta["shape"])
+        )
+        if location.nbytes != end - begin:
+            raise CheckpointError(f"tensor '{name}' in {shard}: shape {meta['shape']} does not match its byte range")
+        return location
 
     def load_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return dict(self.iter_tensors(names))

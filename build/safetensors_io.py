@@ -1,0 +1,134 @@
+"""Streaming safetensors I/O: read row ranges of a tensor, write a file tensor by tensor.
+
+A safetensors file is an 8-byte header length, a JSON header (dtype, shape and byte range of every
+tensor) and the raw data. Knowing every output shape up front, the writer puts the header first and
+then appends each tensor's bytes as they are produced; the reader fetches any row range with one
+positioned read. Neither maps whole files, so memory stays at the size of the chunks in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes are: file, absolute byte offset, dtype and shape."""
+
+    path: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return (self.shape[0] if self.shape else 1) * self.row_bytes
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 (the whole tensor for 0-d), read with one positioned read."""
+        if not self.shape:
+            start, stop = 0, 1
+        count = (stop - start) * self.row_bytes
+        buffer = bytearray(count)
+        with self.path.open("rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buffer], self.offset + start * self.row_bytes)
+        if got != count:
+            raise CheckpointError(f"{self.path.name} ended early while reading {count} bytes at offset {self.offset}")
+        tensor = torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
+        return tensor.reshape((stop - start, *self.shape[1:]) if self.shape else ())
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """An output tensor the writer reserves room for before its data exists."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class StreamingWriter:
+    """Writes one safetensors file whose tensors arrive in order, each in one or more chunks."""
+
+    def __init__(self, path: Path, tensors: Sequence[TensorPlan], metadata: dict[str, str] | None = None):
+        header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+        offset = 0
+        for t in tensors:
+            header[t.name] = {
+                "dtype": DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.path = path
+        self._plans = list(tensors)
+        self._next = 0  # index of the tensor being written
+        self._written = 0  # its bytes written so far
+        self._file = path.open("wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._next < len(self._plans) and self._written == self._plans[self._next].nbytes:
+            self._next, self._written = self._next + 1, 0
+
+    def write(self, name: str, chunk: torch.Tensor) -> None:
+        """Appends the next bytes of tensor `name` (which must be the tensor being written)."""
+        plan = self._plans[self._next] if self._next < len(self._plans) else None
+        if plan is None or plan.name != name or chunk.dtype != plan.dtype:
+            expected = f"{plan.name} ({plan.dtype})" if plan else "nothing more"
+            raise RuntimeError(f"{self.path.name}: got {name} ({chunk.dtype}) while expecting {expected}")
+        data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
+        if self._written + data.size > plan.nbytes:
+            raise RuntimeError(f"{self.path.name}: {name} got more bytes than its shape {list(plan.shape)} holds")
+        self._file.write(data.data)
+        self._written += data.size
+        self._advance()
+
+    def close(self) -> None:
+        """Closes the file; every planned byte must have been written."""
+        self._file.close()
+        if self._next < len(self._plans):
+            raise RuntimeError(
+                f"{self.path.name}: {len(self._plans) - self._next} tensor(s) not fully written, "
+                f"first {self._plans[self._next].name}"
+            )
