@@ -137,3 +137,13 @@ def interleave_prompt_table(image_embeds: torch.Tensor, deepstack_embeds: torch.
         )
     rows = torch.cat([image_embeds.unsqueeze(1), deepstack_embeds.transpose(0, 1)], dim=1)
     return rows.reshape(-1, image_embeds.shape[1])
+
+
+def prompt_table_row(token_ids, vocab_size: int, layer: int | None = None):
+    """Row of a request's prompt table for visual fake ids: the main embedding (layer None), or the
+    DeepStack feature added after decoder layer `layer`.
+
+    The one definition of the DeepStack index arithmetic: the reference runtime calls it on torch
+    tensors and the TensorRT-LLM engine model on its graph tensors (only `-` and `+` of ints)."""
+    feature = 0 if layer is None else layer + 1
+    return token_ids - vocab_size + feature

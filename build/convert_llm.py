@@ -1,0 +1,215 @@
+"""convert-llm: the Qwen3-VL language model as a TensorRT-LLM 1.2.1 checkpoint, streamed.
+
+Every output tensor is produced in row chunks read straight from the source shards (one positioned
+read per chunk, see safetensors_io), cast, cut for its tensor-parallel rank and appended to that
+rank's file, whose header was written first. Peak memory is a few chunks, whatever the model size:
+a 235B-A22B checkpoint converts on a machine with a few GB of RAM. Names, splits and config.json
+come from trtllm_checkpoint, which the reference runtime reads back with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import Checkpoint, ModelInfo
+from .errors import CheckpointError
+from .fsutil import atomic_output_dir
+from .safetensors_io import StreamingWriter, TensorLocation, TensorPlan
+from .trtllm_checkpoint import (
+    CONFIG_FILE,
+    DTYPES,
+    TORCH_DTYPES,
+    LLMConfig,
+    Mapping,
+    Param,
+    parse_trtllm_config,
+    rank_file,
+    stage_params,
+    trtllm_config,
+)
+
+TEXT_PREFIX = "model.language_model."
+CHUNK_BYTES = 32 * 2**20  # source bytes per read
+
+
+@dataclass(frozen=True)
+class Source:
+    """Rows of one split group of an output parameter, read from a source tensor. `transform` maps a
+    chunk of source rows to the same rows in the output layout; rows past the source are zeros
+    (lm_head vocab padding)."""
+
+    location: TensorLocation
+    rows: int
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def read(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        available = self.location.shape[0] if self.location.shape else 1
+        chunk = self.location.read_rows(min(start, available), min(stop, available))
+        if self.transform is not None:
+            chunk = self.transform(chunk)
+        chunk = chunk.to(dtype)
+        if stop > available:
+            pad = chunk.new_zeros((stop - max(start, available), *chunk.shape[1:]))
+            chunk = torch.cat([chunk, pad])
+        return chunk
+
+    @property
+    def chunk_rows(self) -> int:
+        return max(1, CHUNK_BYTES // max(1, self.location.row_bytes))
+
+
+def source_dtype(config: dict) -> str:
+    """The checkpoint's own dtype as a --dtype choice (bf16 when it does not say)."""
+    text = config.get("text_config", {})
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(name), "bf16")
+
+
+class _Sources:
+    """Locates and shape-checks the Hugging Face tensors behind each output parameter."""
+
+    def __init__(self, ckpt: Checkpoint, info: ModelInfo):
+        self.ckpt, self.info = ckpt, info
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> TensorLocation:
+        location = self.ckpt.locate(name)
+        if location.shape != shape:
+            raise CheckpointError(f"tensor '{name}' has shape {list(location.shape)}, expected {list(shape)}")
+        return location
+
+    def plain(self, name: str, shape: tuple[int, ...], rows: int | None = None) -> list[Source]:
+        return [Source(self.tensor(name, shape), rows if rows is not None else shape[0])]
+
+    def for_role(self, role: str, config: LLMConfig) -> list[Source]:
+        c, t = config, self.info.text
+        d, hd = c.hidden_size, c.head_size
+        if role == "vocab_embedding":
+            return self.plain(TEXT_PREFIX + "embed_tokens.weight", (c.vocab_size, d))
+        if role == "ln_f":
+            return self.plain(TEXT_PREFIX + "norm.weight", (d,))
+        if role == "lm_head":
+            tied = self.info.tie_word_embeddings or "lm_head.weight" not in self.ckpt.tensor_names("lm_head.")
+            name = TEXT_PREFIX + "embed_tokens.weight" if tied else "lm_head.weight"
+            return self.plain(name, (c.vocab_size, d), rows=c.vocab_size_padded)
+        _, layer, what = role.split(".", 2)
+        p = f"{TEXT_PREFIX}layers.{layer}."
+        q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        simple = {
+            "input_layernorm": ("input_layernorm.weight", (d,)),
+            "q_norm": ("self_attn.q_norm.weight", (hd,)),
+            "k_norm": ("self_attn.k_norm.weight", (hd,)),
+            "dense": ("self_attn.o_proj.weight", (d, q)),
+            "post_layernorm": ("post_attention_layernorm.weight", (d,)),
+            "mlp_gate": ("mlp.gate_proj.weight", (t.intermediate_size, d)),
+            "mlp_up": ("mlp.up_proj.weight", (t.intermediate_size, d)),
+            "mlp_down": ("mlp.down_proj.weight", (d, t.intermediate_size)),
+        }
+        if what in simple:
+            return self.plain(p + simple[what][0], simple[what][1])
+        if what == "qkv":
+            return [
+                *self.plain(p + "self_attn.q_proj.weight", (q, d)),
+                *self.plain(p + "self_attn.k_proj.weight", (kv, d)),
+                *self.plain(p + "self_attn.v_proj.weight", (kv, d)),
+            ]
+        assert c.moe is not None
+        e, i = c.moe.num_experts, c.moe.intermediate_size
+        if what == "router":
+            return self.plain(p + "mlp.gate.weight", (e, d))
+        if what == "experts_up_gate":
+            # Released layout: gate_up_proj [E, H, 2I], x @ W gives (gate | up); TensorRT-LLM wants [E, up; gate, H].
+            fused = self.tensor(p + "mlp.experts.gate_up_proj", (e, d, 2 * i))
+            return [
+                Source(fused, e, lambda w: w[:, :, i:].transpose(1, 2)),
+                Source(fused, e, lambda w: w[:, :, :i].transpose(1, 2)),
+            ]
+        if what == "experts_down":
+            return [Source(self.tensor(p + "mlp.experts.down_proj", (e, i, d)), e, lambda w: w.transpose(1, 2))]
+        raise AssertionError(f"no source for {role}")
+
+
+def _rank_chunks(param: Param, sources: list[Source], tp_rank: int, tp_size: int, dtype: torch.dtype):
+    """The rank's part of a parameter, as consecutive row chunks (dim 0) in the output dtype."""
+    split = param.split
+    if split.dim == 0:
+        offsets = [sum(split.groups[:g]) for g in range(len(split.groups))]
+        for a, b in split.ranges(tp_rank, tp_size):
+            g = max(k for k, off in enumerate(offsets) if off <= a)
+            src = sources[g]
+            for start in range(a - offsets[g], b - offsets[g], src.chunk_rows):
+                yield src.read(start, min(start + src.chunk_rows, b - offsets[g]), dtype)
+        return
+    rows, step = sources[0].rows, min(s.chunk_rows for s in sources)
+    ranges = split.ranges(tp_rank, tp_size) if split.dim is not None else []
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        if split.dim is None:
+            yield sources[0].read(start, stop, dtype)
+            continue
+        pieces, offset = [], 0
+        for src, size, (a, b) in zip(sources, split.groups, ranges, strict=True):
+            pieces.append(src.read(start, stop, dtype).narrow(split.dim, a - offset, b - a))
+            offset += size
+        yield torch.cat(pieces, dim=split.dim)
+
+
+def convert_llm(
+    model: str | os.PathLike[str] | Checkpoint,
+    output: str | os.PathLike[str],
+    dtype: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    force: bool = False,
+    progress: bool | None = None,
+) -> Path:
+    """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory."""
+    ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
+    ckpt.verify_shards()
+    dtype = dtype or source_dtype(ckpt.config)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    cfg = trtllm_config(ckpt.info, dtype, Mapping(tp, pp))
+    config = parse_trtllm_config(cfg)
+    out_dtype = TORCH_DTYPES[cfg["dtype"]]
+    sources = _Sources(ckpt, ckpt.info)
+    stages = [stage_params(config, pp_rank) for pp_rank in range(pp)]
+    plan = {role: sources.for_role(role, config) for params in stages for role in params}  # all checked first
+
+    def dtype_of(param: Param) -> torch.dtype:
+        return torch.float32 if param.float32 else out_dtype
+
+    total = sum(
+        TensorPlan(p.name, dtype_of(p), p.rank_shape(r, tp)).nbytes
+        for params in stages
+        for p in params.values()
+        for r in range(tp)
+    )
+    with atomic_output_dir(output, force=force) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=4) + "\n")
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
+        ) as bar:
+            for pp_rank, params in enumerate(stages):
+                writers = [
+                    StreamingWriter(
+                        tmp / rank_file(config.mapping.rank(tp_rank, pp_rank)),
+                        [TensorPlan(p.name, dtype_of(p), p.rank_shape(tp_rank, tp)) for p in params.values()],
+                        metadata={"format": "pt"},
+                    )
+                    for tp_rank in range(tp)
+                ]
+                for role, param in params.items():
+                    for tp_rank, writer in enumerate(writers):
+                        for chunk in _rank_chunks(param, plan[role], tp_rank, tp, dtype_of(param)):
+                            writer.write(param.name, chunk)
+                            bar.update(chunk.numel() * chunk.element_size())
+                for writer in writers:
+                    writer.close()
+    return Path(output)

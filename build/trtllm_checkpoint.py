@@ -1,0 +1,433 @@
+"""The TensorRT-LLM 1.2.1 checkpoint of the Qwen3-VL language model: config, names and sharding.
+
+Declared once here and used by the converter (which writes it), the reference runtime (which reads
+it back, reassembling any split) and the engine build. The format follows TensorRT-LLM's own Qwen
+converter (`tensorrt_llm/models/qwen/convert.py`, `model_weights_loader.py`, `mapping.py`):
+
+- `config.json` (PretrainedConfig + QWenConfig fields) and `rank{r}.safetensors`, r = pp_rank * tp + tp_rank;
+- pipeline stage p holds the layers `tensor_split(range(L), pp)[p]` under local indices 0..n-1, the
+  embedding on the first stage, ln_f and lm_head on the last (lm_head written even when tied);
+- attention `qkv` per rank is [q_r; k_r; v_r] (k/v heads repeated when tp > kv heads); `dense` split
+  on its input dim; dense MLP `fc` = gate_proj (activated), `gate` = up_proj, `proj` = down_proj;
+  MoE `router` in float32, unsplit, `fc` [E, 2 * I/tp, H] = [up_r; gate_r], `proj` [E, H, I/tp];
+  lm_head rows padded with zeros to a multiple of tp, then split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .checkpoint import ModelInfo
+from .errors import CheckpointError, UnsupportedModelError
+
+ARCHITECTURE = "Qwen3VLForCausalLM"
+CONFIG_FILE = "config.json"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# ExpertScaleNormalizationMode.RENORMALIZE (tensorrt_llm/layers/moe.py): softmax over the top-k
+# logits, which equals transformers' Qwen3-VL-MoE routing (softmax, top-k, divide by their sum).
+MOE_RENORMALIZE = 1
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Tensor x pipeline parallel layout (TensorRT-LLM's Mapping, without context parallelism)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank(self, tp_rank: int, pp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+    def pp_layers(self, num_layers: int, pp_rank: int) -> list[int]:
+        """Global layer indices of a pipeline stage; the first num_layers % pp stages get one more."""
+        return [int(i) for i in np.array_split(np.arange(num_layers), self.pp_size)[pp_rank]]
+
+    def ranks(self) -> Iterator[tuple[int, int, int]]:
+        """(rank, tp_rank, pp_rank) of every rank, in rank order."""
+        for pp_rank in range(self.pp_size):
+            for tp_rank in range(self.tp_size):
+                yield self.rank(tp_rank, pp_rank), tp_rank, pp_rank
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """What the runtimes need from a checkpoint's config.json."""
+
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_epsilon: float
+    rotary_base: float
+    rotary_dim: int
+    max_position_embeddings: int
+    deepstack_count: int
+    mapping: Mapping
+    moe: MoeSettings | None = None
+
+    @property
+    def vocab_size_padded(self) -> int:
+        tp = self.mapping.tp_size
+        return -(-self.vocab_size // tp) * tp
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+
+
+def trtllm_config(info: ModelInfo, dtype: str, mapping: Mapping) -> dict:
+    """config.json for the TensorRT-LLM checkpoint: the fields PretrainedConfig and QWenConfig read
+    (tensorrt_llm/models/modeling_utils.py, models/qwen/config.py), qwen_type qwen3 / qwen3_moe for
+    the q/k RMSNorm and MoE layers, position_embedding_type mrope, and the Qwen3-VL settings the
+    engine model and host need (DeepStack count, MRoPE sections, image token id)."""
+    text, moe = info.text, info.text.moe
+    if moe is not None and (moe.mlp_only_layers or moe.decoder_sparse_step != 1):
+        raise UnsupportedModelError(
+            "MoE checkpoints with dense layers (mlp_only_layers / decoder_sparse_step) are not supported: "
+            "TensorRT-LLM's Qwen MoE model makes every layer sparse"
+        )
+    _check_divisible(info, mapping)
+    return {
+        "architecture": ARCHITECTURE,
+        "dtype": DTYPES[dtype],
+        "logits_dtype": "float32",
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_size": text.head_dim,
+        "hidden_act": "swiglu" if moe else "silu",
+        "intermediate_size": text.intermediate_size,
+        "norm_epsilon": text.rms_norm_eps,
+        "position_embedding_type": "mrope",
+        "max_position_embeddings": text.max_position_embeddings,
+        "rotary_embedding_dim": text.head_dim,
+        "rotary_base": text.rope_theta,
+        "rotary_scaling": None,
+        "mapping": {
+            "world_size": mapping.world_size,
+            "tp_size": mapping.tp_size,
+            "pp_size": mapping.pp_size,
+            "cp_size": 1,
+            "moe_tp_size": mapping.tp_size,
+            "moe_ep_size": 1,
+        },
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "qwen_type": "qwen3_moe" if moe else "qwen3",
+        "mlp_bias": False,
+        "attn_bias": False,
+        "use_logn_attn": False,
+        "disable_weight_only_quant_plugin": False,
+        "tie_word_embeddings": info.tie_word_embeddings,
+        "seq_length": text.max_position_embeddings,
+        "moe": {
+            "num_experts": moe.num_experts if moe else 0,
+            "top_k": moe.num_experts_per_tok if moe else 0,
+            "normalization_mode": MOE_RENORMALIZE if moe else 0,
+            "shared_expert_intermediate_size": 0,
+        },
+        "moe_intermediate_size": moe.moe_intermediate_size if moe else 0,
+        "moe_shared_expert_intermediate_size": 0,
+        "qwen3_vl": {
+            "deepstack_count": info.deepstack_count,
+            "mrope_section": list(text.mrope_section),
+            "mrope_interleaved": text.mrope_interleaved,
+            "image_token_id": info.image_token_id,
+        },
+    }
+
+
+def _check_divisible(info: ModelInfo, mapping: Mapping) -> None:
+    text, tp = info.text, mapping.tp_size
+    if mapping.tp_size < 1 or mapping.pp_size < 1:
+        raise UnsupportedModelError(f"tp and pp must be >= 1, got tp={mapping.tp_size} pp={mapping.pp_size}")
+    checks = [("attention heads", text.num_attention_heads), ("intermediate size", text.intermediate_size)]
+    if text.moe is not None:
+        checks.append(("MoE intermediate size", text.moe.moe_intermediate_size))
+    for what, n in checks:
+        if n % tp:
+            raise UnsupportedModelError(f"tp={tp} does not divide the {what} ({n})")
+    kv = text.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise UnsupportedModelError(f"tp={tp} must divide, or be a multiple of, the {kv} key/value heads")
+    if mapping.pp_size > text.num_hidden_layers:
+        raise UnsupportedModelError(f"pp={mapping.pp_size} is more than the {text.num_hidden_layers} layers")
+
+
+def parse_trtllm_config(cfg: dict) -> LLMConfig:
+    if cfg.get("architecture") != ARCHITECTURE:
+        raise CheckpointError(
+            f"checkpoint architecture is {cfg.get('architecture')!r}, expected {ARCHITECTURE!r} "
+            "(convert with `qwen3vl-trt convert-llm`)"
+        )
+    try:
+        moe_cfg = cfg["moe"]
+        moe = None
+        if moe_cfg["num_experts"] > 0:
+            moe = MoeSettings(
+                num_experts=moe_cfg["num_experts"],
+                top_k=moe_cfg["top_k"],
+                intermediate_size=cfg["moe_intermediate_size"],
+                renormalize=moe_cfg["normalization_mode"] == MOE_RENORMALIZE,
+            )
+        return LLMConfig(
+            dtype=cfg["dtype"],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_size=cfg["head_size"],
+            intermediate_size=cfg["intermediate_size"],
+            norm_epsilon=cfg["norm_epsilon"],
+            rotary_base=cfg["rotary_base"],
+            rotary_dim=cfg["rotary_embedding_dim"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            deepstack_count=cfg["qwen3_vl"]["deepstack_count"],
+            mapping=Mapping(cfg["mapping"]["tp_size"], cfg["mapping"]["pp_size"]),
+            moe=moe,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"TensorRT-LLM checkpoint config.json lacks {e}") from None
+
+
+def read_trtllm_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict, LLMConfig]:
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint_dir} has no {CONFIG_FILE}: is it a converted TensorRT-LLM checkpoint?")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    return cfg, parse_trtllm_config(cfg)
+
+
+# -- names and splits ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is cut across tensor-parallel ranks: along `dim`, into consecutive groups
+    (q, k, v of qkv; up, gate of MoE fc) of `unit`-sized blocks (heads), each group split evenly,
+    or repeated when it has fewer blocks than ranks (key/value heads). dim None: every rank has it all."""
+
+    dim: int | None = None
+    groups: tuple[int, ...] = ()
+    unit: int = 1
+
+    def ranges(self, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+        """[start, stop) along `dim` of the whole tensor that rank tp_rank holds, in its order."""
+        out, offset = [], 0
+        for size in self.groups:
+            blocks = size // self.unit
+            if blocks >= tp_size:
+                per = size // tp_size
+                out.append((offset + tp_rank * per, offset + (tp_rank + 1) * per))
+            else:
+                block = tp_rank // (tp_size // blocks)
+                out.append((offset + block * self.unit, offset + (block + 1) * self.unit))
+            offset += size
+        return out
+
+
+REPLICATED = Split()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a rank file: its name there, its whole (unsplit) shape and its split."""
+
+    name: str
+    shape: tuple[int, ...]
+    split: Split = REPLICATED
+    float32: bool = False  # kept in float32 whatever the checkpoint dtype (the MoE router)
+
+    def rank_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
+        if self.split.dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.split.dim] = sum(b - a for a, b in self.split.ranges(tp_rank, tp_size))
+        return tuple(shape)
+
+
+def layer_params(config: LLMConfig, local: int) -> dict[str, Param]:
+    """The parameters of one decoder layer, keyed by role, named with the stage-local index."""
+    c = config
+    p = f"transformer.layers.{local}."
+    hd, d = c.head_size, c.hidden_size
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    params = {
+        "input_layernorm": Param(p + "input_layernorm.weight", (d,)),
+        "qkv": Param(p + "attention.qkv.weight", (q + 2 * kv, d), Split(0, (q, kv, kv), hd)),
+        "q_norm": Param(p + "attention.q_layernorm.weight", (hd,)),
+        "k_norm": Param(p + "attention.k_layernorm.weight", (hd,)),
+        "dense": Param(p + "attention.dense.weight", (d, q), Split(1, (q,))),
+        "post_layernorm": Param(p + "post_layernorm.weight", (d,)),
+    }
+    if c.moe is None:
+        i = c.intermediate_size
+        params |= {
+            "mlp_gate": Param(p + "mlp.fc.weight", (i, d), Split(0, (i,))),
+            "mlp_up": Param(p + "mlp.gate.weight", (i, d), Split(0, (i,))),
+            "mlp_down": Param(p + "mlp.proj.weight", (d, i), Split(1, (i,))),
+        }
+    else:
+        e, i = c.moe.num_experts, c.moe.intermediate_size
+        params |= {
+            "router": Param(p + "mlp.router.weight", (e, d), float32=True),
+            "experts_up_gate": Param(p + "mlp.fc.weight", (e, 2 * i, d), Split(1, (i, i))),
+            "experts_down": Param(p + "mlp.proj.weight", (e, d, i), Split(2, (i,))),
+        }
+    return params
+
+
+def stage_params(config: LLMConfig, pp_rank: int) -> dict[str, Param]:
+    """Every parameter of a pipeline stage, keyed by role ("layers.{global}.{role}" for layers)."""
+    c, mapping = config, config.mapping
+    params: dict[str, Param] = {}
+    if pp_rank == 0:
+        params["vocab_embedding"] = Param("transformer.vocab_embedding.weight", (c.vocab_size, c.hidden_size))
+    for local, layer in enumerate(mapping.pp_layers(c.num_hidden_layers, pp_rank)):
+        for role, param in layer_params(c, local).items():
+            params[f"layers.{layer}.{role}"] = param
+    if pp_rank == mapping.pp_size - 1:
+        params["ln_f"] = Param("transformer.ln_f.weight", (c.hidden_size,))
+        v = c.vocab_size_padded
+        params["lm_head"] = Param("lm_head.weight", (v, c.hidden_size), Split(0, (v,)))
+    return params
+
+
+# -- reading a checkpoint back ---------------------------------------------------------------------------
+
+
+@dataclass
+class DenseMLPWeights:
+    gate: torch.Tensor  # [I, H], activated
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, H] float32
+    up: torch.Tensor  # [E, I, H]
+    gate: torch.Tensor  # [E, I, H], activated
+    down: torch.Tensor  # [E, H, I]
+
+
+@dataclass
+class LayerWeights:
+    input_layernorm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KV) * head_size, hidden]: q, k, v heads
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    dense: torch.Tensor
+    post_layernorm: torch.Tensor
+    mlp: DenseMLPWeights | MoEWeights
+
+
+@dataclass
+class LLMWeights:
+    """The whole model, reassembled from any tensor/pipeline split."""
+
+    config: LLMConfig
+    vocab_embedding: torch.Tensor
+    layers: list[LayerWeights]
+    ln_f: torch.Tensor
+    lm_head: torch.Tensor  # [vocab_size, hidden] (padding dropped)
+
+    def to(self, device: str | torch.device) -> LLMWeights:
+        def move(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return obj.to(device)
+            if isinstance(obj, list):
+                return [move(o) for o in obj]
+            if isinstance(obj, (LayerWeights, DenseMLPWeights, MoEWeights)):
+                return replace(obj, **{f.name: move(getattr(obj, f.name)) for f in fields(obj)})
+            return obj
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+def merge(param: Param, parts: list[torch.Tensor], tp_size: int) -> torch.Tensor:
+    """The whole parameter from the tensor-parallel ranks' parts (inverse of Split.ranges)."""
+    if param.split.dim is None:
+        return parts[0]
+    dim = param.split.dim
+    whole = parts[0].new_empty(param.shape)
+    for tp_rank, part in enumerate(parts):
+        cursor = 0
+        for a, b in param.split.ranges(tp_rank, tp_size):
+            whole.narrow(dim, a, b - a).copy_(part.narrow(dim, cursor, b - a))
+            cursor += b - a
+    return whole
+
+
+def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
+    """Reads every rank file of a converted checkpoint and reassembles the model."""
+    root = Path(checkpoint_dir)
+    _, config = read_trtllm_config(root)
+    mapping = config.mapping
+    roles: dict[str, torch.Tensor] = {}
+    for pp_rank in range(mapping.pp_size):
+        params = stage_params(config, pp_rank)
+        files = []
+        for tp_rank in range(mapping.tp_size):
+            path = root / rank_file(mapping.rank(tp_rank, pp_rank))
+            if not path.is_file():
+                raise CheckpointError(f"{root} lacks {path.name} (tp={mapping.tp_size}, pp={mapping.pp_size})")
+            files.append(safe_open(str(path), framework="pt"))
+        for role, param in params.items():
+            parts = []
+            for tp_rank, f in enumerate(files):
+                if param.name not in f.keys():
+                    raise CheckpointError(f"{rank_file(mapping.rank(tp_rank, pp_rank))} lacks {param.name}")
+                part = f.get_tensor(param.name)
+                if tuple(part.shape) != param.rank_shape(tp_rank, mapping.tp_size):
+                    raise CheckpointError(
+                        f"{param.name} in rank file has shape {list(part.shape)}, expected "
+                        f"{list(param.rank_shape(tp_rank, mapping.tp_size))}"
+                    )
+                parts.append(part)
+            roles[role] = merge(param, parts, mapping.tp_size)
+    layers = []
+    for layer in range(config.num_hidden_layers):
+        w = {role.split(".", 2)[2]: t for role, t in roles.items() if role.startswith(f"layers.{layer}.")}
+        mlp: DenseMLPWeights | MoEWeights
+        if config.moe is None:
+            mlp = DenseMLPWeights(w.pop("mlp_gate"), w.pop("mlp_up"), w.pop("mlp_down"))
+        else:
+            up, gate = w.pop("experts_up_gate").chunk(2, dim=1)
+            mlp = MoEWeights(w.pop("router"), up, gate, w.pop("experts_down"))
+        layers.append(LayerWeights(**w, mlp=mlp))
+    lm_head = roles["lm_head"][: config.vocab_size]
+    return LLMWeights(config, roles["vocab_embedding"], layers, roles["ln_f"], lm_head)
