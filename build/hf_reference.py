@@ -102,3 +102,21 @@ def hf_text_rotary(model: Any, position_ids: np.ndarray) -> tuple[np.ndarray, np
     probe = torch.zeros(1, dtype=torch.float32)
     cos, sin = model.language_model.rotary_emb(probe, positions)
     return cos[0].numpy(), sin[0].numpy()
+
+
+def hf_model_inputs(
+    model: Any,
+    input_ids: np.ndarray,
+    image_token_id: int,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """forward()/generate() inputs of Qwen3VLForConditionalGeneration for one unpadded request;
+    transformers 5.x also wants the processor's mm_token_type_ids (1 at image tokens)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if pixel_values is not None and image_grid_thw is not None and len(image_grid_thw):
+        inputs |= {"pixel_values": pixel_values, "image_grid_thw": torch.as_tensor(image_grid_thw)}
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            inputs["mm_token_type_ids"] = (ids == image_token_id).int()
+    return inputs

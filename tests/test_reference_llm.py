@@ -1,0 +1,233 @@
+"""The converted checkpoint run by the reference runtime, on the engine contract, against transformers.
+
+Inputs come from the preprocessor and the exported vision encoder (ONNX Runtime): this is the whole
+chain from request bytes to logits, compared with Qwen3VLForConditionalGeneration on the same request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from images import jpeg
+from qwen3vl_trt.convert_llm import convert_llm
+from qwen3vl_trt.errors import InputError
+from qwen3vl_trt.hf_reference import hf_model_inputs
+from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM, SamplingParams
+from qwen3vl_trt.tiny import ENDOFTEXT_ID, IM_END_ID
+from qwen3vl_trt.vision import VisionEncoder
+from transformers import AutoModelForImageTextToText
+
+LOGIT_TOLERANCE = 1e-4  # max |ours - HF| / max |HF| at each prompt position, fp32
+END_IDS = (IM_END_ID, ENDOFTEXT_ID)  # the tiny checkpoints' generation_config eos ids
+
+# Converted variants: (tiny checkpoint, tp, pp).
+VARIANTS = {
+    "dense": ("dense", 1, 1),
+    "dense-tp2": ("dense", 2, 1),
+    "dense-pp2": ("dense", 1, 2),
+    "moe": ("moe", 1, 1),
+    "moe-tp2": ("moe", 2, 1),
+    "moe-pp2": ("moe", 1, 2),
+}
+
+
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def _image(h, w, seed):
+    return {"type": "image", "image": jpeg(h, w, seed=seed)}
+
+
+def _text(text):
+    return {"type": "text", "text": text}
+
+
+CASES = {
+    "text only": _user(_text("Hello! What can you do for me today?")),
+    "one image": _user(_image(64, 96, 1), _text("Describe this picture.")),
+    "three images between text": _user(
+        _text("Compare"),
+        _image(64, 64, 2),
+        _text("with"),
+        _image(96, 160, 3),
+        _text("and then"),
+        _image(128, 64, 4),
+        _text("please."),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trtllm")
+    return {
+        name: convert_llm(checkpoints[src], root / name, dtype="fp32", tp=tp, pp=pp, progress=False)
+        for name, (src, tp, pp) in VARIANTS.items()
+    }
+
+
+class Chain:
+    """Preprocessor + vision encoder + (reference runtime | transformers) for one tiny checkpoint."""
+
+    def __init__(self, model_dir, vision_dir):
+        self.pre = Preprocessor.from_pretrained(model_dir)
+        self.encoder = VisionEncoder(vision_dir)
+        self.hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def engine_request(self, llm: ReferenceLLM, messages, sampling=None) -> LLMRequest:
+        request = self.pre(messages)
+        embeds = (None, None)
+        if request.num_visual_tokens:
+            embeds = self.encoder.run({"pixel_values": request.pixel_values.numpy(), **request.vision_inputs})
+        return LLMRequest.from_preprocessed(request, llm.config.max_position_embeddings, *embeds, sampling=sampling)
+
+    def hf_inputs(self, messages) -> dict:
+        r = self.pre(messages)
+        return hf_model_inputs(self.hf, r.input_ids, self.pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
+
+
+@pytest.fixture(scope="session")
+def chains(checkpoints, vision_exports):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Chain(checkpoints[name], vision_exports[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def runtimes(converted):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = ReferenceLLM.from_checkpoint(converted[name])
+        return cache[name]
+
+    return get
+
+
+def position_errors(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """Per prompt position: max |ours - theirs| / max |theirs|."""
+    return (ours - theirs).abs().amax(-1) / theirs.abs().amax(-1)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_logits_match_transformers(variant, case, chains, runtimes):
+    chain, llm = chains(VARIANTS[variant][0]), runtimes(variant)
+    request = chain.engine_request(llm, CASES[case])
+    if case != "text only":
+        assert request.prompt_embedding_table is not None and int(request.input_ids.max()) >= llm.vocab_size
+    ours = llm.prompt_logits(request)
+    with torch.no_grad():
+        theirs = chain.hf(**chain.hf_inputs(CASES[case])).logits[0]
+    assert ours.shape == theirs.shape
+    errors = position_errors(ours, theirs)
+    assert float(errors.max()) <= LOGIT_TOLERANCE, f"worst position {int(errors.argmax())}: {float(errors.max()):.2e}"
+
+
+def test_deepstack_changes_the_logits(chains, runtimes):
+    """The DeepStack rows matter: zeroing them moves the logits far beyond the tolerance."""
+    chain, llm = chains("dense"), runtimes("dense")
+    request = chain.engine_request(llm, CASES["one image"])
+    table = request.prompt_embedding_table.clone()
+    table.view(-1, 4, table.shape[-1])[:, 1:] = 0  # keep the main rows (K = 3)
+    flat = LLMRequest(request.input_ids, table, request.mrope_rotary_cos_sin, request.mrope_position_deltas)
+    assert float(position_errors(llm.prompt_logits(flat), llm.prompt_logits(request)).max()) > 100 * LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("case", ["text only", "three images between text"])
+def test_greedy_generation_matches_generate(variant, case, chains, runtimes):
+    chain, llm = chains(variant), runtimes(variant)
+    sampling = SamplingParams(max_new_tokens=16, end_ids=END_IDS)
+    (result,) = llm.generate([chain.engine_request(llm, CASES[case], sampling)])
+    inputs = chain.hf_inputs(CASES[case])
+    with torch.no_grad():
+        out = chain.hf.generate(**inputs, max_new_tokens=16, do_sample=False, eos_token_id=list(END_IDS))
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert result.output_ids == expected
+    assert result.finish_reason == ("stop" if expected[-1] in END_IDS else "length")
+
+
+def test_batch_equals_one_by_one(chains, runtimes):
+    """Three requests of different lengths (and budgets) decode together as they do alone."""
+    chain, llm = chains("moe"), runtimes("moe")
+    budgets = {"text only": 12, "one image": 16, "three images between text": 7}
+    requests = [
+        chain.engine_request(llm, CASES[case], SamplingParams(max_new_tokens=n, end_ids=END_IDS))
+        for case, n in budgets.items()
+    ]
+    assert len({r.input_ids.size for r in requests}) == 3
+    alone = [llm.generate([r])[0].output_ids for r in requests]
+    together = [r.output_ids for r in llm.generate(requests)]
+    assert together == alone
+    assert [len(t) for t in together] == list(budgets.values())
+
+
+def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):
+    chain, llm = chains("dense"), runtimes("dense")
+
+    def tokens(**kw):
+        sampling = SamplingParams(max_new_tokens=12, **kw)
+        return llm.generate([chain.engine_request(llm, CASES["one image"], sampling)])[0].output_ids
+
+    greedy = tokens()
+    hot = dict(temperature=5.0)
+    assert tokens(seed=1, **hot) == tokens(seed=1, **hot)
+    assert tokens(seed=1, **hot) != tokens(seed=2, **hot)
+    assert tokens(seed=1, **hot) != greedy
+    assert tokens(top_k=1, seed=3, **hot) == greedy  # only the argmax survives the cut
+    assert tokens(top_p=1e-6, seed=3, **hot) == greedy
+    # top_k bounds each pick to the k most likely tokens: with k = 2, every token is one of them.
+    request = chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=1, top_k=2, **hot))
+    top2 = set(llm.prompt_logits(request)[-1].topk(2).indices.tolist())
+    picks = {
+        llm.generate([chain.engine_request(llm, CASES["one image"], SamplingParams(1, top_k=2, seed=s, **hot))])[
+            0
+        ].output_ids[0]
+        for s in range(8)
+    }
+    assert picks <= top2 and len(picks) == 2
+
+
+def test_end_ids_stop_and_tokens_stream(chains, runtimes):
+    chain, llm = chains("dense"), runtimes("dense")
+    free = llm.generate([chain.engine_request(llm, CASES["text only"], SamplingParams(max_new_tokens=8))])[0]
+    stop_at = free.output_ids[3]
+    first = free.output_ids.index(stop_at)
+    streamed: list[tuple[int, int]] = []
+    sampling = SamplingParams(max_new_tokens=8, end_ids=(stop_at,))
+    results = llm.generate(
+        [
+            chain.engine_request(llm, CASES["text only"], sampling),
+            chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=5)),
+        ],
+        on_token=lambda index, token: streamed.append((index, token)),
+    )
+    assert results[0].output_ids == free.output_ids[: first + 1] and results[0].finish_reason == "stop"
+    assert results[1].finish_reason == "length" and len(results[1].output_ids) == 5
+    for index, result in enumerate(results):
+        assert [t for i, t in streamed if i == index] == result.output_ids
+
+
+def test_contract_violations_are_refused(chains, runtimes):
+    chain, llm = chains("dense"), runtimes("dense")
+    request = chain.engine_request(llm, CASES["one image"])
+    with pytest.raises(InputError, match="no prompt_embedding_table"):
+        llm.prompt_logits(LLMRequest(request.input_ids))
+    with pytest.raises(InputError, match="has no row"):
+        llm.prompt_logits(LLMRequest(request.input_ids, request.prompt_embedding_table[:-4]))
+    with pytest.raises(InputError, match="mrope_rotary_cos_sin"):
+        llm.prompt_logits(LLMRequest(request.input_ids, request.prompt_embedding_table, np.zeros(10, np.float32)))
+    with pytest.raises(InputError, match="positions"):
+        llm.generate([LLMRequest(np.array([1, 2, 3], np.int32), sampling=SamplingParams(max_new_tokens=10**7))])
+    with pytest.raises(InputError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
