@@ -55,7 +55,65 @@ def _export_vision(args: argparse.Namespace) -> None:
 def _build(args: argparse.Namespace) -> None:
     from .pipeline import build
 
-    build(args.model, args.output, dtype=args.dtype, force=args.force)
+    build(
+        args.model,
+        args.output,
+        dtype=args.dtype,
+        llm_dtype=args.llm_dtype,
+        tp=args.tp,
+        pp=args.pp,
+        limits=_build_config(args),
+        force=args.force,
+    )
+
+
+def _convert_llm(args: argparse.Namespace) -> None:
+    from .convert_llm import convert_llm
+
+    path = convert_llm(args.model, args.output, dtype=args.dtype, tp=args.tp, pp=args.pp, force=args.force)
+    print(f"wrote TensorRT-LLM checkpoint ({args.tp * args.pp} rank files) to {path}")
+
+
+def _build_config(args: argparse.Namespace):
+    from .build_config import BuildConfig
+
+    return BuildConfig(
+        max_batch_size=args.max_batch_size,
+        max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        max_visual_tokens=args.max_visual_tokens,
+    )
+
+
+def _build_llm_engine(args: argparse.Namespace) -> None:
+    import shlex
+    from pathlib import Path
+
+    from .llm_engine import build_llm_engine, launcher_command
+    from .trtllm_checkpoint import read_trtllm_config
+
+    limits = _build_config(args)
+    if args.print_command:
+        _, config = read_trtllm_config(args.checkpoint)
+        command = launcher_command(
+            str(Path(args.checkpoint).absolute()), str(Path(args.output).absolute()), config, limits
+        )
+        print(shlex.join(["python", *command[1:]]))
+        return
+    print(f"wrote {build_llm_engine(args.checkpoint, args.output, limits, force=args.force)}")
+
+
+def _add_limits(s: argparse.ArgumentParser) -> None:
+    from .build_config import BuildConfig
+
+    d = BuildConfig()
+    g = s.add_argument_group("engine limits")
+    g.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests in flight")
+    g.add_argument("--max-input-len", type=int, default=d.max_input_len, help="prompt tokens, visual included")
+    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + generated tokens")
+    g.add_argument("--max-num-tokens", type=int, default=d.max_num_tokens, help="tokens per engine step")
+    g.add_argument("--max-visual-tokens", type=int, default=d.max_visual_tokens, help="visual tokens per request")
 
 
 def _preprocess(args: argparse.Namespace) -> None:
@@ -136,8 +194,29 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="build directory to create")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="vision export dtype")
+    s.add_argument("--llm-dtype", choices=["bf16", "fp16", "fp32"], help="LLM checkpoint dtype (default: the model's)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the LLM")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of the LLM")
+    _add_limits(s)
     s.add_argument("--force", action="store_true", help="replace an existing build directory")
     s.set_defaults(func=_build)
+
+    s = sub.add_parser("convert-llm", help="convert the language model to a TensorRT-LLM 1.2.1 checkpoint")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    s.add_argument("--output", required=True, help="checkpoint directory to create")
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the model's)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_convert_llm)
+
+    s = sub.add_parser("build-llm-engine", help="build the LLM engine with trtllm-build (GPU host)")
+    s.add_argument("--checkpoint", required=True, help="directory written by convert-llm")
+    s.add_argument("--output", required=True, help="engine directory to create")
+    _add_limits(s)
+    s.add_argument("--print-command", action="store_true", help="print the build command instead of running it")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_build_llm_engine)
     return p
 
 
@@ -147,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args)
     except Qwen3VLTrtError as e:
         print(f"qwen3vl-trt {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"qwen3vl-trt {args.command}: interrupted; no output was published", file=sys.stderr)
         return 130

@@ -4,6 +4,8 @@
 class Qwen3VLTrtError(Exception):
     """Base class: a problem the user can fix, with a message that says how."""
 
+    exit_code = 2  # of the command line
+
 
 class CheckpointError(Qwen3VLTrtError):
     """The checkpoint directory is missing, incomplete or corrupt."""
@@ -47,3 +49,9 @@ class PromptTooLongError(RequestError):
 
 class MessageError(RequestError):
     """Chat messages or prompt placeholders are malformed (roles, content parts, image count)."""
+
+
+class GpuStackMissingError(Qwen3VLTrtError):
+    """A stage needs the GPU stack (CUDA device, TensorRT, TensorRT-LLM) that this machine lacks."""
+
+    exit_code = 3

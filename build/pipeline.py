@@ -8,9 +8,12 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .build_config import BuildConfig
 from .checkpoint import Checkpoint
+from .convert_llm import convert_llm
 from .export_vision import export_vision
 from .fsutil import atomic_output_dir
+from .llm_engine import build_llm_engine, gpu_stack_problem
 
 MANIFEST_FILE = "manifest.json"
 
@@ -19,6 +22,10 @@ def build(
     model_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
     dtype: str = "fp32",
+    llm_dtype: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    limits: BuildConfig | None = None,
     force: bool = False,
     log=print,
 ) -> dict:
@@ -29,15 +36,20 @@ def build(
         start = time.perf_counter()
         # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
         result = export_vision(ckpt, tmp / "vision", dtype=dtype, verify=dtype == "fp32", log=log)
-        stages.append(
-            {
-                "stage": "vision-onnx",
-                "status": "done",
-                "output": "vision",
-                "seconds": round(time.perf_counter() - start, 1),
-                "verification": result.sidecar.get("verification", {}).get("max_rel_error"),
-            }
-        )
+        verification = result.sidecar.get("verification", {}).get("max_rel_error")
+        stages.append({**_done("vision-onnx", "vision", start), "verification": verification})
+        start = time.perf_counter()
+        convert_llm(ckpt, tmp / "llm_checkpoint", dtype=llm_dtype, tp=tp, pp=pp)
+        stages.append(_done("llm-checkpoint", "llm_checkpoint", start))
+        problem = gpu_stack_problem()
+        if problem is None:
+            start = time.perf_counter()
+            build_llm_engine(tmp / "llm_checkpoint", tmp / "llm_engine", limits)
+            stages.append(_done("llm-engine", "llm_engine", start))
+        else:
+            out = Path(output_dir)
+            rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out / 'llm_checkpoint'} --output {out / 'llm_engine'}"
+            stages.append({"stage": "llm-engine", "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun})
         manifest = {
             "qwen3vl_trt": __version__,
             "model": str(Path(model_dir).absolute()),
@@ -47,5 +59,13 @@ def build(
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for stage in stages:
-        log(f"stage {stage['stage']}: {stage['status']} ({stage['seconds']}s) -> {Path(output_dir) / stage['output']}")
+        if stage["status"] == "skipped":
+            log(f"stage {stage['stage']}: SKIPPED: {stage['reason']}; on a GPU host run: {stage['rerun_on_gpu_host']}")
+        else:
+            where = Path(output_dir) / stage["output"]
+            log(f"stage {stage['stage']}: {stage['status']} ({stage['seconds']}s) -> {where}")
     return manifest
+
+
+def _done(stage: str, output: str, start: float) -> dict:
+    return {"stage": stage, "status": "done", "output": output, "seconds": round(time.perf_counter() - start, 1)}
