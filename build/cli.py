@@ -74,6 +74,33 @@ def _convert_llm(args: argparse.Namespace) -> None:
     print(f"wrote TensorRT-LLM checkpoint ({args.tp * args.pp} rank files) to {path}")
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .errors import MessageError
+    from .runtime.local import LocalPipeline
+    from .runtime.sampling import SamplingParams
+
+    pipeline = LocalPipeline(args.model, args.build)
+    parts: list[dict] = []
+    for path in args.image:
+        try:
+            parts.append({"type": "image", "image": Path(path).read_bytes()})
+        except OSError as e:
+            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    parts.append({"type": "text", "text": args.text})
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        end_ids=pipeline.end_ids,
+    )
+    pipeline.generate([{"role": "user", "content": parts}], sampling, on_text=lambda s: print(s, end="", flush=True))
+    print()
+
+
 def _build_config(args: argparse.Namespace):
     from .build_config import BuildConfig
 
@@ -200,6 +227,18 @@ def parser() -> argparse.ArgumentParser:
     _add_limits(s)
     s.add_argument("--force", action="store_true", help="replace an existing build directory")
     s.set_defaults(func=_build)
+
+    s = sub.add_parser("generate", help="answer one chat request on the CPU (ONNX Runtime + reference LLM)")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (tokenizer, processor)")
+    s.add_argument("--build", required=True, help="directory written by `qwen3vl-trt build`")
+    s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    s.add_argument("--text", default="Describe the image.", help="user message after the images")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0: no limit")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_generate)
 
     s = sub.add_parser("convert-llm", help="convert the language model to a TensorRT-LLM 1.2.1 checkpoint")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

@@ -148,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max_position_embeddings", type=int, required=True)
     args, rest = parser.parse_known_args(argv)
+    problem = gpu_stack_problem()
+    if problem is not None:
+        print(f"{LAUNCHER}: cannot build here: {problem}", file=sys.stderr)
+        return GpuStackMissingError.exit_code
 
     from qwen3vl_trt.trtllm_model import Qwen3VLForCausalLM
     from tensorrt_llm.commands import build as trtllm_build

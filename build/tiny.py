@@ -283,13 +283,17 @@ def make_tiny_checkpoint(
     vision_overrides: dict | None = None,
     shard_mb: int = 20,
     force: bool = False,
+    tie_word_embeddings: bool | None = None,
 ) -> Path:
-    """Writes a random-weight Qwen3-VL checkpoint and returns its directory."""
+    """Writes a random-weight Qwen3-VL checkpoint and returns its directory; tie_word_embeddings
+    overrides the preset's (tied checkpoints store no lm_head, as the released 2B and 4B)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     spec = PRESETS[preset]
     if vision_overrides:
         spec = TinySpec({**spec.vision, **vision_overrides}, spec.text, spec.tie_word_embeddings)
+    if tie_word_embeddings is not None:
+        spec = TinySpec(spec.vision, spec.text, tie_word_embeddings)
     config = build_config(spec, moe)
     with atomic_output_dir(output, force=force) as tmp:
         _write_json(tmp / "config.json", config)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from qwen3vl_trt.tiny import synthetic_jpeg
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qwen3vl_trt.cli", *args], capture_output=True, text=True)
@@ -30,8 +32,21 @@ def test_build_writes_manifest(tiny_dense, tmp_path):
     built = run_cli("build", "--model", str(tiny_dense), "--output", str(tmp_path / "b"))
     assert built.returncode == 0, built.stderr
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert [s["stage"] for s in manifest["stages"]] == ["vision-onnx"]
+    assert [s["stage"] for s in manifest["stages"]] == ["vision-onnx", "llm-checkpoint", "llm-engine"]
     assert manifest["stages"][0]["verification"] <= 1e-4
+    assert (tmp_path / "b" / "llm_checkpoint" / "rank0.safetensors").is_file()
+    engine = manifest["stages"][2]
+    assert engine["status"] == "skipped" and "tensorrt_llm is not importable" in engine["reason"]
+    assert "SKIPPED" in built.stdout and "build-llm-engine --checkpoint" in built.stdout
+    # The CPU chain answers from the build: preprocessing, ONNX Runtime encoder, reference LLM.
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(synthetic_jpeg(120, 200))
+    args = ["--model", str(tiny_dense), "--build", str(tmp_path / "b"), "--image", str(photo), "--max-new-tokens", "6"]
+    answered = run_cli("generate", *args)
+    assert answered.returncode == 0, answered.stderr
+    assert answered.stdout.strip()
+    missing = run_cli("generate", *args[:4], "--image", str(tmp_path / "nope.jpg"))
+    assert missing.returncode == 2 and "cannot read image" in missing.stderr
 
 
 def test_errors_are_one_line_without_traceback(tmp_path):

@@ -15,6 +15,7 @@ from qwen3vl_trt.errors import InputError
 from qwen3vl_trt.hf_reference import hf_model_inputs
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM, SamplingParams
+from qwen3vl_trt.runtime.local import engine_request
 from qwen3vl_trt.tiny import ENDOFTEXT_ID, IM_END_ID
 from qwen3vl_trt.vision import VisionEncoder
 from transformers import AutoModelForImageTextToText
@@ -78,11 +79,7 @@ class Chain:
         self.hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def engine_request(self, llm: ReferenceLLM, messages, sampling=None) -> LLMRequest:
-        request = self.pre(messages)
-        embeds = (None, None)
-        if request.num_visual_tokens:
-            embeds = self.encoder.run({"pixel_values": request.pixel_values.numpy(), **request.vision_inputs})
-        return LLMRequest.from_preprocessed(request, llm.config.max_position_embeddings, *embeds, sampling=sampling)
+        return engine_request(self.pre, self.encoder, messages, llm.config.max_position_embeddings, sampling)
 
     def hf_inputs(self, messages) -> dict:
         r = self.pre(messages)
