@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import Qwen3VLTrtError
+from .preprocess.preprocessor import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,13 @@ class BuildConfig:
             raise Qwen3VLTrtError(
                 f"max_visual_tokens ({self.max_visual_tokens}) cannot exceed max_input_len ({self.max_input_len})"
             )
+
+    def request_limits(self, **image_limits: int) -> RequestLimits:
+        """The preprocessing limits that keep requests inside the engine (prompt and visual tokens);
+        image limits (max_images, pixel caps) as given or RequestLimits' defaults."""
+        return RequestLimits(
+            max_prompt_tokens=self.max_input_len, max_visual_tokens=self.max_visual_tokens, **image_limits
+        )
 
     def prompt_table_rows(self, deepstack_count: int) -> int:
         """max_prompt_embedding_table_size: (K+1) rows per visual token, for a full batch. TensorRT-LLM's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -10,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import OutputExistsError
+from .errors import CheckpointError, OutputExistsError
 
 
 def check_output_dir(output: Path, force: bool) -> None:
@@ -63,3 +64,13 @@ def atomic_output_dir(output: str | os.PathLike[str], force: bool = False) -> It
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_json(path: Path, missing: str) -> dict:
+    """A JSON config file's content; CheckpointError(`missing`) when absent, or naming the syntax error."""
+    if not path.is_file():
+        raise CheckpointError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None

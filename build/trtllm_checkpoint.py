@@ -15,7 +15,6 @@ converter (`tensorrt_llm/models/qwen/convert.py`, `model_weights_loader.py`, `ma
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -28,6 +27,7 @@ from safetensors import safe_open
 
 from .checkpoint import ModelInfo
 from .errors import CheckpointError, UnsupportedModelError
+from .fsutil import read_json
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
@@ -183,6 +183,22 @@ def _check_divisible(info: ModelInfo, mapping: Mapping) -> None:
         raise UnsupportedModelError(f"pp={mapping.pp_size} is more than the {text.num_hidden_layers} layers")
 
 
+# LLMConfig fields that config.json holds under the same name.
+_SAME_NAMED_FIELDS = (
+    "dtype",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_size",
+    "intermediate_size",
+    "norm_epsilon",
+    "rotary_base",
+    "max_position_embeddings",
+)
+
+
 def parse_trtllm_config(cfg: dict) -> LLMConfig:
     if cfg.get("architecture") != ARCHITECTURE:
         raise CheckpointError(
@@ -200,18 +216,8 @@ def parse_trtllm_config(cfg: dict) -> LLMConfig:
                 renormalize=moe_cfg["normalization_mode"] == MOE_RENORMALIZE,
             )
         return LLMConfig(
-            dtype=cfg["dtype"],
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_size=cfg["head_size"],
-            intermediate_size=cfg["intermediate_size"],
-            norm_epsilon=cfg["norm_epsilon"],
-            rotary_base=cfg["rotary_base"],
+            **{name: cfg[name] for name in _SAME_NAMED_FIELDS},
             rotary_dim=cfg["rotary_embedding_dim"],
-            max_position_embeddings=cfg["max_position_embeddings"],
             deepstack_count=cfg["qwen3_vl"]["deepstack_count"],
             mapping=Mapping(cfg["mapping"]["tp_size"], cfg["mapping"]["pp_size"]),
             moe=moe,
@@ -221,13 +227,8 @@ def parse_trtllm_config(cfg: dict) -> LLMConfig:
 
 
 def read_trtllm_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict, LLMConfig]:
-    path = Path(checkpoint_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{checkpoint_dir} has no {CONFIG_FILE}: is it a converted TensorRT-LLM checkpoint?")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    missing = f"{checkpoint_dir} has no {CONFIG_FILE}: is it a converted TensorRT-LLM checkpoint?"
+    cfg = read_json(Path(checkpoint_dir) / CONFIG_FILE, missing)
     return cfg, parse_trtllm_config(cfg)
 
 

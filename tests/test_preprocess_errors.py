@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from images import jpeg, png, png_header_only
+from qwen3vl_trt.build_config import BuildConfig
 from qwen3vl_trt.errors import (
     ImageDecodeError,
     ImageShapeError,
@@ -73,6 +74,19 @@ def test_prompt_too_long(pre):
     parts = [{"type": "image", "image": jpeg(480, 640, seed=i)} for i in range(2)]
     with pytest.raises(PromptTooLongError, match="600 of them for 2 image"):
         pre([{"role": "user", "content": [*parts, {"type": "text", "text": "compare"}]}])
+
+
+def test_visual_tokens_stay_within_the_engine_share(tiny_dense):
+    """BuildConfig's limits reach preprocessing: a request cannot carry more visual tokens than its
+    share of the engine's prompt table, nor a longer prompt than max_input_len."""
+    limits = BuildConfig(max_input_len=1000, max_seq_len=2000, max_visual_tokens=400).request_limits()
+    assert (limits.max_prompt_tokens, limits.max_visual_tokens) == (1000, 400)
+    pre = Preprocessor.from_pretrained(tiny_dense, limits=limits)
+    one = [{"type": "image", "image": jpeg(480, 640)}, {"type": "text", "text": "?"}]
+    assert pre([{"role": "user", "content": one}]).num_visual_tokens == 300
+    two = [{"type": "image", "image": jpeg(480, 640, seed=i)} for i in range(2)]
+    with pytest.raises(PromptTooLongError, match="600 visual tokens; the limit is 400"):
+        pre([{"role": "user", "content": two}])
 
 
 def test_image_part_without_image(pre):

@@ -17,7 +17,6 @@ operations, in the same order, as the matching processor, so the results are bit
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import re
@@ -40,6 +39,7 @@ from ..errors import (
     Qwen3VLTrtError,
     UnsupportedModelError,
 )
+from ..fsutil import read_json
 
 ResizeBackend = Literal["torchvision", "pil"]
 RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")
@@ -91,13 +91,8 @@ class ImageProcessingConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> ImageProcessingConfig:
         path = Path(model_dir) / PREPROCESSOR_CONFIG_FILE
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing; copy preprocessor_config.json from the released checkpoint")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg, where=str(path))
+        missing = f"{path} is missing; copy preprocessor_config.json from the released checkpoint"
+        return cls.from_dict(read_json(path, missing), where=str(path))
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = PREPROCESSOR_CONFIG_FILE) -> ImageProcessingConfig:

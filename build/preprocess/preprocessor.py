@@ -43,11 +43,13 @@ DecoderName = Literal["auto", "pillow", "nvimgcodec"]
 @dataclass(frozen=True)
 class RequestLimits(ImageLimits):
     max_prompt_tokens: int = 32768
+    max_visual_tokens: int = 32768  # an engine's prompt-table share per request (BuildConfig.max_visual_tokens)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_prompt_tokens <= 0:
-            raise ValueError(f"RequestLimits.max_prompt_tokens must be positive, got {self.max_prompt_tokens}")
+        for name in ("max_prompt_tokens", "max_visual_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RequestLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,11 @@ class Preprocessor:
             raise PromptTooLongError(
                 f"the prompt is {input_ids.size} tokens ({sum(tokens_per_image)} of them for {len(tokens_per_image)} "
                 f"image(s)); the limit is {limits.max_prompt_tokens}: shorten the text or send smaller images"
+            )
+        if sum(tokens_per_image) > limits.max_visual_tokens:
+            raise PromptTooLongError(
+                f"the images take {sum(tokens_per_image)} visual tokens; the limit is {limits.max_visual_tokens}: "
+                "send fewer or smaller images"
             )
         return _Pending(input_ids, plan)
 
