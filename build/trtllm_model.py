@@ -57,6 +57,7 @@ else:
 
         def __init__(self, config: Any, layer_idx: int):
             super().__init__(config, layer_idx)
+            self.global_layer_idx = layer_idx  # DecoderLayerList passes the global index
             self.deepstack = layer_idx < config.qwen3_vl["deepstack_count"]
             self.visual: _VisualTokens | None = None  # set by Qwen3VLModel.forward while the graph is built
 
@@ -66,8 +67,8 @@ else:
                 return out
             if use_cache:
                 hidden, presents = out
-                return self.visual.add_feature(hidden, self.layer_idx), presents
-            return self.visual.add_feature(out, self.layer_idx)
+                return self.visual.add_feature(hidden, self.global_layer_idx), presents
+            return self.visual.add_feature(out, self.global_layer_idx)
 
     class Qwen3VLModel(QWenModel):
         def __init__(self, config: Any):
