@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +49,19 @@ class Source:
     rows: int
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def read(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    def read(
+        self, start: int, stop: int, dtype: torch.dtype, reads: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Rows [start, stop) in the output layout and dtype; `reads` shares raw reads of the same
+        rows among sources cut from one tensor."""
         available = self.location.shape[0] if self.location.shape else 1
-        chunk = self.location.read_rows(min(start, available), min(stop, available))
+        key = id(self.location)
+        if reads is not None and key in reads:
+            chunk = reads[key]
+        else:
+            chunk = self.location.read_rows(min(start, available), min(stop, available))
+            if reads is not None:
+                reads[key] = chunk
         if self.transform is not None:
             chunk = self.transform(chunk)
         chunk = chunk.to(dtype)
@@ -135,29 +145,36 @@ class _Sources:
         raise AssertionError(f"no source for {role}")
 
 
-def _rank_chunks(param: Param, sources: list[Source], tp_rank: int, tp_size: int, dtype: torch.dtype):
-    """The rank's part of a parameter, as consecutive row chunks (dim 0) in the output dtype."""
+def _param_chunks(
+    param: Param, sources: list[Source], tp_size: int, dtype: torch.dtype
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(tp_rank, chunk) pairs covering every rank's part of a parameter, each rank's chunks in row
+    order. Rows split across ranks are read once each; parameters every rank needs whole rows of
+    (replicated, or split on an inner dim) are read once per chunk and cut for all ranks."""
     split = param.split
+    offsets = [sum(split.groups[:g]) for g in range(len(split.groups))]
     if split.dim == 0:
-        offsets = [sum(split.groups[:g]) for g in range(len(split.groups))]
-        for a, b in split.ranges(tp_rank, tp_size):
-            g = max(k for k, off in enumerate(offsets) if off <= a)
-            src = sources[g]
-            for start in range(a - offsets[g], b - offsets[g], src.chunk_rows):
-                yield src.read(start, min(start + src.chunk_rows, b - offsets[g]), dtype)
+        for tp_rank in range(tp_size):
+            for a, b in split.ranges(tp_rank, tp_size):
+                g = max(k for k, off in enumerate(offsets) if off <= a)
+                src = sources[g]
+                for start in range(a - offsets[g], b - offsets[g], src.chunk_rows):
+                    yield tp_rank, src.read(start, min(start + src.chunk_rows, b - offsets[g]), dtype)
         return
     rows, step = sources[0].rows, min(s.chunk_rows for s in sources)
-    ranges = split.ranges(tp_rank, tp_size) if split.dim is not None else []
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        if split.dim is None:
-            yield sources[0].read(start, stop, dtype)
-            continue
-        pieces, offset = [], 0
-        for src, size, (a, b) in zip(sources, split.groups, ranges, strict=True):
-            pieces.append(src.read(start, stop, dtype).narrow(split.dim, a - offset, b - a))
-            offset += size
-        yield torch.cat(pieces, dim=split.dim)
+        reads: dict[int, torch.Tensor] = {}  # groups cut from one source tensor share its read
+        parts = [src.read(start, stop, dtype, reads) for src in sources]
+        for tp_rank in range(tp_size):
+            if split.dim is None:
+                yield tp_rank, parts[0]
+                continue
+            ranges = split.ranges(tp_rank, tp_size)
+            pieces = [
+                p.narrow(split.dim, a - off, b - a) for p, off, (a, b) in zip(parts, offsets, ranges, strict=True)
+            ]
+            yield tp_rank, torch.cat(pieces, dim=split.dim)
 
 
 def convert_llm(
@@ -206,10 +223,9 @@ def convert_llm(
                     for tp_rank in range(tp)
                 ]
                 for role, param in params.items():
-                    for tp_rank, writer in enumerate(writers):
-                        for chunk in _rank_chunks(param, plan[role], tp_rank, tp, dtype_of(param)):
-                            writer.write(param.name, chunk)
-                            bar.update(chunk.numel() * chunk.element_size())
+                    for tp_rank, chunk in _param_chunks(param, plan[role], tp, dtype_of(param)):
+                        writers[tp_rank].write(param.name, chunk)
+                        bar.update(chunk.numel() * chunk.element_size())
                 for writer in writers:
                     writer.close()
     return Path(output)
