@@ -209,6 +209,20 @@ def test_unsupported_splits_are_refused_before_writing(checkpoints, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_unsupported_models_are_refused(checkpoints, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["moe"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"model_type": "qwen2_5_vl"}))
+    with pytest.raises(UnsupportedModelError, match="Qwen2.5-VL"):
+        convert_llm(src, tmp_path / "c", progress=False)
+    cfg["text_config"]["mlp_only_layers"] = [1]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        convert_llm(src, tmp_path / "c", progress=False)
+    assert not (tmp_path / "c").exists()
+
+
 def test_broken_checkpoints_are_reported(checkpoints, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(checkpoints["dense"], src)
