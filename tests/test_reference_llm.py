@@ -14,7 +14,7 @@ from qwen3vl_trt.convert_llm import convert_llm
 from qwen3vl_trt.errors import InputError
 from qwen3vl_trt.hf_reference import hf_model_inputs
 from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM, SamplingParams
+from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import engine_request
 from qwen3vl_trt.tiny import ENDOFTEXT_ID, IM_END_ID
 from qwen3vl_trt.vision import VisionEncoder
@@ -167,6 +167,29 @@ def test_batch_equals_one_by_one(chains, runtimes):
     together = [r.output_ids for r in llm.generate(requests)]
     assert together == alone
     assert [len(t) for t in together] == list(budgets.values())
+
+
+def test_requests_joining_a_running_batch_get_their_own_tokens(chains, runtimes):
+    """Inflight batching: a request added after others have decoded for a while (with a longer
+    budget, so the cache grows) gets the tokens it gets alone, and so do the others."""
+    chain, llm = chains("dense"), runtimes("dense")
+    first = chain.engine_request(llm, CASES["three images between text"], SamplingParams(max_new_tokens=6))
+    second = chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=10))
+    third = chain.engine_request(llm, CASES["text only"], SamplingParams(max_new_tokens=240))
+    alone = [llm.generate([r])[0].output_ids for r in (first, second, third)]
+    streamed: list[tuple[int, int]] = []
+    batch = DecodeBatch(llm, on_token=lambda i, t: streamed.append((i, t)))
+    results = [batch.add(first, 0), batch.add(second, 1)]
+    for _ in range(3):
+        batch.step()
+    results.append(batch.add(third, 2))
+    steps = 3
+    while batch:
+        batch.step()
+        steps += 1
+        assert len(batch) == sum(len(r.output_ids) < n for r, n in zip(results, (6, 10, 240), strict=True))
+    assert [r.output_ids for r in results] == alone
+    assert steps == 3 + 239 and [t for i, t in streamed if i == 2] == alone[2]
 
 
 def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):

@@ -13,8 +13,9 @@ llm_inputs.py). What the engine computes, it computes:
   generation-phase attention kernel does);
 - Qwen3 decoder layers (q/k RMSNorm per head, GQA, SwiGLU or top-k MoE with renormalized weights).
 
-It is also the LLM of the CPU deployment: requests of different lengths are batched for decoding
-over one KV cache, with greedy or sampled tokens, end ids, and a per-token callback for streaming.
+It is also the LLM of the CPU deployment: requests of different lengths decode together over one
+KV cache (DecodeBatch; new requests may join between steps, as with inflight batching), with greedy
+or sampled tokens, end ids, and a per-token callback for streaming.
 """
 
 from __future__ import annotations
@@ -247,65 +248,14 @@ class ReferenceLLM:
 
     # -- batched generation ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, requests: Sequence[LLMRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
         """Generates for several requests at once: each prompt is run on its own, then all active
         requests decode together, one token each per step, over one KV cache."""
-        if not requests:
-            return []
-        max_len = self.config.max_position_embeddings
-        prompts = [self._prefill(r, all_logits=False) for r in requests]
-        lengths = [int(np.asarray(r.input_ids).size) for r in requests]
-        for r, n in zip(requests, lengths, strict=True):
-            if n + r.sampling.max_new_tokens > max_len:
-                raise InputError(
-                    f"prompt of {n} tokens + max_new_tokens {r.sampling.max_new_tokens} exceeds the model's "
-                    f"{max_len} positions"
-                )
-        capacity = max(n + r.sampling.max_new_tokens for r, n in zip(requests, lengths, strict=True))
-        kv_heads = self.config.num_key_value_heads
-        shape = (len(requests), kv_heads, capacity, self.head_dim)
-        cache_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.w.layers]
-        cache_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.w.layers]
-        for b, (_, layers) in enumerate(prompts):
-            for layer, (k, v) in enumerate(layers):
-                cache_k[layer][b, :, : lengths[b]] = k
-                cache_v[layer][b, :, : lengths[b]] = v
-
-        samplers = [TokenSampler(r.sampling, self.device) for r in requests]
-        results = [GenerationResult([], "length", n) for n in lengths]
-        active = list(range(len(requests)))  # request index of each cache row
-        position = torch.tensor(lengths, device=self.device)  # sequence index of the next token per row
-        delta = torch.tensor([int(np.asarray(r.mrope_position_deltas).reshape(-1)[0]) for r in requests])
-        delta = delta.to(self.device)
-        next_ids = []
-        for b, (logits, _) in enumerate(prompts):
-            next_ids.append(self._accept(b, samplers[b], logits[-1], results[b], on_token))
-        while True:
-            keep = [row for row, b in enumerate(active) if not samplers[b].finished]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                rows = torch.tensor(keep, device=self.device)
-                cache_k = [c.index_select(0, rows) for c in cache_k]
-                cache_v = [c.index_select(0, rows) for c in cache_v]
-                position, delta = position[rows], delta[rows]
-                active = [active[row] for row in keep]
-                next_ids = [next_ids[row] for row in keep]
-            logits = self._decode_step(torch.tensor(next_ids, device=self.device), position, delta, cache_k, cache_v)
-            position = position + 1
-            next_ids = [self._accept(b, samplers[b], logits[row], results[b], on_token) for row, b in enumerate(active)]
+        batch = DecodeBatch(self, on_token)
+        results = [batch.add(request, index) for index, request in enumerate(requests)]
+        while batch:
+            batch.step()
         return results
-
-    @staticmethod
-    def _accept(index: int, sampler: TokenSampler, logits: torch.Tensor, result: GenerationResult, on_token) -> int:
-        token = sampler.next_token(logits)
-        result.output_ids.append(token)
-        if sampler.finished:
-            result.finish_reason = sampler.finish_reason
-        if on_token is not None:
-            on_token(index, token)
-        return token
 
     def _decode_step(self, ids, position, delta, cache_k, cache_v) -> torch.Tensor:
         """One token per row: writes its k/v at `position` and returns float32 logits [B, vocab]."""
@@ -324,3 +274,90 @@ class ReferenceLLM:
             h = h + self._attend(layer, q, keys, values, mask, causal=False)
             h = h + self._mlp(layer, _rms_norm(h, w.post_layernorm, eps))
         return self._logits(h[:, 0])
+
+
+@dataclass
+class _Sequence:
+    """A request in a decode batch: the caller's index, its sampler, result and rope delta."""
+
+    index: int
+    sampler: TokenSampler
+    result: GenerationResult
+    delta: int
+    next_id: int = 0
+
+
+class DecodeBatch:
+    """Requests decoding together over one KV cache. A request joins with `add` (its prompt is run
+    then) at any point between steps, as in inflight batching; `step` generates one token for every
+    request and drops the finished ones. Cache rows are [KV heads, capacity, head_dim] per layer,
+    the capacity growing to the longest prompt + max_new_tokens that joined."""
+
+    def __init__(self, llm: ReferenceLLM, on_token: TokenCallback | None = None):
+        self.llm, self.on_token = llm, on_token
+        self.sequences: list[_Sequence] = []
+        c = llm.config
+        empty = (0, c.num_key_value_heads, 0, c.head_size)
+        self.cache_k = [torch.zeros(empty, dtype=llm.dtype, device=llm.device) for _ in llm.w.layers]
+        self.cache_v = [torch.zeros(empty, dtype=llm.dtype, device=llm.device) for _ in llm.w.layers]
+        self.position = torch.zeros(0, dtype=torch.int64, device=llm.device)  # sequence index of each row's next token
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @torch.inference_mode()
+    def add(self, request: LLMRequest, index: int = 0) -> GenerationResult:
+        """Runs the request's prompt and picks its first token; the returned result fills as steps run."""
+        llm = self.llm
+        length = int(np.asarray(request.input_ids).size)
+        need = length + request.sampling.max_new_tokens
+        if need > llm.config.max_position_embeddings:
+            raise InputError(
+                f"prompt of {length} tokens + max_new_tokens {request.sampling.max_new_tokens} exceeds the model's "
+                f"{llm.config.max_position_embeddings} positions"
+            )
+        logits, kv = llm._prefill(request, all_logits=False)
+        seq = _Sequence(
+            index,
+            TokenSampler(request.sampling, llm.device),
+            GenerationResult([], "length", length),
+            int(np.asarray(request.mrope_position_deltas).reshape(-1)[0]),
+        )
+        self._accept(seq, logits[-1])
+        if seq.sampler.finished:
+            return seq.result
+        capacity = max(need, self.cache_k[0].shape[2])
+        for caches, new in ((self.cache_k, [k for k, _ in kv]), (self.cache_v, [v for _, v in kv])):
+            for layer, rows in enumerate(caches):
+                row = F.pad(new[layer], (0, 0, 0, capacity - length))[None]
+                caches[layer] = torch.cat([F.pad(rows, (0, 0, 0, capacity - rows.shape[2])), row])
+        self.position = torch.cat([self.position, self.position.new_tensor([length])])
+        self.sequences.append(seq)
+        return seq.result
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One token for every request in the batch; finished requests leave it."""
+        if not self.sequences:
+            return
+        ids = torch.tensor([s.next_id for s in self.sequences], device=self.llm.device)
+        delta = self.position.new_tensor([s.delta for s in self.sequences])
+        logits = self.llm._decode_step(ids, self.position, delta, self.cache_k, self.cache_v)
+        self.position = self.position + 1
+        for row, seq in enumerate(self.sequences):
+            self._accept(seq, logits[row])
+        keep = [row for row, seq in enumerate(self.sequences) if not seq.sampler.finished]
+        if len(keep) < len(self.sequences):
+            rows = torch.tensor(keep, dtype=torch.int64, device=self.llm.device)
+            self.cache_k = [c.index_select(0, rows) for c in self.cache_k]
+            self.cache_v = [c.index_select(0, rows) for c in self.cache_v]
+            self.position = self.position[rows]
+            self.sequences = [self.sequences[row] for row in keep]
+
+    def _accept(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        seq.next_id = seq.sampler.next_token(logits)
+        seq.result.output_ids.append(seq.next_id)
+        if seq.sampler.finished:
+            seq.result.finish_reason = seq.sampler.finish_reason
+        if self.on_token is not None:
+            self.on_token(seq.index, seq.next_id)
