@@ -19,13 +19,12 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import Checkpoint, ModelInfo
+from .dtypes import DTYPE_CHOICES, TORCH_DTYPES
 from .errors import CheckpointError
 from .fsutil import atomic_output_dir
 from .safetensors_io import StreamingWriter, TensorLocation, TensorPlan
 from .trtllm_checkpoint import (
     CONFIG_FILE,
-    DTYPES,
-    TORCH_DTYPES,
     LLMConfig,
     Mapping,
     Param,
@@ -79,7 +78,7 @@ def source_dtype(config: dict) -> str:
     """The checkpoint's own dtype as a --dtype choice (bf16 when it does not say)."""
     text = config.get("text_config", {})
     name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(name), "bf16")
+    return DTYPE_CHOICES.get(str(name), "bf16")
 
 
 class _Sources:
@@ -190,11 +189,11 @@ def convert_llm(
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     ckpt.verify_shards()
     dtype = dtype or source_dtype(ckpt.config)
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in TORCH_DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     cfg = trtllm_config(ckpt.info, dtype, Mapping(tp, pp))
     config = parse_trtllm_config(cfg)
-    out_dtype = TORCH_DTYPES[cfg["dtype"]]
+    out_dtype = TORCH_DTYPES[dtype]
     sources = _Sources(ckpt, ckpt.info)
     stages = [stage_params(config, pp_rank) for pp_rank in range(pp)]
     plan = {role: sources.for_role(role, config) for params in stages for role in params}  # all checked first

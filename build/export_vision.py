@@ -31,6 +31,7 @@ from .contracts import (
     VISION_OUTPUTS,
     VISION_SIDECAR_FILE,
 )
+from .dtypes import DTYPE_NAMES, TORCH_DTYPES
 from .errors import Qwen3VLTrtError
 from .fsutil import atomic_output_dir
 from .vision_metadata import num_patches, vision_metadata
@@ -39,8 +40,6 @@ from .vision_model import VisionTower
 # Opset 20: native Gelu (one kernel instead of a tanh formula) and LayerNormalization, and
 # inside the range TensorRT parses (opset 9 to 20 since 10.0).
 ONNX_OPSET = 20
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Parity tolerance of the fp32 export against transformers (max |a-b| / max |b|).
 FP32_REL_TOLERANCE = 1e-4
 # Grids used by --verify: square, non-square, the smallest, and a two-frame video.
@@ -140,7 +139,7 @@ def check_onnx(path: Path) -> onnx.ModelProto:
 
 def _sidecar(ckpt: Checkpoint, dtype: str, weights_sha256: str) -> dict:
     cfg = ckpt.info.vision
-    tensor_dtype = {"model": ONNX_DTYPES[dtype]}
+    tensor_dtype = {"model": DTYPE_NAMES[dtype]}
 
     def resolve(spec_shape: tuple[int | str, ...]) -> list[int | str]:
         sizes = {"patch_dim": cfg.patch_dim, "D": cfg.out_hidden_size, "K": len(cfg.deepstack_visual_indexes)}

@@ -26,13 +26,12 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import ModelInfo
+from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError, UnsupportedModelError
 from .fsutil import read_json
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # ExpertScaleNormalizationMode.RENORMALIZE (tensorrt_llm/layers/moe.py): softmax over the top-k
 # logits, which equals transformers' Qwen3-VL-MoE routing (softmax, top-k, divide by their sum).
 MOE_RENORMALIZE = 1
@@ -115,7 +114,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: Mapping) -> dict:
     _check_divisible(info, mapping)
     return {
         "architecture": ARCHITECTURE,
-        "dtype": DTYPES[dtype],
+        "dtype": DTYPE_NAMES[dtype],
         "logits_dtype": "float32",
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
