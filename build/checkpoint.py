@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .dtypes import SAFETENSORS_DTYPES
 from .errors import CheckpointError, UnsupportedModelError
-from .safetensors_io import DTYPES, TensorLocation
+from .safetensors_io import TensorLocation
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,7 +80,7 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class MoeConfig:
+class ExpertConfig:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -102,7 +103,7 @@ class TextConfig:
     mrope_section: tuple[int, ...]
     mrope_interleaved: bool
     max_position_embeddings: int
-    moe: MoeConfig | None
+    moe: ExpertConfig | None
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def parse_config(cfg: dict) -> ModelInfo:
 
     moe = None
     if model_type == "qwen3_vl_moe":
-        moe = MoeConfig(
+        moe = ExpertConfig(
             num_experts=int(t("num_experts")),
             num_experts_per_tok=int(t("num_experts_per_tok")),
             moe_intermediate_size=int(t("moe_intermediate_size")),
@@ -388,7 +389,7 @@ class Checkpoint:
         """Where tensor `name` lies on disk, for reading it in row ranges without loading its shard."""
         meta = self._tensor_meta(name)
         shard = self._shard_of(name)
-        dtype = DTYPES.get(meta["dtype"])
+        dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
         if dtype is None:
             raise CheckpointError(f"tensor '{name}' in {shard} has unsupported dtype {meta['dtype']}")
         begin, end = (int(v) for v in meta["data_offsets"])

@@ -13,7 +13,7 @@ from .errors import Qwen3VLTrtError
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
-    from .tiny import make_tiny_checkpoint
+    from .testing.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(args.output, moe=args.moe, seed=args.seed, preset=args.preset, force=args.force)
     print(f"wrote {'MoE' if args.moe else 'dense'} {args.preset} checkpoint to {path}")
@@ -46,7 +46,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _export_vision(args: argparse.Namespace) -> None:
-    from .export_vision import export_vision
+    from .vision.export import export_vision
 
     result = export_vision(args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force)
     print(f"wrote {result.output_dir}")
@@ -68,7 +68,7 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _convert_llm(args: argparse.Namespace) -> None:
-    from .convert_llm import convert_llm
+    from .llm.convert import convert_llm
 
     path = convert_llm(args.model, args.output, dtype=args.dtype, tp=args.tp, pp=args.pp, force=args.force)
     print(f"wrote TensorRT-LLM checkpoint ({args.tp * args.pp} rank files) to {path}")
@@ -102,9 +102,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _build_config(args: argparse.Namespace):
-    from .build_config import BuildConfig
+    from .limits import EngineLimits
 
-    return BuildConfig(
+    return EngineLimits(
         max_batch_size=args.max_batch_size,
         max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len,
@@ -117,8 +117,8 @@ def _build_llm_engine(args: argparse.Namespace) -> None:
     import shlex
     from pathlib import Path
 
-    from .llm_engine import build_llm_engine, launcher_command
-    from .trtllm_checkpoint import read_trtllm_config
+    from .llm.checkpoint_format import read_trtllm_config
+    from .llm.engine_build import build_llm_engine, launcher_command
 
     limits = _build_config(args)
     if args.print_command:
@@ -132,9 +132,9 @@ def _build_llm_engine(args: argparse.Namespace) -> None:
 
 
 def _add_limits(s: argparse.ArgumentParser) -> None:
-    from .build_config import BuildConfig
+    from .limits import EngineLimits
 
-    d = BuildConfig()
+    d = EngineLimits()
     g = s.add_argument_group("engine limits")
     g.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests in flight")
     g.add_argument("--max-input-len", type=int, default=d.max_input_len, help="prompt tokens, visual included")

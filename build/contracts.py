@@ -8,6 +8,7 @@ merged (LLM) tokens, K the number of DeepStack features, D the LLM hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,32 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     MROPE_ROTARY_COS_SIN,
     MROPE_POSITION_DELTAS,
 )
+
+
+@dataclass(frozen=True)
+class BuildLayout:
+    """Where each stage's output lies in a `qwen3vl-trt build` directory (relative names are what the
+    manifest records)."""
+
+    root: Path
+
+    VISION = "vision"
+    LLM_CHECKPOINT = "llm_checkpoint"
+    LLM_ENGINE = "llm_engine"
+    MANIFEST = "manifest.json"
+
+    @property
+    def vision(self) -> Path:
+        return self.root / self.VISION
+
+    @property
+    def llm_checkpoint(self) -> Path:
+        return self.root / self.LLM_CHECKPOINT
+
+    @property
+    def llm_engine(self) -> Path:
+        return self.root / self.LLM_ENGINE
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / self.MANIFEST

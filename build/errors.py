@@ -19,6 +19,10 @@ class OutputExistsError(Qwen3VLTrtError):
     """The output directory exists and overwriting was not asked for."""
 
 
+class LimitsError(Qwen3VLTrtError):
+    """A serving or engine limit is out of range or inconsistent with another."""
+
+
 class InputError(Qwen3VLTrtError):
     """Tensors handed to a runtime do not match its contract."""
 

@@ -8,14 +8,13 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .build_config import BuildConfig
 from .checkpoint import Checkpoint
-from .convert_llm import convert_llm
-from .export_vision import export_vision
+from .contracts import BuildLayout
 from .fsutil import atomic_output_dir
-from .llm_engine import build_llm_engine, gpu_stack_problem
-
-MANIFEST_FILE = "manifest.json"
+from .limits import EngineLimits
+from .llm.convert import convert_llm
+from .llm.engine_build import build_llm_engine, gpu_stack_problem
+from .vision.export import export_vision
 
 
 def build(
@@ -25,30 +24,31 @@ def build(
     llm_dtype: str | None = None,
     tp: int = 1,
     pp: int = 1,
-    limits: BuildConfig | None = None,
+    limits: EngineLimits | None = None,
     force: bool = False,
     log=print,
 ) -> dict:
     ckpt = Checkpoint(model_dir)
     ckpt.verify_shards()
     stages = []
-    with atomic_output_dir(output_dir, force=force) as tmp:
+    out = BuildLayout(Path(output_dir))
+    with atomic_output_dir(output_dir, force=force) as tmp_root:
+        tmp = BuildLayout(tmp_root)
         start = time.perf_counter()
         # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
-        result = export_vision(ckpt, tmp / "vision", dtype=dtype, verify=dtype == "fp32", log=log)
+        result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
         verification = result.sidecar.get("verification", {}).get("max_rel_error")
-        stages.append({**_done("vision-onnx", "vision", start), "verification": verification})
+        stages.append({**_done("vision-onnx", BuildLayout.VISION, start), "verification": verification})
         start = time.perf_counter()
-        convert_llm(ckpt, tmp / "llm_checkpoint", dtype=llm_dtype, tp=tp, pp=pp)
-        stages.append(_done("llm-checkpoint", "llm_checkpoint", start))
+        convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
+        stages.append(_done("llm-checkpoint", BuildLayout.LLM_CHECKPOINT, start))
         problem = gpu_stack_problem()
         if problem is None:
             start = time.perf_counter()
-            build_llm_engine(tmp / "llm_checkpoint", tmp / "llm_engine", limits)
-            stages.append(_done("llm-engine", "llm_engine", start))
+            build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
+            stages.append(_done("llm-engine", BuildLayout.LLM_ENGINE, start))
         else:
-            out = Path(output_dir)
-            rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out / 'llm_checkpoint'} --output {out / 'llm_engine'}"
+            rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out.llm_checkpoint} --output {out.llm_engine}"
             stages.append({"stage": "llm-engine", "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun})
         manifest = {
             "qwen3vl_trt": __version__,
@@ -57,12 +57,12 @@ def build(
             "size": ckpt.info.size_name,
             "stages": stages,
         }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     for stage in stages:
         if stage["status"] == "skipped":
             log(f"stage {stage['stage']}: SKIPPED: {stage['reason']}; on a GPU host run: {stage['rerun_on_gpu_host']}")
         else:
-            where = Path(output_dir) / stage["output"]
+            where = out.root / stage["output"]
             log(f"stage {stage['stage']}: {stage['status']} ({stage['seconds']}s) -> {where}")
     return manifest
 

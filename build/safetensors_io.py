@@ -17,21 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import SAFETENSORS_DTYPE_TAGS
 from .errors import CheckpointError
-
-DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -92,7 +79,7 @@ class StreamingWriter:
         offset = 0
         for t in tensors:
             header[t.name] = {
-                "dtype": DTYPE_NAMES[t.dtype],
+                "dtype": SAFETENSORS_DTYPE_TAGS[t.dtype],
                 "shape": list(t.shape),
                 "data_offsets": [offset, offset + t.nbytes],
             }

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from qwen3vl_trt.safetensors_io import StreamingWriter, TensorPlan
-from qwen3vl_trt.tiny import PRESETS, TinySpec, build_config
+from qwen3vl_trt.testing.tiny import PRESETS, TinySpec, build_config
 from tqdm import tqdm
 
 TEXT_2B = dict(
@@ -143,7 +143,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-c",
-                "import resource, qwen3vl_trt.cli, qwen3vl_trt.convert_llm, torch; "
+                "import resource, qwen3vl_trt.cli, qwen3vl_trt.llm.convert, torch; "
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)",
             ],
             capture_output=True,

@@ -44,10 +44,10 @@ def main() -> None:
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
     from qwen3vl_trt.checkpoint import Checkpoint
-    from qwen3vl_trt.export_vision import export_vision, parity_errors
-    from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from qwen3vl_trt.tiny import make_tiny_checkpoint
+    from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+    from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
     from qwen3vl_trt.vision import VisionEncoder
+    from qwen3vl_trt.vision.export import export_vision, parity_errors
 
     model_dir, onnx_dir = workdir / f"ckpt-{args.preset}", workdir / f"vision-{args.preset}-fp32"
     if not model_dir.exists():

@@ -12,6 +12,6 @@ out=${1:-runs/demo}
 .venv/bin/qwen3vl-trt make-tiny --output "$out/checkpoint" --force
 .venv/bin/qwen3vl-trt build --model "$out/checkpoint" --output "$out/build" --force
 # What one chat request with an image becomes for the engines (ids, grid, positions, table rows).
-.venv/bin/python -c "from qwen3vl_trt.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
+.venv/bin/python -c "from qwen3vl_trt.testing.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
 .venv/bin/qwen3vl-trt preprocess --model "$out/checkpoint" --image "$out/photo.jpg" --text "What is in this picture?"
 .venv/bin/qwen3vl-trt generate --model "$out/checkpoint" --build "$out/build" --image "$out/photo.jpg" --text "What is in this picture?" --max-new-tokens 24

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.export_vision import export_vision, parity_errors
-from qwen3vl_trt.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-from qwen3vl_trt.tiny import make_tiny_checkpoint
+from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from qwen3vl_trt.vision import VisionEncoder
-from qwen3vl_trt.vision_metadata import num_patches
+from qwen3vl_trt.vision.export import export_vision, parity_errors
+from qwen3vl_trt.vision.metadata import num_patches
 
 # Vision towers under test: head_dim 64 (hidden 128 / 2 heads) and 72 (hidden 144 / 2 heads, as 8B+).
 CHECKPOINTS = {

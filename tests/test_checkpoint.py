@@ -10,7 +10,7 @@ import pytest
 from qwen3vl_trt.checkpoint import Checkpoint, parse_config
 from qwen3vl_trt.contracts import VISUAL_PREFIX
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
-from qwen3vl_trt.tiny import PRESETS, build_config
+from qwen3vl_trt.testing.tiny import PRESETS, build_config
 
 
 def _v5_style(cfg: dict) -> dict:

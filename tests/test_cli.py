@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from qwen3vl_trt.tiny import synthetic_jpeg
+from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

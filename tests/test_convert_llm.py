@@ -12,15 +12,15 @@ import shutil
 
 import pytest
 import torch
-from qwen3vl_trt import convert_llm as convert_module
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli
-from qwen3vl_trt.convert_llm import Source, convert_llm
 from qwen3vl_trt.errors import CheckpointError, OutputExistsError, UnsupportedModelError
+from qwen3vl_trt.llm import convert as convert_module
+from qwen3vl_trt.llm.checkpoint_format import Split, read_trtllm_config
+from qwen3vl_trt.llm.convert import Source, convert_llm
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM
 from qwen3vl_trt.safetensors_io import StreamingWriter
-from qwen3vl_trt.tiny import make_tiny_checkpoint
-from qwen3vl_trt.trtllm_checkpoint import Split, read_trtllm_config
+from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
 

@@ -18,8 +18,8 @@ from qwen3vl_trt.contracts import (
     VISION_SIDECAR_FILE,
 )
 from qwen3vl_trt.errors import CheckpointError, InputError, OutputExistsError, Qwen3VLTrtError
-from qwen3vl_trt.export_vision import ONNX_OPSET, check_onnx, export_vision
 from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision.export import ONNX_OPSET, check_onnx, export_vision
 
 ELEM_TYPES = {
     onnx.TensorProto.FLOAT: "FP32",

@@ -1,4 +1,4 @@
-"""build-llm-engine: trtllm-build flags from the BuildConfig, the GPU-host command, the launcher's
+"""build-llm-engine: trtllm-build flags from the EngineLimits, the GPU-host command, the launcher's
 checkpoint view, and the DeepStack index arithmetic shared by the engine model and the runtime."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-from qwen3vl_trt import llm_inputs, trtllm_model
-from qwen3vl_trt.build_config import BuildConfig
-from qwen3vl_trt.convert_llm import convert_llm
 from qwen3vl_trt.errors import Qwen3VLTrtError
-from qwen3vl_trt.llm_engine import _checkpoint_view, _record_use_mrope, trtllm_build_flags
+from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.llm import engine_model as trtllm_model
+from qwen3vl_trt.llm import inputs as llm_inputs
+from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
+from qwen3vl_trt.llm.convert import convert_llm
+from qwen3vl_trt.llm.engine_build import _checkpoint_view, _record_use_mrope, trtllm_build_flags
 from qwen3vl_trt.runtime import reference_llm
-from qwen3vl_trt.trtllm_checkpoint import read_trtllm_config
 
-LIMITS = BuildConfig(
+LIMITS = EngineLimits(
     max_batch_size=4, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192, max_visual_tokens=1024
 )
 
@@ -64,13 +65,14 @@ def test_flags_derive_from_the_build_config(name, bf16_checkpoints):
 def test_limits_are_checked(bf16_checkpoints):
     _, config = read_trtllm_config(bf16_checkpoints["dense"])
     with pytest.raises(Qwen3VLTrtError, match="exceeds the model's 262144 positions"):
-        trtllm_build_flags("/c", "/e", config, BuildConfig(max_input_len=1000, max_seq_len=300000, max_visual_tokens=8))
+        limits = EngineLimits(max_input_len=1000, max_seq_len=300000, max_visual_tokens=8)
+        trtllm_build_flags("/c", "/e", config, limits)
     with pytest.raises(Qwen3VLTrtError, match="must exceed max_input_len"):
-        BuildConfig(max_input_len=4096, max_seq_len=4096)
+        EngineLimits(max_input_len=4096, max_seq_len=4096)
     with pytest.raises(Qwen3VLTrtError, match="max_visual_tokens"):
-        BuildConfig(max_input_len=1024, max_visual_tokens=2048)
-    with pytest.raises(Qwen3VLTrtError, match="max_batch_size must be positive"):
-        BuildConfig(max_batch_size=0)
+        EngineLimits(max_input_len=1024, max_visual_tokens=2048)
+    with pytest.raises(Qwen3VLTrtError, match="max_batch_size must be a positive integer"):
+        EngineLimits(max_batch_size=0)
 
 
 def _cli(*args):
@@ -84,8 +86,8 @@ def test_print_command_is_the_gpu_host_command(bf16_checkpoints, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
-    assert argv[:3] == ["python", "-m", "qwen3vl_trt.llm_engine"]
-    assert argv[3:5] == ["--max_position_embeddings", str(BuildConfig().max_seq_len)]
+    assert argv[:3] == ["python", "-m", "qwen3vl_trt.llm.engine_build"]
+    assert argv[3:5] == ["--max_position_embeddings", str(EngineLimits().max_seq_len)]
     flags = _flags(argv[5:])
     assert flags["--checkpoint_dir"] == str(ckpt.absolute()) and flags["--output_dir"] == str(tmp_path.cwd() / "engine")
     assert flags["--max_batch_size"] == "2" and flags["--moe_plugin"] == "bfloat16"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from images import jpeg, png, png_header_only
-from qwen3vl_trt.build_config import BuildConfig
 from qwen3vl_trt.errors import (
     ImageDecodeError,
     ImageShapeError,
@@ -14,6 +13,7 @@ from qwen3vl_trt.errors import (
     PromptTooLongError,
     TooManyImagesError,
 )
+from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.preprocess import Preprocessor, RequestLimits
 
 
@@ -77,9 +77,9 @@ def test_prompt_too_long(pre):
 
 
 def test_visual_tokens_stay_within_the_engine_share(tiny_dense):
-    """BuildConfig's limits reach preprocessing: a request cannot carry more visual tokens than its
+    """EngineLimits's limits reach preprocessing: a request cannot carry more visual tokens than its
     share of the engine's prompt table, nor a longer prompt than max_input_len."""
-    limits = BuildConfig(max_input_len=1000, max_seq_len=2000, max_visual_tokens=400).request_limits()
+    limits = EngineLimits(max_input_len=1000, max_seq_len=2000, max_visual_tokens=400).request_limits()
     assert (limits.max_prompt_tokens, limits.max_visual_tokens) == (1000, 400)
     pre = Preprocessor.from_pretrained(tiny_dense, limits=limits)
     one = [{"type": "image", "image": jpeg(480, 640)}, {"type": "text", "text": "?"}]

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from images import jpeg
-from qwen3vl_trt.convert_llm import convert_llm
 from qwen3vl_trt.errors import InputError
-from qwen3vl_trt.hf_reference import hf_model_inputs
+from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import engine_request
-from qwen3vl_trt.tiny import ENDOFTEXT_ID, IM_END_ID
+from qwen3vl_trt.testing.hf_reference import hf_model_inputs
+from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
 from qwen3vl_trt.vision import VisionEncoder
 from transformers import AutoModelForImageTextToText
 

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from qwen3vl_trt import llm_inputs, trtllm_model
+from qwen3vl_trt.llm import engine_model as trtllm_model
+from qwen3vl_trt.llm import inputs as llm_inputs
 
 
 def _stand_in() -> dict[str, types.ModuleType]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import CHECKPOINTS, random_pixels
 from PIL import Image
-from qwen3vl_trt.export_vision import FP32_REL_TOLERANCE as PARITY_TOLERANCE
+from qwen3vl_trt.vision.export import FP32_REL_TOLERANCE as PARITY_TOLERANCE
 from transformers import AutoImageProcessor
 
 

@@ -1,6 +1,7 @@
 """Request preprocessing: prompts, images and positions -> the vision encoder's and LLM engine's inputs."""
 
-from .images import ImageLimits, ImageProcessingConfig
-from .preprocessor import Preprocessor, Request, RequestLimits
+from ..limits import ImageLimits, RequestLimits
+from .images import ImageProcessingConfig
+from .preprocessor import Preprocessor, Request
 
 __all__ = ["ImageLimits", "ImageProcessingConfig", "Preprocessor", "Request", "RequestLimits"]

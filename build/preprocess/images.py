@@ -40,6 +40,7 @@ from ..errors import (
     UnsupportedModelError,
 )
 from ..fsutil import read_json
+from ..limits import ImageLimits
 
 ResizeBackend = Literal["torchvision", "pil"]
 RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")
@@ -127,21 +128,6 @@ class ImageProcessingConfig:
             min_pixels=int(min_pixels),
             max_pixels=int(max_pixels),
         )
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """Serving limits. The pixel cap lowers the processor's longest_edge (16.7 MP on released models),
-    which would let one image cost 16k visual tokens; the decode cap bounds memory before decoding."""
-
-    max_image_pixels: int = 2560 * 1024
-    max_decode_pixels: int = 64_000_000
-    max_images: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("max_image_pixels", "max_decode_pixels", "max_images"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ImageLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

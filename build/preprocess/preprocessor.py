@@ -14,7 +14,8 @@ import torch
 from ..checkpoint import ModelInfo, parse_config, read_config
 from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
 from ..errors import CheckpointError, MessageError, PromptTooLongError, Qwen3VLTrtError, TooManyImagesError
-from ..llm_inputs import (
+from ..limits import RequestLimits
+from ..llm.inputs import (
     engine_mrope_rotary_cos_sin,
     fake_prompt_ids,
     interleave_prompt_table,
@@ -23,11 +24,10 @@ from ..llm_inputs import (
     rope_inv_freq,
     rope_pair_axes,
 )
-from ..vision_metadata import vision_metadata
+from ..vision.metadata import vision_metadata
 from .images import (
     FrameDecoder,
     ImageHeader,
-    ImageLimits,
     ImagePlan,
     ImageProcessingConfig,
     Normalizer,
@@ -38,18 +38,6 @@ from .images import (
 from .prompts import Prompt, PromptBuilder, expand_image_tokens
 
 DecoderName = Literal["auto", "pillow", "nvimgcodec"]
-
-
-@dataclass(frozen=True)
-class RequestLimits(ImageLimits):
-    max_prompt_tokens: int = 32768
-    max_visual_tokens: int = 32768  # an engine's prompt-table share per request (BuildConfig.max_visual_tokens)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("max_prompt_tokens", "max_visual_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RequestLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..contracts import BuildLayout
 from ..preprocess import Preprocessor
-from ..vision import VisionEncoder
+from ..vision.runner import VisionEncoder
 from .reference_llm import LLMRequest, ReferenceLLM
 from .sampling import SamplingParams
-
-VISION_DIR, LLM_CHECKPOINT_DIR = "vision", "llm_checkpoint"  # in a `qwen3vl-trt build` directory
 
 
 def engine_request(
@@ -45,10 +44,10 @@ class LocalPipeline:
     def __init__(self, model_dir: str | os.PathLike[str], build_dir: str | os.PathLike[str]):
         from tokenizers import Tokenizer
 
-        self.model_dir, build = Path(model_dir), Path(build_dir)
+        self.model_dir, build = Path(model_dir), BuildLayout(Path(build_dir))
         self.pre = Preprocessor.from_pretrained(self.model_dir)
-        self.encoder = VisionEncoder(build / VISION_DIR)
-        self.llm = ReferenceLLM.from_checkpoint(build / LLM_CHECKPOINT_DIR)
+        self.encoder = VisionEncoder(build.vision)
+        self.llm = ReferenceLLM.from_checkpoint(build.llm_checkpoint)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.end_ids = generation_end_ids(self.model_dir)
 

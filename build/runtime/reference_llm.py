@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
 from ..errors import InputError
-from ..llm_inputs import prompt_table_row, rope_inv_freq
-from ..trtllm_checkpoint import LLMWeights, MoEWeights, load_llm_weights
+from ..llm.checkpoint_format import LLMWeights, MoEWeights, load_llm_weights
+from ..llm.inputs import prompt_table_row, rope_inv_freq
 from .sampling import SamplingParams, TokenSampler
 
 if TYPE_CHECKING:

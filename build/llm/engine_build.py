@@ -2,8 +2,8 @@
 
 trtllm-build finds a model class by the checkpoint's `architecture`; Qwen3VLForCausalLM is ours
 (trtllm_model.py), so the build runs through this module's launcher, `python -m
-qwen3vl_trt.llm_engine`, which registers the class in TensorRT-LLM's MODEL_MAP and then runs
-trtllm-build's own main() in the same process with the flags derived here from the BuildConfig.
+qwen3vl_trt.llm.engine_build`, which registers the class in TensorRT-LLM's MODEL_MAP and then runs
+trtllm-build's own main() in the same process with the flags derived here from the EngineLimits.
 The launcher also:
 
 - builds from a view of the checkpoint whose max_position_embeddings is max_seq_len: the engine's
@@ -28,15 +28,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .build_config import BuildConfig
-from .errors import GpuStackMissingError, Qwen3VLTrtError
-from .fsutil import atomic_output_dir
-from .trtllm_checkpoint import ARCHITECTURE, CONFIG_FILE, LLMConfig, rank_file, read_trtllm_config
+from ..errors import GpuStackMissingError, Qwen3VLTrtError
+from ..fsutil import atomic_output_dir
+from ..limits import EngineLimits
+from .checkpoint_format import ARCHITECTURE, CONFIG_FILE, LLMConfig, rank_file, read_trtllm_config
 
-LAUNCHER = "qwen3vl_trt.llm_engine"
+LAUNCHER = "qwen3vl_trt.llm.engine_build"
 
 
-def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: BuildConfig) -> list[str]:
+def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
     """trtllm-build's flags (TensorRT-LLM 1.2.1 names) for this checkpoint and these limits."""
     if build.max_seq_len > config.max_position_embeddings:
         raise Qwen3VLTrtError(
@@ -66,7 +66,7 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
     return [str(item) for pair in flags.items() for item in pair]
 
 
-def launcher_command(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: BuildConfig) -> list[str]:
+def launcher_command(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
     """The whole command: this module's launcher, its own flag, then trtllm-build's."""
     return [
         sys.executable,
@@ -80,7 +80,7 @@ def launcher_command(checkpoint_dir: str, output_dir: str, config: LLMConfig, bu
 
 def gpu_stack_problem() -> str | None:
     """Why an engine cannot be built here, or None."""
-    from .trtllm_model import TRTLLM_IMPORT_ERROR
+    from .engine_model import TRTLLM_IMPORT_ERROR
 
     if TRTLLM_IMPORT_ERROR is not None:
         return f"tensorrt_llm is not importable ({TRTLLM_IMPORT_ERROR})"
@@ -94,11 +94,11 @@ def gpu_stack_problem() -> str | None:
 def build_llm_engine(
     checkpoint_dir: str | os.PathLike[str],
     output: str | os.PathLike[str],
-    build: BuildConfig | None = None,
+    build: EngineLimits | None = None,
     force: bool = False,
 ) -> Path:
     """Builds the engine into `output` (atomically) and returns it."""
-    build = build or BuildConfig()
+    build = build or EngineLimits()
     _, config = read_trtllm_config(checkpoint_dir)
     problem = gpu_stack_problem()
     if problem is not None:
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{LAUNCHER}: cannot build here: {problem}", file=sys.stderr)
         return GpuStackMissingError.exit_code
 
-    from qwen3vl_trt.trtllm_model import Qwen3VLForCausalLM
+    from qwen3vl_trt.llm.engine_model import Qwen3VLForCausalLM
     from tensorrt_llm.commands import build as trtllm_build
     from tensorrt_llm.models import MODEL_MAP
 

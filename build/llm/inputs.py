@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 # Axis of each rope pair: 0 temporal, 1 height, 2 width.
 T_AXIS, H_AXIS, W_AXIS = 0, 1, 2

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qwen3vl_trt.llm_inputs import prompt_table_row
-from qwen3vl_trt.trtllm_checkpoint import ARCHITECTURE
+from qwen3vl_trt.llm.checkpoint_format import ARCHITECTURE
+from qwen3vl_trt.llm.inputs import prompt_table_row
 
 __all__ = ["ARCHITECTURE", "TRTLLM_IMPORT_ERROR", "prompt_table_row"]
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import VisionConfig
-from .contracts import VISUAL_PREFIX
-from .errors import CheckpointError
+from ..checkpoint import VisionConfig
+from ..contracts import VISUAL_PREFIX
+from ..errors import CheckpointError
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .checkpoint import ModelInfo
-from .dtypes import DTYPE_NAMES
-from .errors import CheckpointError, UnsupportedModelError
-from .fsutil import read_json
+from ..checkpoint import ModelInfo
+from ..dtypes import DTYPE_NAMES
+from ..errors import CheckpointError, UnsupportedModelError
+from ..fsutil import read_json
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
@@ -42,7 +42,7 @@ def rank_file(rank: int) -> str:
 
 
 @dataclass(frozen=True)
-class Mapping:
+class ParallelLayout:
     """Tensor x pipeline parallel layout (TensorRT-LLM's Mapping, without context parallelism)."""
 
     tp_size: int = 1
@@ -83,7 +83,7 @@ class LLMConfig:
     rotary_dim: int
     max_position_embeddings: int
     deepstack_count: int
-    mapping: Mapping
+    mapping: ParallelLayout
     moe: MoeSettings | None = None
 
     @property
@@ -100,7 +100,7 @@ class MoeSettings:
     renormalize: bool
 
 
-def trtllm_config(info: ModelInfo, dtype: str, mapping: Mapping) -> dict:
+def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
     """config.json for the TensorRT-LLM checkpoint: the fields PretrainedConfig and QWenConfig read
     (tensorrt_llm/models/modeling_utils.py, models/qwen/config.py), qwen_type qwen3 / qwen3_moe for
     the q/k RMSNorm and MoE layers, position_embedding_type mrope, and the Qwen3-VL settings the
@@ -165,7 +165,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: Mapping) -> dict:
     }
 
 
-def _check_divisible(info: ModelInfo, mapping: Mapping) -> None:
+def _check_divisible(info: ModelInfo, mapping: ParallelLayout) -> None:
     text, tp = info.text, mapping.tp_size
     if mapping.tp_size < 1 or mapping.pp_size < 1:
         raise UnsupportedModelError(f"tp and pp must be >= 1, got tp={mapping.tp_size} pp={mapping.pp_size}")
@@ -218,7 +218,7 @@ def parse_trtllm_config(cfg: dict) -> LLMConfig:
             **{name: cfg[name] for name in _SAME_NAMED_FIELDS},
             rotary_dim=cfg["rotary_embedding_dim"],
             deepstack_count=cfg["qwen3_vl"]["deepstack_count"],
-            mapping=Mapping(cfg["mapping"]["tp_size"], cfg["mapping"]["pp_size"]),
+            mapping=ParallelLayout(cfg["mapping"]["tp_size"], cfg["mapping"]["pp_size"]),
             moe=moe,
         )
     except KeyError as e:

@@ -21,9 +21,9 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from . import __version__
-from .checkpoint import Checkpoint, VisionConfig, tensors_sha256
-from .contracts import (
+from .. import __version__
+from ..checkpoint import Checkpoint, VisionConfig, tensors_sha256
+from ..contracts import (
     DEEPSTACK_EMBEDS,
     VISION_INPUTS,
     VISION_ONNX_DATA_FILE,
@@ -31,11 +31,11 @@ from .contracts import (
     VISION_OUTPUTS,
     VISION_SIDECAR_FILE,
 )
-from .dtypes import DTYPE_NAMES, TORCH_DTYPES
-from .errors import Qwen3VLTrtError
-from .fsutil import atomic_output_dir
-from .vision_metadata import num_patches, vision_metadata
-from .vision_model import VisionTower
+from ..dtypes import DTYPE_NAMES, TORCH_DTYPES
+from ..errors import Qwen3VLTrtError
+from ..fsutil import atomic_output_dir
+from .metadata import num_patches, vision_metadata
+from .model import VisionTower
 
 # Opset 20: native Gelu (one kernel instead of a tanh formula) and LayerNormalization, and
 # inside the range TensorRT parses (opset 9 to 20 since 10.0).
@@ -189,8 +189,8 @@ def verify_against_transformers(
     onnx_dir: Path, ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | None = None, seed: int = 0
 ) -> list[Parity]:
     """Random pixels on several grids through ONNX Runtime and the transformers tower."""
-    from .hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from .vision import VisionEncoder
+    from ..testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+    from .runner import VisionEncoder
 
     encoder = VisionEncoder(onnx_dir)
     reference = load_hf_vision_tower(ckpt, tensors)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contracts import POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, SEGMENT_START
-from .errors import InputError
+from ..contracts import POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, SEGMENT_START
+from ..errors import InputError
 
 
 def check_grid_thw(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint, ModelInfo
-from .dtypes import DTYPE_CHOICES, TORCH_DTYPES
-from .errors import CheckpointError
-from .fsutil import atomic_output_dir
-from .safetensors_io import StreamingWriter, TensorLocation, TensorPlan
-from .trtllm_checkpoint import (
+from ..checkpoint import Checkpoint, ModelInfo
+from ..dtypes import DTYPE_CHOICES, TORCH_DTYPES
+from ..errors import CheckpointError
+from ..fsutil import atomic_output_dir
+from ..safetensors_io import StreamingWriter, TensorLocation, TensorPlan
+from .checkpoint_format import (
     CONFIG_FILE,
     LLMConfig,
-    Mapping,
+    ParallelLayout,
     Param,
     parse_trtllm_config,
     rank_file,
@@ -191,7 +191,7 @@ def convert_llm(
     dtype = dtype or source_dtype(ckpt.config)
     if dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    cfg = trtllm_config(ckpt.info, dtype, Mapping(tp, pp))
+    cfg = trtllm_config(ckpt.info, dtype, ParallelLayout(tp, pp))
     config = parse_trtllm_config(cfg)
     out_dtype = TORCH_DTYPES[dtype]
     sources = _Sources(ckpt, ckpt.info)

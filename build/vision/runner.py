@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .contracts import (
+from ..contracts import (
     DEEPSTACK_EMBEDS,
     IMAGE_EMBEDS,
     PIXEL_VALUES,
@@ -23,8 +23,8 @@ from .contracts import (
     VISION_ONNX_FILE,
     VISION_SIDECAR_FILE,
 )
-from .errors import InputError, Qwen3VLTrtError
-from .vision_metadata import check_grid_thw, num_patches, vision_metadata
+from ..errors import InputError, Qwen3VLTrtError
+from .metadata import check_grid_thw, num_patches, vision_metadata
 
 
 @dataclass(frozen=True)

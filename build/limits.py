@@ -1,0 +1,92 @@
+"""The serving limits, declared once for every stage that depends on them.
+
+`EngineLimits` fixes the LLM engine's shapes (trtllm-build flags), the prompt-table size the
+vision encoder may fill and the host's mrope table length; `RequestLimits` is what preprocessing
+enforces per request. Both take their token defaults from the same constants, and
+`EngineLimits.request_limits()` gives the request limits a given engine implies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .errors import LimitsError
+
+# Prompt tokens of one request (visual tokens included), and visual tokens of one request.
+MAX_INPUT_LEN = 8192
+MAX_VISUAL_TOKENS = 8192
+
+
+def _require_positive(limits: object) -> None:
+    for f in fields(limits):  # type: ignore[arg-type]
+        value = getattr(limits, f.name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LimitsError(f"{type(limits).__name__}.{f.name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Image limits. The pixel cap lowers the processor's longest_edge (16.7 MP on released models),
+    which would let one image cost 16k visual tokens; the decode cap bounds memory before decoding."""
+
+    max_image_pixels: int = 2560 * 1024
+    max_decode_pixels: int = 64_000_000
+    max_images: int = 16
+
+    def __post_init__(self) -> None:
+        _require_positive(self)
+
+
+@dataclass(frozen=True)
+class RequestLimits(ImageLimits):
+    """What preprocessing accepts in one request."""
+
+    max_prompt_tokens: int = MAX_INPUT_LEN
+    max_visual_tokens: int = MAX_VISUAL_TOKENS  # the request's share of the engine's prompt table
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Limits of one engine build (and so of the deployment serving it).
+
+    max_batch_size: requests in flight at once. max_input_len: prompt tokens of a request, visual
+    tokens included. max_seq_len: prompt plus generated tokens; it is also the engine's rope table
+    length (max_position_embeddings), so the per-request mrope input stays max_seq_len x head_dim.
+    max_num_tokens: tokens one engine step processes (context chunks plus generation tokens).
+    max_visual_tokens: visual (merged) tokens of one request; the prompt table holds (K+1) rows for
+    each, for every request of a batch. tokens_per_block: paged KV cache block size.
+    """
+
+    max_batch_size: int = 8
+    max_input_len: int = MAX_INPUT_LEN
+    max_seq_len: int = 16384
+    max_num_tokens: int = 16384
+    max_visual_tokens: int = MAX_VISUAL_TOKENS
+    tokens_per_block: int = 32
+
+    def __post_init__(self) -> None:
+        _require_positive(self)
+        if self.max_seq_len <= self.max_input_len:
+            raise LimitsError(
+                f"max_seq_len ({self.max_seq_len}) must exceed max_input_len ({self.max_input_len}) "
+                "to leave room for generated tokens"
+            )
+        if self.max_visual_tokens > self.max_input_len:
+            raise LimitsError(
+                f"max_visual_tokens ({self.max_visual_tokens}) cannot exceed max_input_len ({self.max_input_len})"
+            )
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def request_limits(self, **image_limits: int) -> RequestLimits:
+        """The preprocessing limits that keep requests inside the engine (prompt and visual tokens);
+        image limits (max_images, pixel caps) as given or RequestLimits' defaults."""
+        return RequestLimits(
+            max_prompt_tokens=self.max_input_len, max_visual_tokens=self.max_visual_tokens, **image_limits
+        )
+
+    def prompt_table_rows(self, deepstack_count: int) -> int:
+        """max_prompt_embedding_table_size: (K+1) rows per visual token, for a full batch. TensorRT-LLM's
+        runtime gives each batch slot an equal share (size / max_batch_size) of it."""
+        return (deepstack_count + 1) * self.max_visual_tokens * self.max_batch_size

@@ -1,0 +1,5 @@
+"""The vision stage: the tower's model code, host-side metadata, ONNX export and its runner."""
+
+from .runner import VisionEncoder, VisionSidecar
+
+__all__ = ["VisionEncoder", "VisionSidecar"]
