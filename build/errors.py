@@ -19,6 +19,10 @@ class OutputExistsError(Qwen3VLTrtError):
     """The output directory exists and overwriting was not asked for."""
 
 
+class OutputOverlapError(Qwen3VLTrtError):
+    """The output directory is, contains or lies inside one of the stage's inputs."""
+
+
 class LimitsError(Qwen3VLTrtError):
     """A serving or engine limit is out of range or inconsistent with another."""
 
@@ -36,7 +40,7 @@ class ImageDecodeError(RequestError):
 
 
 class ImageTooLargeError(RequestError):
-    """An image header claims more pixels than the decode limit allows (decompression-bomb guard)."""
+    """An image is over a limit: its encoded bytes, or the pixels its header claims (decompression-bomb guard)."""
 
 
 class ImageShapeError(RequestError):

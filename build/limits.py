@@ -27,11 +27,13 @@ def _require_positive(limits: object) -> None:
 @dataclass(frozen=True)
 class ImageLimits:
     """Image limits. The pixel cap lowers the processor's longest_edge (16.7 MP on released models),
-    which would let one image cost 16k visual tokens; the decode cap bounds memory before decoding."""
+    which would let one image cost 16k visual tokens; the decode cap bounds memory before decoding;
+    the byte cap bounds an encoded image (checked before a data: URL is base64-decoded)."""
 
     max_image_pixels: int = 2560 * 1024
     max_decode_pixels: int = 64_000_000
     max_images: int = 16
+    max_image_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         _require_positive(self)

@@ -10,11 +10,14 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import Checkpoint
 from .contracts import BuildLayout
-from .fsutil import atomic_output_dir
+from .errors import CheckpointError
+from .fsutil import atomic_output_dir, read_json
 from .limits import EngineLimits
 from .llm.convert import convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
 from .vision.export import export_vision
+
+VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE = "vision-onnx", "llm-checkpoint", "llm-engine"
 
 
 def build(
@@ -32,24 +35,26 @@ def build(
     ckpt.verify_shards()
     stages = []
     out = BuildLayout(Path(output_dir))
-    with atomic_output_dir(output_dir, force=force) as tmp_root:
+    with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp_root:
         tmp = BuildLayout(tmp_root)
         start = time.perf_counter()
         # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
         result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
         verification = result.sidecar.get("verification", {}).get("max_rel_error")
-        stages.append({**_done("vision-onnx", BuildLayout.VISION, start), "verification": verification})
+        stages.append({**_done(VISION_STAGE, BuildLayout.VISION, start), "verification": verification})
         start = time.perf_counter()
         convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
-        stages.append(_done("llm-checkpoint", BuildLayout.LLM_CHECKPOINT, start))
+        stages.append(_done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
         problem = gpu_stack_problem()
         if problem is None:
             start = time.perf_counter()
             build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
-            stages.append(_done("llm-engine", BuildLayout.LLM_ENGINE, start))
+            stages.append(_done(LLM_ENGINE_STAGE, BuildLayout.LLM_ENGINE, start))
         else:
             rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out.llm_checkpoint} --output {out.llm_engine}"
-            stages.append({"stage": "llm-engine", "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun})
+            stages.append(
+                {"stage": LLM_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
+            )
         manifest = {
             "qwen3vl_trt": __version__,
             "model": str(Path(model_dir).absolute()),
@@ -69,3 +74,26 @@ def build(
 
 def _done(stage: str, output: str, start: float) -> dict:
     return {"stage": stage, "status": "done", "output": output, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def read_manifest(build_dir: str | os.PathLike[str], required_stages: tuple[str, ...] = ()) -> dict:
+    """A build directory's manifest.json; refuses one that is not a build manifest or whose
+    required stages did not run."""
+    path = BuildLayout(Path(build_dir)).manifest
+    manifest = read_json(
+        path, f"{build_dir} has no {BuildLayout.MANIFEST}: is it a `qwen3vl-trt build` output directory?"
+    )
+    stages = manifest.get("stages")
+    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+        raise CheckpointError(
+            f"{path} is not a qwen3vl-trt build manifest (no list of stages); "
+            "rebuild it with `qwen3vl-trt build --force`"
+        )
+    done = {s.get("stage") for s in stages if s.get("status") == "done"}
+    missing = [stage for stage in required_stages if stage not in done]
+    if missing:
+        raise CheckpointError(
+            f"{build_dir} lacks the stage(s) {', '.join(missing)} (see {path}); "
+            "rebuild it with `qwen3vl-trt build --force`"
+        )
+    return manifest

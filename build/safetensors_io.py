@@ -2,8 +2,10 @@
 
 A safetensors file is an 8-byte header length, a JSON header (dtype, shape and byte range of every
 tensor) and the raw data. Knowing every output shape up front, the writer puts the header first and
-then appends each tensor's bytes as they are produced; the reader fetches any row range with one
-positioned read. Neither maps whole files, so memory stays at the size of the chunks in flight.
+then appends each tensor's bytes as they are produced; the reader fetches any row range with
+positioned reads. Neither maps whole files, so memory stays at the size of the chunks in flight.
+Both open the file for each call and close it before returning, so no handle outlives a failure,
+and both loop on short transfers, which network file systems return.
 """
 
 from __future__ import annotations
@@ -19,6 +21,28 @@ import torch
 
 from .dtypes import SAFETENSORS_DTYPE_TAGS
 from .errors import CheckpointError
+
+
+def _read_exactly(path: Path, buffer: bytearray, offset: int) -> None:
+    """Fills `buffer` from `path` at `offset`; CheckpointError if the file ends first."""
+    view = memoryview(buffer)
+    done = 0
+    with path.open("rb", buffering=0) as f:
+        while done < len(buffer):
+            got = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(
+                    f"{path.name} ended early: {len(buffer) - done} of {len(buffer)} bytes at offset {offset} "
+                    "are missing; re-download or re-copy this file"
+                )
+            done += got
+
+
+def _write_exactly(path: Path, data: memoryview, offset: int) -> None:
+    with path.open("r+b", buffering=0) as f:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(f.fileno(), data[done:], offset + done)
 
 
 @dataclass(frozen=True)
@@ -42,15 +66,12 @@ class TensorLocation:
         return (self.shape[0] if self.shape else 1) * self.row_bytes
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) along dim 0 (the whole tensor for 0-d), read with one positioned read."""
+        """Rows [start, stop) along dim 0 (the whole tensor for 0-d), read with positioned reads."""
         if not self.shape:
             start, stop = 0, 1
         count = (stop - start) * self.row_bytes
         buffer = bytearray(count)
-        with self.path.open("rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buffer], self.offset + start * self.row_bytes)
-        if got != count:
-            raise CheckpointError(f"{self.path.name} ended early while reading {count} bytes at offset {self.offset}")
+        _read_exactly(self.path, buffer, self.offset + start * self.row_bytes)
         tensor = torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
         return tensor.reshape((stop - start, *self.shape[1:]) if self.shape else ())
 
@@ -90,8 +111,8 @@ class StreamingWriter:
         self._plans = list(tensors)
         self._next = 0  # index of the tensor being written
         self._written = 0  # its bytes written so far
-        self._file = path.open("wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+        self._end = 8 + len(raw)  # file offset of the next byte
         self._advance()
 
     def _advance(self) -> None:
@@ -107,13 +128,13 @@ class StreamingWriter:
         data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
         if self._written + data.size > plan.nbytes:
             raise RuntimeError(f"{self.path.name}: {name} got more bytes than its shape {list(plan.shape)} holds")
-        self._file.write(data.data)
+        _write_exactly(self.path, data.data, self._end)
+        self._end += data.size
         self._written += data.size
         self._advance()
 
     def close(self) -> None:
-        """Closes the file; every planned byte must have been written."""
-        self._file.close()
+        """Ends the file (it holds no open handle between writes); every planned byte must have been written."""
         if self._next < len(self._plans):
             raise RuntimeError(
                 f"{self.path.name}: {len(self._plans) - self._next} tensor(s) not fully written, "

@@ -72,3 +72,17 @@ def test_preprocess_summarizes_a_request(tiny_dense, tmp_path):
     assert summary["input_ids"].count(151655) == 300 and len(summary["input_ids"]) == summary["tokens"]
     bad = run_cli("preprocess", "--model", str(tiny_dense), "--image", str(tmp_path / "none.jpg"))
     assert bad.returncode == 2 and "cannot read image" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_output_equal_to_the_model_is_refused_even_with_force(tiny_dense, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_dense, tmp_path / "model")
+    before = sorted(p.name for p in model.iterdir())
+    result = run_cli("convert-llm", "--model", str(model), "--output", str(model), "--force")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"qwen3vl-trt convert-llm: error: output {model} overlaps the input {model} (the same directory, inside it "
+        "or around it); choose an --output outside the input"
+    )
+    assert sorted(p.name for p in model.iterdir()) == before

@@ -161,7 +161,7 @@ def test_verify_records_parity(tiny_dense, tmp_path):
 
 def test_refuses_to_overwrite_without_force(tiny_dense, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    export_vision(tiny_dense, out, log=_quiet)
     (out / "keep.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="--force"):
         export_vision(tiny_dense, out, log=_quiet)

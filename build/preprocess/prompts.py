@@ -26,7 +26,8 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ..errors import CheckpointError, MessageError
+from ..errors import CheckpointError, ImageTooLargeError, MessageError
+from ..limits import ImageLimits
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -34,6 +35,7 @@ VISION_START, VISION_END, VIDEO_PLACEHOLDER = "<|vision_start|>", "<|vision_end|
 # Names transformers passes a message's reasoning under; templates read the first (5.x aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_BASE64_LINE_BREAKS = (" ", "\t", "\r", "\n")
 
 
 def _raise_exception(message: str) -> None:
@@ -140,13 +142,17 @@ class PromptBuilder:
             raise CheckpointError(f"{root}: the chat template does not compile: {e}") from e
 
     def from_messages(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        max_image_bytes: int = ImageLimits.max_image_bytes,
+        **template_kwargs: Any,
     ) -> Prompt:
         """Renders the checkpoint's chat template; extra keyword arguments (tools, documents, template
         switches) reach the template as transformers passes them."""
         if "continue_final_message" in template_kwargs:
             raise MessageError("continue_final_message is not supported; send the conversation to continue from")
-        chat, images = normalize_messages(messages)
+        chat, images = normalize_messages(messages, max_image_bytes)
         try:
             text = self.template.render(
                 messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
@@ -157,12 +163,16 @@ class PromptBuilder:
         self._check_placeholders(ids, len(images), "the rendered chat")
         return Prompt(ids, tuple(images))
 
-    def from_prompt(self, prompt: str, images: Sequence[bytes] = ()) -> Prompt:
+    def from_prompt(
+        self, prompt: str, images: Sequence[bytes] = (), max_image_bytes: int = ImageLimits.max_image_bytes
+    ) -> Prompt:
         """A raw prompt (no template); each image is <|vision_start|><|image_pad|><|vision_end|> in it."""
         if not isinstance(prompt, str):
             raise MessageError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise MessageError("the prompt is empty")
+        for k, image in enumerate(images):
+            _check_image_bytes(len(image), max_image_bytes, f"image {k}")
         ids = self._encode(prompt, add_special_tokens=True)
         self._check_placeholders(ids, len(images), "the prompt")
         pads = np.flatnonzero(ids == self.image_token_id)
@@ -199,7 +209,22 @@ def expand_image_tokens(ids: np.ndarray, image_token_id: int, tokens_per_image: 
     return np.repeat(ids, repeats)
 
 
-def _image_bytes(part: Mapping[str, Any], where: str) -> bytes:
+def _check_image_bytes(size: int, max_image_bytes: int, where: str) -> None:
+    if size > max_image_bytes:
+        raise ImageTooLargeError(
+            f"{where}: the image is {size:,} bytes, over the limit of {max_image_bytes:,} bytes per image "
+            "(max_image_bytes); send a smaller or more compressed image"
+        )
+
+
+def _base64_decoded_size(payload: str) -> int:
+    """How many bytes a base64 payload (MIME line breaks allowed) decodes to, counted without decoding it."""
+    chars = len(payload) - sum(payload.count(c) for c in _BASE64_LINE_BREAKS)
+    padding = payload[-8:].rstrip()[-2:].count("=")
+    return chars * 3 // 4 - padding
+
+
+def _image_bytes(part: Mapping[str, Any], where: str, max_image_bytes: int) -> bytes:
     if "image_url" in part:
         url = part["image_url"]
         url = url.get("url") if isinstance(url, Mapping) else url
@@ -210,12 +235,14 @@ def _image_bytes(part: Mapping[str, Any], where: str) -> bytes:
         header, _, payload = url.partition(",")
         if ";base64" not in header:
             raise MessageError(f"{where}: the data: URL must be base64 encoded")
+        _check_image_bytes(_base64_decoded_size(payload), max_image_bytes, where)  # before decoding it
         try:
             return base64.b64decode("".join(payload.split()), validate=True)  # MIME line breaks are fine
         except (binascii.Error, ValueError) as e:
             raise MessageError(f"{where}: the data: URL is not valid base64 ({e})") from e
     image = part.get("image")
     if isinstance(image, (bytes, bytearray, memoryview)):
+        _check_image_bytes(len(image), max_image_bytes, where)
         return bytes(image)
     if image is None and not any(k in part for k in ("url", "path", "base64")):
         raise MessageError(f"{where}: image part without an image; put the encoded bytes under 'image'")
@@ -225,9 +252,11 @@ def _image_bytes(part: Mapping[str, Any], where: str) -> bytes:
     )
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], max_image_bytes: int = ImageLimits.max_image_bytes
+) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Validated messages in the form the template expects (image parts reduced to {"type": "image"})
-    and the image bytes in order."""
+    and the image bytes in order; an image over max_image_bytes is refused before it is decoded."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise MessageError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     chat: list[dict[str, Any]] = []
@@ -262,7 +291,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
                     raise MessageError(f"{where}: text part without a 'text' string")
                 parts.append({"type": "text", "text": text})
             elif kind in ("image", "image_url"):
-                images.append(_image_bytes(part, where))
+                images.append(_image_bytes(part, where, max_image_bytes))
                 parts.append({"type": "image"})
             elif kind in ("video", "video_url"):
                 raise MessageError(f"{where}: video input is not supported yet; send frames as images")

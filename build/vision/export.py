@@ -225,7 +225,7 @@ def export_vision(
         )
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     cfg = ckpt.info.vision
-    with atomic_output_dir(output_dir, force=force) as tmp:
+    with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp:
         names = VisionTower.checkpoint_names(cfg)
         size_mb = ckpt.tensor_bytes(names) / 2**20
         log(f"reading {len(names)} visual tensors ({size_mb:.0f} MiB) from {ckpt.path}")

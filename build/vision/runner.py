@@ -7,7 +7,6 @@ vision_metadata, the same module preprocessing uses.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,19 @@ from ..contracts import (
     VISION_ONNX_FILE,
     VISION_SIDECAR_FILE,
 )
-from ..errors import InputError, Qwen3VLTrtError
+from ..errors import CheckpointError, InputError, Qwen3VLTrtError
+from ..fsutil import read_json
 from .metadata import check_grid_thw, num_patches, vision_metadata
+
+# Sidecar entries the runtimes read, with their types; "a.b" is entry b of object a.
+_SIDECAR_ENTRIES: dict[str, type] = {
+    "patch_dim": int,
+    "spatial_merge_size": int,
+    "num_grid_per_side": int,
+    "dtype": str,
+    "source_checkpoint.path": str,
+    "source_checkpoint.config_sha256": str,
+}
 
 
 @dataclass(frozen=True)
@@ -36,9 +46,16 @@ class VisionSidecar:
     @classmethod
     def load(cls, onnx_dir: str | os.PathLike[str]) -> VisionSidecar:
         path = Path(onnx_dir) / VISION_SIDECAR_FILE
-        if not path.is_file():
-            raise Qwen3VLTrtError(f"{onnx_dir} has no {VISION_SIDECAR_FILE}: is it an export-vision output directory?")
-        return cls(json.loads(path.read_text()))
+        raw = read_json(path, f"{onnx_dir} has no {VISION_SIDECAR_FILE}: is it an export-vision output directory?")
+        problems = [
+            f"'{key}' is not a {kind.__name__}" for key, kind in _SIDECAR_ENTRIES.items() if not _has(raw, key, kind)
+        ]
+        if problems:
+            raise CheckpointError(
+                f"{path} is not a vision export sidecar this version reads ({'; '.join(problems)}); "
+                "export again with `qwen3vl-trt export-vision` (or `qwen3vl-trt build`)"
+            )
+        return cls(raw)
 
     @property
     def patch_dim(self) -> int:
@@ -55,6 +72,24 @@ class VisionSidecar:
     @property
     def dtype(self) -> str:
         return str(self.raw["dtype"])
+
+    def check_source(self, model_dir: Path, config_sha256: str, rebuild: str) -> None:
+        """Refuses a model directory whose config.json (its sha256) is not the exported checkpoint's;
+        `rebuild` is the command that would make a matching export."""
+        source = self.raw["source_checkpoint"]
+        if source["config_sha256"] != config_sha256:
+            raise CheckpointError(
+                f"the vision export was made from the checkpoint {source['path']} (config.json sha256 "
+                f"{source['config_sha256'][:12]}), but {model_dir} has config.json sha256 {config_sha256[:12]}: "
+                f"pass that checkpoint, or rebuild for this one with `{rebuild}`"
+            )
+
+
+def _has(raw: dict, key: str, kind: type) -> bool:
+    value: object = raw
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _as_numpy(x: Any) -> np.ndarray:
@@ -79,13 +114,22 @@ class VisionEncoder:
                 "ONNX Runtime's CPU provider cannot run the bf16 export; export with --dtype fp32 (or fp16) for ORT, "
                 "and build bf16 TensorRT engines from the bf16 ONNX on a GPU host"
             )
+        onnx_file = self.onnx_dir / VISION_ONNX_FILE
+        if not onnx_file.is_file():
+            raise CheckpointError(
+                f"{self.onnx_dir} has no {VISION_ONNX_FILE}; export it again with `qwen3vl-trt export-vision`"
+            )
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(
-            str(self.onnx_dir / VISION_ONNX_FILE), options, providers=["CPUExecutionProvider"]
-        )
+        try:
+            self.session = ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ONNX Runtime's own error types: a corrupt graph or external data file
+            raise CheckpointError(
+                f"ONNX Runtime cannot load {onnx_file} ({str(e).strip().splitlines()[0]}); "
+                "export again with `qwen3vl-trt export-vision`"
+            ) from e
 
     def inputs_for(self, pixel_values: Any, grid_thw: Any) -> dict[str, np.ndarray]:
         """The encoder's full input feed for processor outputs; checks them against the contract."""
