@@ -1,9 +1,10 @@
 """Lazy reader for local Hugging Face Qwen3-VL checkpoints.
 
-Parses config.json in both the transformers 4.57 style (`rope_scaling`, `rope_theta`) and the 5.x
-style (`rope_parameters`), identifies dense vs MoE and the released size, and loads only the
-tensors a stage asks for, shard by shard: the vision export of a 235B-A22B checkpoint reads the
-tower's few hundred MB and never touches the language model's shards.
+Parses config.json as transformers 4.57 and 5.x write it (`rope_scaling` and `rope_theta`, or
+`rope_parameters`; each field under either name its attribute_map gives it), identifies dense vs
+MoE and the released size, and loads only the tensors a stage asks for, shard by shard: the vision
+export of a 235B-A22B checkpoint reads the tower's few hundred MB and never touches the language
+model's shards.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ _PREDECESSORS = {
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen2_5_omni": "Qwen2.5-Omni",
     "qwen3_omni_moe": "Qwen3-Omni",
+}
+
+# Config keys that transformers reads under a second name, per config.json object: its config classes'
+# attribute_map (standard name -> the attribute stored, which save_pretrained writes). transformers 5.x
+# declares these; 4.57 declares none and writes the standard names. tests/test_checkpoint.py keeps the
+# table equal to the installed classes' maps.
+CONFIG_ALIASES: dict[str, dict[str, str]] = {
+    "vision_config": {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"},
+    "text_config": {"num_experts": "num_local_experts"},
 }
 
 # (moe, text hidden size, text layers) -> released name.
@@ -112,6 +122,7 @@ class ModelInfo:
     vision: VisionConfig
     text: TextConfig
     tie_word_embeddings: bool
+    saved_by_transformers_major: int | None  # config.json's transformers_version; None when not recorded
     image_token_id: int
     video_token_id: int
     vision_start_token_id: int
@@ -131,18 +142,36 @@ class ModelInfo:
         return len(self.vision.deepstack_visual_indexes)
 
 
-def _require(cfg: dict, key: str, where: str) -> Any:
-    if key not in cfg:
-        raise CheckpointError(f"config.json: '{where}' has no '{key}'")
-    return cfg[key]
+_REQUIRED = object()
 
 
-def _rope_settings(text: dict) -> tuple[float, tuple[int, ...], bool]:
-    """(theta, mrope_section, interleaved) from either config style."""
-    params = text.get("rope_parameters") or {}
-    scaling = text.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", text.get("rope_theta"))
+class _ConfigObject:
+    """One object of config.json ("config" for the top level), read as transformers reads it: a key is
+    also found under the name that CONFIG_ALIASES pairs it with."""
+
+    def __init__(self, name: str, values: Any):
+        if not isinstance(values, dict):
+            raise CheckpointError(f"config.json: '{name}' must be an object")
+        self.name, self.values = name, values
+        self._aliases: dict[str, tuple[str, ...]] = {}
+        for standard, stored in CONFIG_ALIASES.get(name, {}).items():
+            self._aliases[standard] = self._aliases[stored] = (stored, standard)
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        names = self._aliases.get(key, (key,))
+        for name in names:
+            if name in self.values:
+                return self.values[name]
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json: '{self.name}' has no {' or '.join(repr(n) for n in names)}")
+        return default
+
+
+def _rope_settings(text: _ConfigObject) -> tuple[float, tuple[int, ...]]:
+    """(theta, mrope_section) from either config style: 4.57 writes `rope_scaling` and a top-level
+    `rope_theta`, 5.x `rope_parameters` with the theta inside."""
+    merged = {**(text.get("rope_scaling", None) or {}), **(text.get("rope_parameters", None) or {})}
+    theta = merged.get("rope_theta", text.get("rope_theta", None))
     if theta is None:
         raise CheckpointError("config.json: text_config has no rope_theta (rope_parameters or rope_theta)")
     section = merged.get("mrope_section")
@@ -154,7 +183,35 @@ def _rope_settings(text: dict) -> tuple[float, tuple[int, ...], bool]:
         raise UnsupportedModelError(
             f"config.json: rope_type {rope_type!r} is not supported yet; the rotary tables assume unscaled rope"
         )
-    return float(theta), tuple(int(s) for s in section), bool(merged.get("mrope_interleaved", False))
+    # transformers' Qwen3-VL never reads this flag: it always interleaves. False asks for Qwen2-VL's
+    # chunked layout, which no Qwen3-VL implementation computes.
+    if merged.get("mrope_interleaved", True) is not True:
+        raise UnsupportedModelError(
+            "config.json: mrope_interleaved is false, but Qwen3-VL always interleaves its MRoPE sections "
+            "(as transformers computes it); set it to true, or remove it, if the model is a Qwen3-VL"
+        )
+    return float(theta), tuple(int(s) for s in section)
+
+
+def _saved_by_major(top: _ConfigObject) -> int | None:
+    """Major version of the transformers that wrote config.json (its transformers_version), if recorded."""
+    major = str(top.get("transformers_version", "")).split(".")[0]
+    return int(major) if major.isdigit() else None
+
+
+def _tie_word_embeddings(top: _ConfigObject, text: _ConfigObject, saved_by: int | None) -> bool:
+    """Whether the output head is the embedding, read where the saving transformers reads it: 5.x
+    obeys the top-level flag, 4.x text_config's (get_text_config); both default to false."""
+    top_level, text_level = bool(top.get("tie_word_embeddings", False)), bool(text.get("tie_word_embeddings", False))
+    if saved_by is not None:
+        return top_level if saved_by >= 5 else text_level
+    if top_level != text_level:
+        raise CheckpointError(
+            f"config.json: tie_word_embeddings is {str(top_level).lower()} at the top level and "
+            f"{str(text_level).lower()} in text_config, and no transformers_version says which applies "
+            "(5.x reads the top level, 4.x text_config); make the two agree"
+        )
+    return top_level
 
 
 def parse_config(cfg: dict) -> ModelInfo:
@@ -169,32 +226,25 @@ def parse_config(cfg: dict) -> ModelInfo:
             f"unsupported model_type {model_type!r}: qwen3vl-trt compiles Qwen3-VL checkpoints "
             f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    vis = _require(cfg, "vision_config", "config")
-    txt = _require(cfg, "text_config", "config")
-    if not isinstance(vis, dict) or not isinstance(txt, dict):
-        raise CheckpointError("config.json: vision_config and text_config must be objects")
-
-    def v(key: str, default: Any = None) -> Any:
-        return vis[key] if key in vis else (default if default is not None else _require(vis, key, "vision_config"))
-
-    def t(key: str, default: Any = None) -> Any:
-        return txt[key] if key in txt else (default if default is not None else _require(txt, key, "text_config"))
+    top = _ConfigObject("config", cfg)
+    v = _ConfigObject("vision_config", top.get("vision_config"))
+    t = _ConfigObject("text_config", top.get("text_config"))
 
     vision = VisionConfig(
-        depth=int(v("depth")),
-        hidden_size=int(v("hidden_size")),
-        num_heads=int(v("num_heads")),
-        intermediate_size=int(v("intermediate_size")),
-        out_hidden_size=int(v("out_hidden_size")),
-        hidden_act=str(v("hidden_act", "gelu_pytorch_tanh")),
-        in_channels=int(v("in_channels", 3)),
-        patch_size=int(v("patch_size")),
-        temporal_patch_size=int(v("temporal_patch_size", 2)),
-        spatial_merge_size=int(v("spatial_merge_size", 2)),
-        num_position_embeddings=int(v("num_position_embeddings")),
-        deepstack_visual_indexes=tuple(int(i) for i in v("deepstack_visual_indexes")),
+        depth=int(v.get("depth")),
+        hidden_size=int(v.get("hidden_size")),
+        num_heads=int(v.get("num_heads")),
+        intermediate_size=int(v.get("intermediate_size")),
+        out_hidden_size=int(v.get("out_hidden_size")),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size")),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        num_position_embeddings=int(v.get("num_position_embeddings")),
+        deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes")),
         # transformers 5.x writes the vision rotary base under rope_parameters; 4.57 fixes it at 1e4.
-        rope_theta=float((vis.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float((v.get("rope_parameters", None) or {}).get("rope_theta", 10000.0)),
     )
     if vision.hidden_size % vision.num_heads or vision.num_grid_per_side**2 != vision.num_position_embeddings:
         raise CheckpointError(
@@ -209,45 +259,46 @@ def parse_config(cfg: dict) -> ModelInfo:
     moe = None
     if model_type == "qwen3_vl_moe":
         moe = ExpertConfig(
-            num_experts=int(t("num_experts")),
-            num_experts_per_tok=int(t("num_experts_per_tok")),
-            moe_intermediate_size=int(t("moe_intermediate_size")),
-            decoder_sparse_step=int(t("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(i) for i in txt.get("mlp_only_layers") or ()),
-            norm_topk_prob=bool(txt.get("norm_topk_prob", True)),
+            num_experts=int(t.get("num_experts")),
+            num_experts_per_tok=int(t.get("num_experts_per_tok")),
+            moe_intermediate_size=int(t.get("moe_intermediate_size")),
+            decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in t.get("mlp_only_layers", None) or ()),
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
         )
-    theta, section, interleaved = _rope_settings(txt)
-    heads = int(t("num_attention_heads"))
-    hidden = int(t("hidden_size"))
+    theta, section = _rope_settings(t)
+    heads = int(t.get("num_attention_heads"))
+    hidden = int(t.get("hidden_size"))
     text = TextConfig(
-        vocab_size=int(t("vocab_size")),
+        vocab_size=int(t.get("vocab_size")),
         hidden_size=hidden,
-        num_hidden_layers=int(t("num_hidden_layers")),
+        num_hidden_layers=int(t.get("num_hidden_layers")),
         num_attention_heads=heads,
-        num_key_value_heads=int(txt.get("num_key_value_heads") or heads),
-        head_dim=int(txt.get("head_dim") or hidden // heads),
-        intermediate_size=int(t("intermediate_size")),
-        rms_norm_eps=float(t("rms_norm_eps", 1e-6)),
+        num_key_value_heads=int(t.get("num_key_value_heads", None) or heads),
+        head_dim=int(t.get("head_dim", None) or hidden // heads),
+        intermediate_size=int(t.get("intermediate_size")),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         mrope_section=section,
-        mrope_interleaved=interleaved,
-        max_position_embeddings=int(t("max_position_embeddings", 262144)),
+        mrope_interleaved=True,  # _rope_settings refuses anything else
+        max_position_embeddings=int(t.get("max_position_embeddings", 262144)),
         moe=moe,
     )
     if vision.out_hidden_size != text.hidden_size:
         raise CheckpointError(
             f"config.json: vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}"
         )
-    tie = cfg.get("tie_word_embeddings", txt.get("tie_word_embeddings", False))
+    saved_by = _saved_by_major(top)
     return ModelInfo(
         model_type=model_type,
         vision=vision,
         text=text,
-        tie_word_embeddings=bool(tie),
-        image_token_id=int(cfg.get("image_token_id", 151655)),
-        video_token_id=int(cfg.get("video_token_id", 151656)),
-        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
+        tie_word_embeddings=_tie_word_embeddings(top, t, saved_by),
+        saved_by_transformers_major=saved_by,
+        image_token_id=int(top.get("image_token_id", 151655)),
+        video_token_id=int(top.get("video_token_id", 151656)),
+        vision_start_token_id=int(top.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(top.get("vision_end_token_id", 151653)),
     )
 
 

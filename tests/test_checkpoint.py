@@ -7,10 +7,16 @@ import json
 import shutil
 
 import pytest
-from qwen3vl_trt.checkpoint import Checkpoint, parse_config
+import transformers
+from qwen3vl_trt.checkpoint import CONFIG_ALIASES, Checkpoint, parse_config
 from qwen3vl_trt.contracts import VISUAL_PREFIX
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
+from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.testing.tiny import PRESETS, build_config
+from transformers.models.qwen3_vl import configuration_qwen3_vl as dense_configs
+from transformers.models.qwen3_vl_moe import configuration_qwen3_vl_moe as moe_configs
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def _v5_style(cfg: dict) -> dict:
@@ -29,6 +35,88 @@ def test_both_config_styles_parse_identically(moe):
     assert old == new
     assert old.is_moe is moe and old.text.mrope_section == (8, 4, 4) and old.text.mrope_interleaved
     assert old.text.rope_theta == 5e6 and old.vision.head_dim == 64 and old.deepstack_count == 3
+
+
+# Every config class of Qwen3-VL in the installed transformers, by the config.json object it reads.
+CONFIG_CLASSES = [
+    dense_configs.Qwen3VLConfig,
+    dense_configs.Qwen3VLVisionConfig,
+    dense_configs.Qwen3VLTextConfig,
+    moe_configs.Qwen3VLMoeConfig,
+    moe_configs.Qwen3VLMoeVisionConfig,
+    moe_configs.Qwen3VLMoeTextConfig,
+]
+
+
+def test_alias_table_is_what_transformers_declares():
+    """CONFIG_ALIASES holds the installed classes' attribute_map entries (5.x declares them, 4.57 none)."""
+    installed = {
+        (cls.base_config_key or "config", standard, stored)
+        for cls in CONFIG_CLASSES
+        for standard, stored in cls.attribute_map.items()
+    }
+    declared = {
+        (section, standard, stored) for section, names in CONFIG_ALIASES.items() for standard, stored in names.items()
+    }
+    assert installed <= declared
+    if TRANSFORMERS_MAJOR >= 5:
+        assert installed == declared
+
+
+def _renamed_to_aliases(cfg: dict) -> dict:
+    """The config with every field that has an alias written under that alias instead."""
+    cfg = copy.deepcopy(cfg)
+    for section, names in CONFIG_ALIASES.items():
+        values = cfg[section]
+        for standard, stored in names.items():
+            if stored in values:
+                values[standard] = values.pop(stored)
+            elif standard in values:
+                values[stored] = values.pop(standard)
+    return cfg
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_fields_are_read_under_their_aliases(moe):
+    cfg = build_config(PRESETS["tiny"], moe=moe)
+    renamed = _renamed_to_aliases(cfg)
+    assert renamed["vision_config"]["num_hidden_layers"] == 4 and "depth" not in renamed["vision_config"]
+    assert ("num_local_experts" in renamed["text_config"]) is moe
+    assert parse_config(renamed) == parse_config(cfg)
+
+
+@pytest.mark.parametrize("style", ["4.57", "5.x"])
+def test_absent_mrope_interleaved_means_interleaved(style):
+    """transformers' Qwen3-VL rotary embedding interleaves whatever the config says."""
+    cfg = build_config(PRESETS["tiny"], moe=False)
+    del cfg["text_config"]["rope_scaling"]["mrope_interleaved"]
+    cfg = _v5_style(cfg) if style == "5.x" else cfg
+    assert parse_config(cfg).text.mrope_interleaved is True
+
+
+@pytest.mark.parametrize("style", ["4.57", "5.x"])
+def test_chunked_mrope_is_refused(style):
+    cfg = build_config(PRESETS["tiny"], moe=False)
+    cfg["text_config"]["rope_scaling"]["mrope_interleaved"] = False
+    cfg = _v5_style(cfg) if style == "5.x" else cfg
+    with pytest.raises(UnsupportedModelError, match="mrope_interleaved is false"):
+        parse_config(cfg)
+
+
+@pytest.mark.parametrize(("saved_by", "tied"), [("5.1.0", True), ("4.57.3", False)])
+def test_tie_flag_is_read_where_the_saving_version_reads_it(saved_by, tied):
+    """transformers 5.x ties by the top-level flag, 4.x by text_config's (tests/test_saved_checkpoints.py
+    checks this against both versions' save_pretrained)."""
+    cfg = build_config(PRESETS["tiny"], moe=False) | {"tie_word_embeddings": True, "transformers_version": saved_by}
+    cfg["text_config"]["tie_word_embeddings"] = False
+    assert parse_config(cfg).tie_word_embeddings is tied
+
+
+def test_disagreeing_tie_flags_without_a_version_are_refused():
+    cfg = build_config(PRESETS["tiny"], moe=False) | {"tie_word_embeddings": True}
+    cfg["text_config"]["tie_word_embeddings"] = False
+    with pytest.raises(CheckpointError, match="tie_word_embeddings"):
+        parse_config(cfg)
 
 
 def _released(moe: bool, hidden: int, layers: int) -> dict:
@@ -129,6 +217,18 @@ def test_tensor_missing_from_index(copy_of):
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=f"no tensor '{name}'.*index"):
         Checkpoint(copy_of).load_tensors([name])
+
+
+def test_untied_checkpoint_without_lm_head_is_refused(copy_of, tmp_path):
+    """The head of an untied model is its own tensor: the embedding is no substitute for it."""
+    assert not Checkpoint(copy_of).info.tie_word_embeddings
+    index_path = copy_of / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["lm_head.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="no lm_head.weight"):
+        convert_llm(copy_of, tmp_path / "converted", progress=False)
+    assert not (tmp_path / "converted").exists()
 
 
 def test_no_weights_and_bin_weights(copy_of):

@@ -35,6 +35,7 @@ from .checkpoint_format import (
 )
 
 TEXT_PREFIX = "model.language_model."
+LM_HEAD = "lm_head.weight"
 CHUNK_BYTES = 32 * 2**20  # source bytes per read
 
 
@@ -96,6 +97,26 @@ class _Sources:
     def plain(self, name: str, shape: tuple[int, ...], rows: int | None = None) -> list[Source]:
         return [Source(self.tensor(name, shape), rows if rows is not None else shape[0])]
 
+    def experts(
+        self, name: str, experts: int, in_features: int, out_features: int
+    ) -> tuple[TensorLocation, Callable[[torch.Tensor], torch.Tensor]]:
+        """A fused expert tensor in either layout transformers writes, and the map of a chunk of it to
+        F.linear's [E, out, in]: the released [E, in, out] (x @ W; transformers 4.x) or 5.x's own
+        [E, out, in] (its save_pretrained keeps it). A square shape fits both: then the layout is that of
+        the version that saved the checkpoint, as each version's loader assumes for its own files."""
+        location = self.ckpt.locate(name)
+        released, linear = (experts, in_features, out_features), (experts, out_features, in_features)
+        if location.shape not in (released, linear):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {list(location.shape)}, expected {list(released)} or {list(linear)}"
+            )
+        if released == linear:
+            saved_by = self.info.saved_by_transformers_major
+            is_linear = saved_by is not None and saved_by >= 5
+        else:
+            is_linear = location.shape == linear
+        return location, (lambda w: w) if is_linear else (lambda w: w.transpose(1, 2))
+
     def for_role(self, role: str, config: LLMConfig) -> list[Source]:
         c, t = config, self.info.text
         d, hd = c.hidden_size, c.head_size
@@ -104,9 +125,14 @@ class _Sources:
         if role == "ln_f":
             return self.plain(TEXT_PREFIX + "norm.weight", (d,))
         if role == "lm_head":
-            tied = self.info.tie_word_embeddings or "lm_head.weight" not in self.ckpt.tensor_names("lm_head.")
-            name = TEXT_PREFIX + "embed_tokens.weight" if tied else "lm_head.weight"
-            return self.plain(name, (c.vocab_size, d), rows=c.vocab_size_padded)
+            if self.info.tie_word_embeddings:
+                return self.plain(TEXT_PREFIX + "embed_tokens.weight", (c.vocab_size, d), rows=c.vocab_size_padded)
+            if LM_HEAD not in self.ckpt.tensor_names(LM_HEAD):
+                raise CheckpointError(
+                    f"the checkpoint has no {LM_HEAD} although config.json unties the output head from the "
+                    "embedding (tie_word_embeddings false): restore the tensor, or set the flag if the model was tied"
+                )
+            return self.plain(LM_HEAD, (c.vocab_size, d), rows=c.vocab_size_padded)
         _, layer, what = role.split(".", 2)
         p = f"{TEXT_PREFIX}layers.{layer}."
         q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
@@ -133,14 +159,15 @@ class _Sources:
         if what == "router":
             return self.plain(p + "mlp.gate.weight", (e, d))
         if what == "experts_up_gate":
-            # Released layout: gate_up_proj [E, H, 2I], x @ W gives (gate | up); TensorRT-LLM wants [E, up; gate, H].
-            fused = self.tensor(p + "mlp.experts.gate_up_proj", (e, d, 2 * i))
+            # As F.linear weights gate_up_proj is [E, 2I, H] (gate rows, then up); TensorRT-LLM wants [E, up; gate, H].
+            fused, as_linear = self.experts(p + "mlp.experts.gate_up_proj", e, d, 2 * i)
             return [
-                Source(fused, e, lambda w: w[:, :, i:].transpose(1, 2)),
-                Source(fused, e, lambda w: w[:, :, :i].transpose(1, 2)),
+                Source(fused, e, lambda w: as_linear(w)[:, i:]),
+                Source(fused, e, lambda w: as_linear(w)[:, :i]),
             ]
         if what == "experts_down":
-            return [Source(self.tensor(p + "mlp.experts.down_proj", (e, i, d)), e, lambda w: w.transpose(1, 2))]
+            down, as_linear = self.experts(p + "mlp.experts.down_proj", e, i, d)
+            return [Source(down, e, as_linear)]
         raise AssertionError(f"no source for {role}")
 
 
@@ -207,7 +234,7 @@ def convert_llm(
         for p in params.values()
         for r in range(tp)
     )
-    with atomic_output_dir(output, force=force) as tmp:
+    with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=4) + "\n")
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
