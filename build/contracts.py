@@ -62,7 +62,19 @@ VISION_SIDECAR_FILE = "vision_config.json"
 # Visual weights live under this prefix in released Qwen3-VL checkpoints (both dense and MoE).
 VISUAL_PREFIX = "model.visual."
 
-# LLM engine inputs per request (TensorRT-LLM 1.2.1's legacy multimodal contract; see llm_inputs.py).
+# LLM engine inputs per request (TensorRT-LLM 1.2.1's legacy multimodal contract; see llm/inputs.py).
+#
+# The fake-id interleave (vocab_size + (K+1)*k) addresses rows of the request's own table, and two
+# TensorRT-LLM runtime features would break it:
+# - prompt-table offloading (ExecutorConfig prompt_table_offloading, off by default) rewrites fake
+#   ids to consecutive rows, one row per visual token, so the DeepStack rows in between would be read
+#   as other tokens' embeddings: engines and serving configurations keep it off;
+# - KV-cache block reuse (the tensorrtllm backend's enable_kv_cache_reuse, on by default) keys blocks
+#   by token ids, and two different images with the same token layout get the same fake ids: every
+#   visual token therefore carries its image's content id in prompt_table_extra_ids (TensorRT-LLM's
+#   PromptTuningConfig inputTokenExtraIds), which the block key includes, so only the same image at
+#   the same place shares blocks. With reuse on, the executor refuses prompt-table requests without
+#   them (batch_manager/llmRequest.cpp, validate).
 LLM_INPUT_IDS = TensorSpec(
     "input_ids", "int32", ("L",), "prompt ids; the k-th visual token is the fake id vocab_size + (K+1)*k"
 )
@@ -81,11 +93,18 @@ MROPE_ROTARY_COS_SIN = TensorSpec(
 MROPE_POSITION_DELTAS = TensorSpec(
     "mrope_position_deltas", "int32", (1,), "max 3-D position + 1 - prompt length; generation uses step + delta"
 )
+PROMPT_TABLE_EXTRA_IDS = TensorSpec(
+    "prompt_table_extra_ids",
+    "uint64",
+    ("L",),
+    "per prompt token: 0 for text, its image's content id (never 0) for visual tokens; KV block reuse keys on it",
+)
 LLM_INPUTS: tuple[TensorSpec, ...] = (
     LLM_INPUT_IDS,
     PROMPT_EMBEDDING_TABLE,
     MROPE_ROTARY_COS_SIN,
     MROPE_POSITION_DELTAS,
+    PROMPT_TABLE_EXTRA_IDS,
 )
 
 

@@ -15,6 +15,7 @@ import torch
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli
 from qwen3vl_trt.errors import CheckpointError, OutputExistsError, UnsupportedModelError
+from qwen3vl_trt.fsutil import OUTPUT_MARKER
 from qwen3vl_trt.llm import convert as convert_module
 from qwen3vl_trt.llm.checkpoint_format import Split, read_trtllm_config
 from qwen3vl_trt.llm.convert import Source, convert_llm
@@ -164,10 +165,10 @@ def test_pipeline_stages_hold_local_layers(checkpoints, tmp_path):
     out = convert_llm(checkpoints["dense"], tmp_path / "c", dtype="fp32", pp=2, progress=False)
     first, last = _rank(out, 0), _rank(out, 1)
     layers = lambda w: sorted({int(n.split(".")[2]) for n in w if n.startswith("transformer.layers.")})  # noqa: E731
-    assert layers(first) == [0, 1] and layers(last) == [0]  # 3 layers: the first stage takes the extra one
+    assert layers(first) == [0, 1, 2] and layers(last) == [0, 1]  # 5 layers: the first stage takes the extra one
     assert "transformer.vocab_embedding.weight" in first and "transformer.vocab_embedding.weight" not in last
     assert {"transformer.ln_f.weight", "lm_head.weight"} <= set(last) and "lm_head.weight" not in first
-    hf = _hf(checkpoints["dense"], layer=2)
+    hf = _hf(checkpoints["dense"], layer=3)
     assert torch.equal(last["transformer.layers.0.post_layernorm.weight"], hf["post_attention_layernorm.weight"])
 
 
@@ -204,8 +205,18 @@ def test_lm_head_rows_are_padded_for_tp():
 def test_unsupported_splits_are_refused_before_writing(checkpoints, tmp_path):
     with pytest.raises(UnsupportedModelError, match="tp=3"):
         convert_llm(checkpoints["dense"], tmp_path / "c", tp=3, progress=False)
-    with pytest.raises(UnsupportedModelError, match="pp=4"):
-        convert_llm(checkpoints["dense"], tmp_path / "c", pp=4, progress=False)
+    with pytest.raises(UnsupportedModelError, match="pp=6"):
+        convert_llm(checkpoints["dense"], tmp_path / "c", pp=6, progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+def test_pipeline_splits_keep_the_deepstack_layers_on_the_first_stage(checkpoints, tmp_path):
+    """Only TensorRT-LLM's first pipeline rank has input_ids, which mark the visual tokens: the 5-layer
+    model's 3 DeepStack layers fit on the first of 2 stages (layers 0-2), not of 3 (layers 0-1)."""
+    with pytest.raises(UnsupportedModelError, match=r"pp=3 puts DeepStack layer\(s\) \[2\] .*use pp <= 2"):
+        convert_llm(checkpoints["moe"], tmp_path / "c", pp=3, progress=False)
+    assert not (tmp_path / "c").exists()
+    assert cli(["convert-llm", "--model", str(checkpoints["dense"]), "--output", str(tmp_path / "c"), "--pp", "3"]) == 2
     assert not (tmp_path / "c").exists()
 
 
@@ -278,6 +289,7 @@ def test_cli(checkpoints, tmp_path, capsys):
     assert cli(["convert-llm", "--model", str(checkpoints["moe"]), "--output", str(tmp_path / "c"), "--tp", "2"]) == 0
     assert "2 rank files" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        OUTPUT_MARKER,
         "config.json",
         "rank0.safetensors",
         "rank1.safetensors",

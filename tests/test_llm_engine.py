@@ -1,23 +1,31 @@
-"""build-llm-engine: trtllm-build flags from the EngineLimits, the GPU-host command, the launcher's
-checkpoint view, and the DeepStack index arithmetic shared by the engine model and the runtime."""
+"""build-llm-engine: trtllm-build flags from the EngineLimits, the GPU-host command, what the launcher
+hands TensorRT-LLM's parallel build (over a stand-in for tensorrt_llm's builder API, which cannot be
+installed here), and the DeepStack index arithmetic shared by the engine model and the runtime."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from qwen3vl_trt.errors import Qwen3VLTrtError
+from qwen3vl_trt.cli import main as cli
+from qwen3vl_trt.errors import Qwen3VLTrtError, UnsupportedModelError
 from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.llm import engine_build
 from qwen3vl_trt.llm import engine_model as trtllm_model
 from qwen3vl_trt.llm import inputs as llm_inputs
 from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.llm.convert import convert_llm
-from qwen3vl_trt.llm.engine_build import _checkpoint_view, _record_use_mrope, trtllm_build_flags
+from qwen3vl_trt.llm.engine_build import launcher_command, trtllm_build_flags
 from qwen3vl_trt.runtime import reference_llm
 
 LIMITS = EngineLimits(
@@ -28,7 +36,9 @@ LIMITS = EngineLimits(
 @pytest.fixture(scope="module")
 def bf16_checkpoints(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-ckpt")
-    return {name: convert_llm(checkpoints[name], root / name, progress=False) for name in ("dense", "moe")}
+    converted = {name: convert_llm(checkpoints[name], root / name, progress=False) for name in ("dense", "moe")}
+    converted["dense-fp32-tp2"] = convert_llm(checkpoints["dense"], root / "fp32", dtype="fp32", tp=2, progress=False)
+    return converted
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
@@ -36,10 +46,12 @@ def _flags(argv: list[str]) -> dict[str, str]:
     return dict(zip(argv[::2], argv[1::2], strict=True))
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "dense-fp32-tp2"])
 def test_flags_derive_from_the_build_config(name, bf16_checkpoints):
     _, config = read_trtllm_config(bf16_checkpoints[name])
     flags = _flags(trtllm_build_flags("/ckpt", "/engine", config, LIMITS))
+    dtype = "float32" if name == "dense-fp32-tp2" else "bfloat16"
+    fused_context = "disable" if dtype == "float32" else "enable"  # no fp32 context FMHA kernels
     assert flags == {
         "--checkpoint_dir": "/ckpt",
         "--output_dir": "/engine",
@@ -52,12 +64,12 @@ def test_flags_derive_from_the_build_config(name, bf16_checkpoints):
         "--max_prompt_embedding_table_size": "16384",
         "--kv_cache_type": "paged",
         "--tokens_per_block": "32",
-        "--use_paged_context_fmha": "enable",
-        "--context_fmha": "enable",
+        "--use_paged_context_fmha": fused_context,
+        "--context_fmha": fused_context,
         "--remove_input_padding": "enable",
-        "--gpt_attention_plugin": "bfloat16",
-        "--gemm_plugin": "bfloat16",
-        "--workers": "1",
+        "--gpt_attention_plugin": dtype,
+        "--gemm_plugin": dtype,
+        "--workers": str(config.mapping.world_size),  # one build process per rank
         **({"--moe_plugin": "bfloat16"} if name == "moe" else {}),
     }
 
@@ -87,8 +99,7 @@ def test_print_command_is_the_gpu_host_command(bf16_checkpoints, tmp_path):
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
     assert argv[:3] == ["python", "-m", "qwen3vl_trt.llm.engine_build"]
-    assert argv[3:5] == ["--max_position_embeddings", str(EngineLimits().max_seq_len)]
-    flags = _flags(argv[5:])
+    flags = _flags(argv[3:])
     assert flags["--checkpoint_dir"] == str(ckpt.absolute()) and flags["--output_dir"] == str(tmp_path.cwd() / "engine")
     assert flags["--max_batch_size"] == "2" and flags["--moe_plugin"] == "bfloat16"
     # The printed launcher itself refuses clearly on a machine without TensorRT-LLM.
@@ -105,20 +116,105 @@ def test_build_without_tensorrt_llm_stops_clearly(bf16_checkpoints, tmp_path):
     assert not hasattr(trtllm_model, "Qwen3VLForCausalLM")  # importable module, class absent
 
 
-def test_launcher_builds_from_a_view_with_engine_positions(bf16_checkpoints, tmp_path):
+def test_pipeline_splits_without_the_deepstack_layers_first_are_refused_at_build_time(
+    bf16_checkpoints, tmp_path, capsys
+):
+    """A checkpoint converted elsewhere (or edited) with pp=3: the first of 3 stages holds layers 0-1 only."""
+    ckpt = tmp_path / "pp3"
+    shutil.copytree(bf16_checkpoints["dense"], ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["mapping"] |= {"pp_size": 3, "world_size": 3}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _, config = read_trtllm_config(ckpt)
+    with pytest.raises(UnsupportedModelError, match=r"pp=3 puts DeepStack layer\(s\) \[2\] .*use pp <= 2"):
+        trtllm_build_flags(str(ckpt), "/engine", config, LIMITS)
+    for extra in (["--print-command"], []):  # refused before looking for the GPU stack
+        assert cli(["build-llm-engine", "--checkpoint", str(ckpt), "--output", str(tmp_path / "e"), *extra]) == 2
+        out = capsys.readouterr()
+        assert "use pp <= 2" in out.err and not out.out
+    assert not (tmp_path / "e").exists()
+
+
+def _plugin_flags(group: argparse._ArgumentGroup) -> None:
+    """The plugin flags of trtllm-build that the launcher is given (tensorrt_llm/plugin/plugin.py adds all)."""
+    for name in ("gpt_attention_plugin", "gemm_plugin", "moe_plugin"):
+        group.add_argument(f"--{name}", default="auto")
+    for name in ("context_fmha", "use_paged_context_fmha", "remove_input_padding"):
+        group.add_argument(f"--{name}", choices=["enable", "disable"], default="enable")
+    group.add_argument("--tokens_per_block", type=int, default=32)
+
+
+@pytest.fixture
+def trtllm_builder(monkeypatch):
+    """Stand-ins for the tensorrt_llm builder API the launcher calls; records what it is given."""
+    calls: dict = {}
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "tensorrt_llm",
+            "tensorrt_llm.builder",
+            "tensorrt_llm.commands",
+            "tensorrt_llm.commands.build",
+            "tensorrt_llm.models",
+            "tensorrt_llm.plugin",
+        )
+    }
+    modules["tensorrt_llm.builder"].BuildConfig = SimpleNamespace(
+        from_dict=lambda config, plugin_config=None: SimpleNamespace(**config, plugin_config=plugin_config)
+    )
+
+    def parallel_build(model_config, ckpt_dir, build_config, output_dir, workers=1, log_level="info", model_cls=None):
+        calls.update(locals())  # tensorrt_llm/commands/build.py's signature
+
+    modules["tensorrt_llm.commands.build"].parallel_build = parallel_build
+    modules["tensorrt_llm.models"].MODEL_MAP = {}
+    modules["tensorrt_llm.models"].PretrainedConfig = SimpleNamespace(
+        from_json_file=lambda path: SimpleNamespace(**json.loads(Path(path).read_text()))
+    )
+    modules["tensorrt_llm.plugin"].add_plugin_argument = _plugin_flags
+    modules["tensorrt_llm.plugin"].PluginConfig = SimpleNamespace(
+        from_arguments=lambda args: SimpleNamespace(**vars(args), validate=lambda: None)
+    )
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    model_cls = type("Qwen3VLForCausalLM", (), {})
+    monkeypatch.setattr(trtllm_model, "Qwen3VLForCausalLM", model_cls, raising=False)
+    return SimpleNamespace(calls=calls, model_cls=model_cls, model_map=modules["tensorrt_llm.models"].MODEL_MAP)
+
+
+def test_launcher_sets_mrope_and_engine_positions_before_the_build(bf16_checkpoints, trtllm_builder):
     ckpt = bf16_checkpoints["moe"]
-    view = tmp_path / "view"
-    view.mkdir()
-    _checkpoint_view(ckpt, view, 4096)
-    cfg, config = read_trtllm_config(view)
-    original, _ = read_trtllm_config(ckpt)
-    assert config.max_position_embeddings == 4096 and cfg == original | {"max_position_embeddings": 4096}
-    assert (view / "rank0.safetensors").resolve() == (ckpt / "rank0.safetensors").resolve()
-    engine = tmp_path / "engine"
-    engine.mkdir()
-    (engine / "config.json").write_text(json.dumps({"build_config": {"use_mrope": False}, "pretrained_config": {}}))
-    _record_use_mrope(engine)
-    assert json.loads((engine / "config.json").read_text())["build_config"]["use_mrope"] is True
+    _, config = read_trtllm_config(ckpt)
+    command = launcher_command(str(ckpt), "/engine", config, LIMITS)
+    assert command[1:3] == ["-m", engine_build.LAUNCHER]
+    assert engine_build.launch(command[3:]) == 0
+    calls = trtllm_builder.calls
+    assert calls["model_cls"] is trtllm_builder.model_cls and trtllm_builder.model_map == {}  # passed, not registered
+    assert calls["ckpt_dir"] == str(ckpt) and calls["output_dir"] == "/engine"
+    assert calls["workers"] <= config.mapping.world_size  # capped at the GPUs torch sees
+    build = calls["build_config"]
+    assert build.use_mrope is True  # trtllm-build sets it for qwen2_vl only
+    assert (build.max_batch_size, build.max_input_len, build.max_seq_len, build.max_num_tokens) == (4, 2048, 4096, 8192)
+    assert build.max_prompt_embedding_table_size == LIMITS.prompt_table_rows(config.deepstack_count)
+    assert build.kv_cache_type == "paged" and build.max_beam_width == 1
+    plugins = build.plugin_config
+    assert (plugins.gpt_attention_plugin, plugins.moe_plugin, plugins.context_fmha) == (
+        "bfloat16",
+        "bfloat16",
+        "enable",
+    )
+    model = calls["model_config"]
+    assert model.max_position_embeddings == LIMITS.max_seq_len  # the engine's mrope table length
+    # As QWenConfig.from_hugging_face writes it for qwen2_vl: the attention layers take the MRoPE path.
+    assert model.position_embedding_type == "mrope" and model.rotary_scaling == {"type": "mrope"}
+
+
+def test_launcher_refuses_flags_it_does_not_apply(bf16_checkpoints, trtllm_builder):
+    _, config = read_trtllm_config(bf16_checkpoints["dense"])
+    argv = launcher_command(str(bf16_checkpoints["dense"]), "/engine", config, LIMITS)[3:]
+    with pytest.raises(SystemExit):
+        engine_build.launch([*argv, "--gather_context_logits"])
+    assert not trtllm_builder.calls
 
 
 def test_deepstack_index_is_one_function():

@@ -209,7 +209,7 @@ def test_engine_mrope_layout(preprocessors, hf_model):
 def test_interleaved_pair_axes_follow_the_design(tiny_dense):
     from qwen3vl_trt.llm.inputs import H_AXIS, T_AXIS, W_AXIS, rope_pair_axes
 
-    axes = rope_pair_axes(128, (24, 20, 20), interleaved=True)
+    axes = rope_pair_axes(128, (24, 20, 20))
     assert (axes == H_AXIS).sum() == 20 and (axes == W_AXIS).sum() == 20 and (axes == T_AXIS).sum() == 24
     for i, axis in enumerate(axes):
         assert axis == (H_AXIS if i % 3 == 1 and i < 60 else W_AXIS if i % 3 == 2 and i < 60 else T_AXIS)

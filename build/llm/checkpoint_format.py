@@ -15,6 +15,7 @@ converter (`tensorrt_llm/models/qwen/convert.py`, `model_weights_loader.py`, `ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from ..checkpoint import ModelInfo
 from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, UnsupportedModelError
-from ..fsutil import read_json
+from ..fsutil import json_entry, read_json
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
@@ -103,8 +104,9 @@ class MoeSettings:
 def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
     """config.json for the TensorRT-LLM checkpoint: the fields PretrainedConfig and QWenConfig read
     (tensorrt_llm/models/modeling_utils.py, models/qwen/config.py), qwen_type qwen3 / qwen3_moe for
-    the q/k RMSNorm and MoE layers, position_embedding_type mrope, and the Qwen3-VL settings the
-    engine model and host need (DeepStack count, MRoPE sections, image token id)."""
+    the q/k RMSNorm and MoE layers, position_embedding_type mrope with rotary scaling type mrope (what
+    QWenConfig.from_hugging_face writes for qwen2_vl, so the attention layers take the MRoPE path), and
+    the Qwen3-VL settings the engine model and host need (DeepStack count, MRoPE sections, image token id)."""
     text, moe = info.text, info.text.moe
     if moe is not None and (moe.mlp_only_layers or moe.decoder_sparse_step != 1):
         raise UnsupportedModelError(
@@ -112,6 +114,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
             "TensorRT-LLM's Qwen MoE model makes every layer sparse"
         )
     _check_divisible(info, mapping)
+    check_deepstack_stage(text.num_hidden_layers, info.deepstack_count, mapping)
     return {
         "architecture": ARCHITECTURE,
         "dtype": DTYPE_NAMES[dtype],
@@ -129,7 +132,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
         "max_position_embeddings": text.max_position_embeddings,
         "rotary_embedding_dim": text.head_dim,
         "rotary_base": text.rope_theta,
-        "rotary_scaling": None,
+        "rotary_scaling": {"type": "mrope"},
         "mapping": {
             "world_size": mapping.world_size,
             "tp_size": mapping.tp_size,
@@ -182,53 +185,74 @@ def _check_divisible(info: ModelInfo, mapping: ParallelLayout) -> None:
         raise UnsupportedModelError(f"pp={mapping.pp_size} is more than the {text.num_hidden_layers} layers")
 
 
-# LLMConfig fields that config.json holds under the same name.
-_SAME_NAMED_FIELDS = (
-    "dtype",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_size",
-    "intermediate_size",
-    "norm_epsilon",
-    "rotary_base",
-    "max_position_embeddings",
-)
+def check_deepstack_stage(num_layers: int, deepstack_count: int, mapping: ParallelLayout) -> None:
+    """Refuses a pipeline split whose first stage lacks a DeepStack layer. Only the first stage has
+    `input_ids`, which locate the visual tokens; TensorRT-LLM gives later stages `hidden_states_input`
+    instead (models/generation_mixin.py, prepare_basic_inputs)."""
+    needed = min(deepstack_count, num_layers)  # transformers adds no feature past the last layer
+    first = mapping.pp_layers(num_layers, 0)
+    if needed <= len(first):
+        return
+    first_stage_size = {pp: len(ParallelLayout(pp_size=pp).pp_layers(num_layers, 0)) for pp in range(1, num_layers + 1)}
+    works = max(pp for pp, size in first_stage_size.items() if size >= needed)
+    raise UnsupportedModelError(
+        f"pp={mapping.pp_size} puts DeepStack layer(s) {list(range(len(first), needed))} past the first pipeline "
+        f"stage (layers 0-{first[-1]}), but only the first stage sees the token ids that mark visual tokens; "
+        f"use pp <= {works} (add GPUs with tp instead)"
+    )
 
 
-def parse_trtllm_config(cfg: dict) -> LLMConfig:
+# LLMConfig fields that config.json holds under the same name, and their JSON types.
+_SAME_NAMED_FIELDS: dict[str, type] = {
+    "dtype": str,
+    "vocab_size": int,
+    "hidden_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_size": int,
+    "intermediate_size": int,
+    "norm_epsilon": float,
+    "rotary_base": float,
+    "max_position_embeddings": int,
+}
+
+
+def parse_trtllm_config(cfg: dict, where: str = f"TensorRT-LLM checkpoint {CONFIG_FILE}") -> LLMConfig:
+    """The runtimes' view of a checkpoint config; CheckpointError naming `where` if it is foreign or malformed."""
+    fix = "convert the checkpoint again with `qwen3vl-trt convert-llm`"
     if cfg.get("architecture") != ARCHITECTURE:
-        raise CheckpointError(
-            f"checkpoint architecture is {cfg.get('architecture')!r}, expected {ARCHITECTURE!r} "
-            "(convert with `qwen3vl-trt convert-llm`)"
+        raise CheckpointError(f"{where}: architecture is {cfg.get('architecture')!r}, expected {ARCHITECTURE!r}; {fix}")
+
+    def entry(key: str, kind: type) -> Any:
+        return json_entry(cfg, key, kind, where, fix)
+
+    moe = None
+    if entry("moe", dict).get("num_experts") != 0:  # 0 experts: a dense model
+        moe = MoeSettings(
+            num_experts=entry("moe.num_experts", int),
+            top_k=entry("moe.top_k", int),
+            intermediate_size=entry("moe_intermediate_size", int),
+            renormalize=cfg["moe"].get("normalization_mode") == MOE_RENORMALIZE,
         )
-    try:
-        moe_cfg = cfg["moe"]
-        moe = None
-        if moe_cfg["num_experts"] > 0:
-            moe = MoeSettings(
-                num_experts=moe_cfg["num_experts"],
-                top_k=moe_cfg["top_k"],
-                intermediate_size=cfg["moe_intermediate_size"],
-                renormalize=moe_cfg["normalization_mode"] == MOE_RENORMALIZE,
-            )
-        return LLMConfig(
-            **{name: cfg[name] for name in _SAME_NAMED_FIELDS},
-            rotary_dim=cfg["rotary_embedding_dim"],
-            deepstack_count=cfg["qwen3_vl"]["deepstack_count"],
-            mapping=ParallelLayout(cfg["mapping"]["tp_size"], cfg["mapping"]["pp_size"]),
-            moe=moe,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"TensorRT-LLM checkpoint config.json lacks {e}") from None
+    same_named = {name: entry(name, kind) for name, kind in _SAME_NAMED_FIELDS.items()}
+    if same_named["dtype"] not in DTYPE_NAMES.values():
+        names = ", ".join(DTYPE_NAMES.values())
+        raise CheckpointError(f"{where}: dtype {same_named['dtype']!r} is not one of {names}; {fix}")
+    return LLMConfig(
+        **same_named,
+        rotary_dim=entry("rotary_embedding_dim", int),
+        deepstack_count=entry("qwen3_vl.deepstack_count", int),
+        mapping=ParallelLayout(entry("mapping.tp_size", int), entry("mapping.pp_size", int)),
+        moe=moe,
+    )
 
 
 def read_trtllm_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict, LLMConfig]:
     missing = f"{checkpoint_dir} has no {CONFIG_FILE}: is it a converted TensorRT-LLM checkpoint?"
-    cfg = read_json(Path(checkpoint_dir) / CONFIG_FILE, missing)
-    return cfg, parse_trtllm_config(cfg)
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    cfg = read_json(path, missing)
+    return cfg, parse_trtllm_config(cfg, str(path))
 
 
 # -- names and splits ---------------------------------------------------------------------------------
@@ -400,25 +424,26 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
     roles: dict[str, torch.Tensor] = {}
     for pp_rank in range(mapping.pp_size):
         params = stage_params(config, pp_rank)
-        files = []
-        for tp_rank in range(mapping.tp_size):
-            path = root / rank_file(mapping.rank(tp_rank, pp_rank))
-            if not path.is_file():
-                raise CheckpointError(f"{root} lacks {path.name} (tp={mapping.tp_size}, pp={mapping.pp_size})")
-            files.append(safe_open(str(path), framework="pt"))
-        for role, param in params.items():
-            parts = []
-            for tp_rank, f in enumerate(files):
-                if param.name not in f.keys():
-                    raise CheckpointError(f"{rank_file(mapping.rank(tp_rank, pp_rank))} lacks {param.name}")
-                part = f.get_tensor(param.name)
-                if tuple(part.shape) != param.rank_shape(tp_rank, mapping.tp_size):
-                    raise CheckpointError(
-                        f"{param.name} in rank file has shape {list(part.shape)}, expected "
-                        f"{list(param.rank_shape(tp_rank, mapping.tp_size))}"
-                    )
-                parts.append(part)
-            roles[role] = merge(param, parts, mapping.tp_size)
+        with contextlib.ExitStack() as opened:  # the stage's rank files, closed on every path out
+            files = []
+            for tp_rank in range(mapping.tp_size):
+                path = root / rank_file(mapping.rank(tp_rank, pp_rank))
+                if not path.is_file():
+                    raise CheckpointError(f"{root} lacks {path.name} (tp={mapping.tp_size}, pp={mapping.pp_size})")
+                files.append(opened.enter_context(safe_open(str(path), framework="pt")))
+            for role, param in params.items():
+                parts = []
+                for tp_rank, f in enumerate(files):
+                    if param.name not in f.keys():
+                        raise CheckpointError(f"{rank_file(mapping.rank(tp_rank, pp_rank))} lacks {param.name}")
+                    part = f.get_tensor(param.name)
+                    if tuple(part.shape) != param.rank_shape(tp_rank, mapping.tp_size):
+                        raise CheckpointError(
+                            f"{param.name} in rank file has shape {list(part.shape)}, expected "
+                            f"{list(param.rank_shape(tp_rank, mapping.tp_size))}"
+                        )
+                    parts.append(part)
+                roles[role] = merge(param, parts, mapping.tp_size)
     layers = []
     for layer in range(config.num_hidden_layers):
         w = {role.split(".", 2)[2]: t for role, t in roles.items() if role.startswith(f"layers.{layer}.")}

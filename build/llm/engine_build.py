@@ -1,48 +1,68 @@
-"""build-llm-engine: the TensorRT-LLM engine of a converted checkpoint, built by trtllm-build.
+"""build-llm-engine: the TensorRT-LLM engine of a converted checkpoint.
 
-trtllm-build finds a model class by the checkpoint's `architecture`; Qwen3VLForCausalLM is ours
-(trtllm_model.py), so the build runs through this module's launcher, `python -m
-qwen3vl_trt.llm.engine_build`, which registers the class in TensorRT-LLM's MODEL_MAP and then runs
-trtllm-build's own main() in the same process with the flags derived here from the EngineLimits.
-The launcher also:
+trtllm-build finds a model class by the checkpoint's `architecture`, and Qwen3VLForCausalLM is ours
+(engine_model.py), so the build runs through this module's launcher, `python -m
+qwen3vl_trt.llm.engine_build`, with trtllm-build's flag names for the limits and plugins derived
+here from the EngineLimits. The launcher does what trtllm-build's main() does
+(`tensorrt_llm/commands/build.py`) with three differences, all set before the build:
 
-- builds from a view of the checkpoint whose max_position_embeddings is max_seq_len: the engine's
-  per-request mrope table is max_position_embeddings x rotary_dim float32 values (262144 x 128 on
-  the released models would be 128 MiB per request), and the attention kernels need max_seq_len
-  positions at most;
-- records `use_mrope: true` in the engine's build_config (trtllm-build derives it from qwen_type
-  qwen2_vl only), which tells the C++ runtime to feed the two mrope inputs the engine declares.
+- it passes Qwen3VLForCausalLM to TensorRT-LLM's parallel_build as its model class (TensorRT-LLM's
+  MODEL_MAP stays as it is), so `--workers N` builds the TP x PP ranks in N processes, each of
+  which imports the class from this package;
+- its BuildConfig has `use_mrope` on, as trtllm-build sets it for qwen_type qwen2_vl only: it tells
+  the C++ runtime to feed the engine's two mrope inputs;
+- the model config's max_position_embeddings is max_seq_len: the engine's per-request mrope table
+  is max_position_embeddings x rotary_dim float32 values (262144 x 128 on the released models would
+  be 128 MiB per request), and attention needs max_seq_len positions at most. The engine's
+  config.json records the value for the host.
 
-`--workers 1` keeps every rank's build in this process, where the class is registered.
+The checkpoint's rotary scaling type is mrope already (checkpoint_format.trtllm_config), as
+QWenConfig writes it for qwen2_vl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import GpuStackMissingError, Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
-from .checkpoint_format import ARCHITECTURE, CONFIG_FILE, LLMConfig, rank_file, read_trtllm_config
+from .checkpoint_format import CONFIG_FILE, LLMConfig, check_deepstack_stage, read_trtllm_config
 
 LAUNCHER = "qwen3vl_trt.llm.engine_build"
+# BuildConfig fields that the launcher reads from the trtllm-build flags of the same names.
+BUILD_LIMIT_FIELDS = (
+    "max_batch_size",
+    "max_input_len",
+    "max_seq_len",
+    "max_num_tokens",
+    "max_beam_width",
+    "max_prompt_embedding_table_size",
+)
 
 
-def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
-    """trtllm-build's flags (TensorRT-LLM 1.2.1 names) for this checkpoint and these limits."""
+def check_buildable(config: LLMConfig, build: EngineLimits) -> None:
+    """Refuses limits the model cannot serve and pipeline splits the engine model cannot run."""
     if build.max_seq_len > config.max_position_embeddings:
         raise Qwen3VLTrtError(
             f"max_seq_len {build.max_seq_len} exceeds the model's {config.max_position_embeddings} positions"
         )
+    check_deepstack_stage(config.num_hidden_layers, config.deepstack_count, config.mapping)
+
+
+def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
+    """The launcher's flags (trtllm-build's names, TensorRT-LLM 1.2.1) for this checkpoint and these limits."""
+    check_buildable(config, build)
     plugin_dtype = config.dtype  # the checkpoint's: bfloat16, float16 or float32
+    # TensorRT-LLM's fused context attention has fp16/bf16 kernels only; fp32 engines run the unfused
+    # context path (and, without paged context FMHA, cannot reuse KV cache blocks).
+    fused_context = "disable" if config.dtype == "float32" else "enable"
     flags = {
         "--checkpoint_dir": checkpoint_dir,
         "--output_dir": output_dir,
@@ -54,12 +74,13 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
         "--max_prompt_embedding_table_size": build.prompt_table_rows(config.deepstack_count),
         "--kv_cache_type": "paged",
         "--tokens_per_block": build.tokens_per_block,
-        "--use_paged_context_fmha": "enable",
-        "--context_fmha": "enable",
+        "--use_paged_context_fmha": fused_context,
+        "--context_fmha": fused_context,
         "--remove_input_padding": "enable",
         "--gpt_attention_plugin": plugin_dtype,
         "--gemm_plugin": plugin_dtype,
-        "--workers": 1,
+        # One build process per rank; the launcher caps it at the GPUs it sees.
+        "--workers": config.mapping.world_size,
     }
     if config.moe is not None:
         flags["--moe_plugin"] = plugin_dtype
@@ -67,15 +88,8 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
 
 
 def launcher_command(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
-    """The whole command: this module's launcher, its own flag, then trtllm-build's."""
-    return [
-        sys.executable,
-        "-m",
-        LAUNCHER,
-        "--max_position_embeddings",
-        str(build.max_seq_len),
-        *trtllm_build_flags(checkpoint_dir, output_dir, config, build),
-    ]
+    """The whole command: this module's launcher and its flags."""
+    return [sys.executable, "-m", LAUNCHER, *trtllm_build_flags(checkpoint_dir, output_dir, config, build)]
 
 
 def gpu_stack_problem() -> str | None:
@@ -100,6 +114,7 @@ def build_llm_engine(
     """Builds the engine into `output` (atomically) and returns it."""
     build = build or EngineLimits()
     _, config = read_trtllm_config(checkpoint_dir)
+    check_buildable(config, build)
     problem = gpu_stack_problem()
     if problem is not None:
         raise GpuStackMissingError(
@@ -107,7 +122,7 @@ def build_llm_engine(
             "(pip install 'qwen3vl-trt[gpu]', or the NGC Triton TRT-LLM container); `qwen3vl-trt "
             "build-llm-engine ... --print-command` prints the exact command to run there"
         )
-    with atomic_output_dir(output, force=force) as tmp:
+    with atomic_output_dir(output, force=force, inputs=[checkpoint_dir]) as tmp:
         command = launcher_command(str(Path(checkpoint_dir).absolute()), str(tmp), config, build)
         print("+ " + shlex.join(command), flush=True)
         result = subprocess.run(command, check=False)
@@ -116,56 +131,66 @@ def build_llm_engine(
     return Path(output)
 
 
-# -- the launcher (runs on the GPU host, in the trtllm-build process) ----------------------------------------
+# -- the launcher (runs on the GPU host) ---------------------------------------------------------------------
 
 
-def _checkpoint_view(checkpoint_dir: Path, view: Path, max_position_embeddings: int) -> None:
-    """`view`: the checkpoint's rank files (linked) and its config with max_position_embeddings replaced."""
-    cfg, config = read_trtllm_config(checkpoint_dir)
-    cfg["max_position_embeddings"] = max_position_embeddings
-    (view / CONFIG_FILE).write_text(json.dumps(cfg, indent=4) + "\n")
-    for rank in range(config.mapping.world_size):
-        (view / rank_file(rank)).symlink_to((checkpoint_dir / rank_file(rank)).absolute())
-
-
-def _flag_value(argv: list[str], flag: str) -> str:
-    if flag not in argv or argv.index(flag) + 1 >= len(argv):
-        raise SystemExit(f"{LAUNCHER}: {flag} is required")
-    return argv[argv.index(flag) + 1]
-
-
-def _record_use_mrope(output_dir: Path) -> None:
-    path = output_dir / CONFIG_FILE
-    engine = json.loads(path.read_text())
-    engine["build_config"]["use_mrope"] = True
-    path.write_text(json.dumps(engine, indent=4) + "\n")
+def launcher_arguments(
+    argv: Sequence[str] | None, add_plugin_argument: Callable[[argparse._ArgumentGroup], object]
+) -> argparse.Namespace:
+    """The launcher's flags: the trtllm-build flags that trtllm_build_flags writes, and TensorRT-LLM's
+    own plugin flags (`add_plugin_argument`); any other flag is refused."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {LAUNCHER}", description="trtllm-build for checkpoints written by qwen3vl-trt convert-llm"
+    )
+    parser.add_argument("--checkpoint_dir", required=True)
+    parser.add_argument("--output_dir", required=True)
+    for name in BUILD_LIMIT_FIELDS:
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--kv_cache_type", choices=["paged"], required=True)
+    parser.add_argument("--workers", type=int, default=1, help="build processes (capped at the visible GPUs)")
+    add_plugin_argument(parser.add_argument_group("plugin config arguments"))
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {LAUNCHER}",
-        description="trtllm-build with Qwen3VLForCausalLM registered; other flags go to trtllm-build",
-    )
-    parser.add_argument("--max_position_embeddings", type=int, required=True)
-    args, rest = parser.parse_known_args(argv)
     problem = gpu_stack_problem()
     if problem is not None:
         print(f"{LAUNCHER}: cannot build here: {problem}", file=sys.stderr)
         return GpuStackMissingError.exit_code
+    return launch(argv)
 
-    from qwen3vl_trt.llm.engine_model import Qwen3VLForCausalLM
-    from tensorrt_llm.commands import build as trtllm_build
-    from tensorrt_llm.models import MODEL_MAP
 
-    MODEL_MAP[ARCHITECTURE] = Qwen3VLForCausalLM
-    checkpoint = Path(_flag_value(rest, "--checkpoint_dir"))
-    output = Path(_flag_value(rest, "--output_dir"))
-    with tempfile.TemporaryDirectory(prefix="qwen3vl-trt-ckpt-") as view:
-        _checkpoint_view(checkpoint, Path(view), args.max_position_embeddings)
-        rest[rest.index("--checkpoint_dir") + 1] = view
-        sys.argv = ["trtllm-build", *rest]
-        trtllm_build.main()
-    _record_use_mrope(output)
+def launch(argv: Sequence[str] | None) -> int:
+    """Builds every rank's engine with TensorRT-LLM (imported here: the GPU host has it)."""
+    import torch
+    from tensorrt_llm.builder import BuildConfig
+    from tensorrt_llm.commands.build import parallel_build
+    from tensorrt_llm.models import PretrainedConfig
+    from tensorrt_llm.plugin import PluginConfig, add_plugin_argument
+
+    from .engine_model import Qwen3VLForCausalLM
+
+    args = launcher_arguments(argv, add_plugin_argument)
+    model_config = PretrainedConfig.from_json_file(str(Path(args.checkpoint_dir) / CONFIG_FILE))
+    model_config.max_position_embeddings = args.max_seq_len
+    plugin_config = PluginConfig.from_arguments(args)
+    plugin_config.validate()
+    build_config = BuildConfig.from_dict(
+        {
+            **{name: getattr(args, name) for name in BUILD_LIMIT_FIELDS},
+            "kv_cache_type": args.kv_cache_type,
+            "use_mrope": True,
+        },
+        plugin_config=plugin_config,
+    )
+    parallel_build(
+        model_config,
+        args.checkpoint_dir,
+        build_config,
+        args.output_dir,
+        workers=min(args.workers, torch.cuda.device_count()),
+        model_cls=Qwen3VLForCausalLM,
+    )
     return 0
 
 

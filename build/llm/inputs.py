@@ -27,6 +27,7 @@ doing the same here keeps the table equal to what the HF text model applies.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,52 +45,43 @@ def rope_index(
     """3-D positions [3, L] and the position delta of one unpadded request, as transformers'
     Qwen3-VL get_rope_index computes them: text advances all axes together; an image's tokens take
     (t, row, col) offsets from the position after the preceding text, and the text after it resumes
-    at that start + max(rows, cols)."""
+    at that start + max(rows, cols).
+
+    Vectorized over tokens: every token starts from the sum of what the tokens before it advance
+    (a text token 1, an image max(rows, cols) at its last token, 0 at the others)."""
     ids = np.asarray(input_ids).reshape(-1)
     grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
     is_image = ids == image_token_id
-    counts = grids.prod(axis=1) // (merge_size * merge_size)
+    t, rows, cols = grids[:, 0], grids[:, 1] // merge_size, grids[:, 2] // merge_size
+    counts = t * rows * cols
     if int(is_image.sum()) != int(counts.sum()):
         raise InputError(f"{int(is_image.sum())} image tokens in input_ids but the grids make {int(counts.sum())}")
-    positions = np.empty((3, ids.size), dtype=np.int64)
-    cursor, next_pos, image = 0, 0, 0
-    while cursor < ids.size:
-        if not is_image[cursor]:
-            end = cursor + 1
-            while end < ids.size and not is_image[end]:
-                end += 1
-            positions[:, cursor:end] = np.arange(next_pos, next_pos + end - cursor)
-            next_pos += end - cursor
-        else:
-            t, h, w = (int(v) for v in grids[image])
-            h, w = h // merge_size, w // merge_size
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-            end = cursor + t * h * w
-            positions[:, cursor:end] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + next_pos
-            next_pos += max(h, w)
-            image += 1
-        cursor = end
+    image_positions = np.flatnonzero(is_image)
+    advance = (~is_image).astype(np.int64)
+    ends = np.cumsum(counts)
+    advance[image_positions[ends - 1]] = np.maximum(rows, cols)
+    start = np.cumsum(advance) - advance
+    positions = np.broadcast_to(start, (3, ids.size)).copy()
+    # Each image token's (t, row, col) within its image, from its rank among the image's tokens.
+    image = np.repeat(np.arange(len(grids)), counts)
+    rank = np.arange(image_positions.size) - (ends - counts)[image]
+    plane = (rows * cols)[image]
+    positions[:, image_positions] += np.stack([rank // plane, rank % plane // cols[image], rank % cols[image]])
     delta = int(positions.max()) + 1 - ids.size if ids.size else 0
     return positions, delta
 
 
-def rope_pair_axes(rotary_dim: int, mrope_section: Sequence[int], interleaved: bool) -> np.ndarray:
-    """Which position axis each of the rotary_dim/2 pairs rotates with.
-
-    Interleaved (Qwen3-VL): pair i is H if i % 3 == 1 and i < 3*section[1], W if i % 3 == 2 and
-    i < 3*section[2], else T. Chunked (Qwen2-VL): section[0] T pairs, then H, then W."""
+def rope_pair_axes(rotary_dim: int, mrope_section: Sequence[int]) -> np.ndarray:
+    """Which position axis each of the rotary_dim/2 pairs rotates with, interleaved as Qwen3-VL does
+    (the checkpoint reader refuses any other layout): pair i is H if i % 3 == 1 and i < 3*section[1],
+    W if i % 3 == 2 and i < 3*section[2], else T."""
     half = rotary_dim // 2
     if sum(mrope_section) != half:
         raise InputError(f"mrope_section {list(mrope_section)} must sum to rotary_dim/2 = {half}")
     axes = np.full(half, T_AXIS, dtype=np.int64)
     pair = np.arange(half)
-    if interleaved:
-        axes[(pair % 3 == 1) & (pair < 3 * mrope_section[H_AXIS])] = H_AXIS
-        axes[(pair % 3 == 2) & (pair < 3 * mrope_section[W_AXIS])] = W_AXIS
-    else:
-        t, h, _ = mrope_section
-        axes[t : t + h] = H_AXIS
-        axes[t + h :] = W_AXIS
+    axes[(pair % 3 == 1) & (pair < 3 * mrope_section[H_AXIS])] = H_AXIS
+    axes[(pair % 3 == 2) & (pair < 3 * mrope_section[W_AXIS])] = W_AXIS
     return axes
 
 
@@ -147,3 +139,38 @@ def prompt_table_row(token_ids, vocab_size: int, layer: int | None = None):
     tensors and the TensorRT-LLM engine model on its graph tensors (only `-` and `+` of ints)."""
     feature = 0 if layer is None else layer + 1
     return token_ids - vocab_size + feature
+
+
+def image_content_id(image: bytes, grid_thw: np.ndarray) -> int:
+    """A 64-bit id of the embeddings an image yields: a hash of its encoded bytes and its grid (one
+    deployment's preprocessing settings are fixed, so these fix its pixels). Never 0, which marks text."""
+    digest = hashlib.blake2b(image, digest_size=8)
+    digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little") | 1
+
+
+def prompt_table_extra_ids(
+    input_ids: np.ndarray, image_token_id: int, images: Sequence[bytes], image_grid_thw: np.ndarray, merge_size: int
+) -> np.ndarray:
+    """TensorRT-LLM's `prompt_table_extra_ids` for one request: uint64, one per prompt token, 0 for
+    text and the image's content id for each of its visual tokens.
+
+    The tensorrtllm backend hands them to the executor as PromptTuningConfig's inputTokenExtraIds
+    (triton_backend inflight_batcher_llm/src/utils.cc, getPromptTuningConfigFromTensors; ignored
+    unless there is one per input token), and KV-cache block reuse keys each token on (id, extra
+    id): the fake ids alone are the same for any two images of the same size at the same place."""
+    ids = np.asarray(input_ids).reshape(-1)
+    grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    visual = ids == image_token_id
+    tokens_per_image = grids.prod(axis=1) // (merge_size * merge_size)
+    if len(images) != len(grids) or int(visual.sum()) != int(tokens_per_image.sum()):
+        raise InputError(
+            f"{len(images)} images with {len(grids)} grids ({int(tokens_per_image.sum())} tokens) do not match the "
+            f"{int(visual.sum())} image tokens in input_ids"
+        )
+    content_ids = np.array(
+        [image_content_id(image, grid) for image, grid in zip(images, grids, strict=True)], dtype=np.uint64
+    )
+    extra_ids = np.zeros(ids.size, dtype=np.uint64)
+    extra_ids[visual] = np.repeat(content_ids, tokens_per_image)
+    return extra_ids

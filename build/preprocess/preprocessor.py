@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import ModelInfo, parse_config, read_config
-from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
+from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN, PROMPT_TABLE_EXTRA_IDS
 from ..errors import CheckpointError, MessageError, PromptTooLongError, Qwen3VLTrtError, TooManyImagesError
 from ..limits import RequestLimits
 from ..llm.inputs import (
@@ -20,6 +20,7 @@ from ..llm.inputs import (
     fake_prompt_ids,
     interleave_prompt_table,
     mrope_cos_sin,
+    prompt_table_extra_ids,
     rope_index,
     rope_inv_freq,
     rope_pair_axes,
@@ -48,7 +49,8 @@ class Request:
     Vision encoder: pixel_values plus vision_inputs (host metadata from the export module).
     LLM engine: engine_input_ids (fake ids for visual tokens), position_ids / mrope_position_delta
     (3-D rope, as get_rope_index), rotary_cos_sin (the prompt's (cos, sin) per rope pair), laid
-    out for TensorRT-LLM by mrope_rotary_cos_sin(), and prompt_embedding_table() for the encoder's outputs.
+    out for TensorRT-LLM by mrope_rotary_cos_sin(), prompt_table_extra_ids (each visual token's image
+    content id, for KV-cache block reuse), and prompt_embedding_table() for the encoder's outputs.
     """
 
     input_ids: np.ndarray  # [L] int64
@@ -60,6 +62,7 @@ class Request:
     position_ids: np.ndarray  # [3, L] int64
     mrope_position_delta: int
     rotary_cos_sin: np.ndarray  # [L, rotary_dim / 2, 2] float32
+    prompt_table_extra_ids: np.ndarray  # [L] uint64, 0 for text tokens
     deepstack_count: int
     headers: tuple[ImageHeader, ...] = field(default=(), repr=False)
 
@@ -85,6 +88,7 @@ class Request:
             LLM_INPUT_IDS.name: self.engine_input_ids,
             MROPE_ROTARY_COS_SIN.name: self.mrope_rotary_cos_sin(max_position_embeddings),
             MROPE_POSITION_DELTAS.name: self.mrope_position_deltas,
+            PROMPT_TABLE_EXTRA_IDS.name: self.prompt_table_extra_ids,
         }
 
     def prompt_embedding_table(self, image_embeds: torch.Tensor, deepstack_embeds: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,7 @@ class Preprocessor:
         self.normalize = Normalizer(image_config, resize_backend, self.device)
         self.decoder = _make_decoder(decoder, self.device, resize_backend)
         text = info.text
-        self._pair_axes = rope_pair_axes(text.head_dim, text.mrope_section, text.mrope_interleaved)
+        self._pair_axes = rope_pair_axes(text.head_dim, text.mrope_section)
         self._inv_freq = rope_inv_freq(text.head_dim, text.rope_theta)
         _check_consistent(info, image_config, prompts)
 
@@ -214,9 +218,11 @@ class Preprocessor:
         if messages is not None and prompt is None:
             if images:
                 raise MessageError("with chat messages, images go inside the messages as image parts")
-            return self.prompts.from_messages(messages, add_generation_prompt, **template_kwargs)
+            return self.prompts.from_messages(
+                messages, add_generation_prompt, self.limits.max_image_bytes, **template_kwargs
+            )
         if prompt is not None and messages is None:
-            return self.prompts.from_prompt(prompt, list(images))
+            return self.prompts.from_prompt(prompt, list(images), self.limits.max_image_bytes)
         raise MessageError("pass either chat messages or prompt=, not both or neither")
 
     def _prepare(self, prompt: Prompt) -> _Pending:
@@ -261,6 +267,9 @@ class Preprocessor:
             position_ids=positions,
             mrope_position_delta=delta,
             rotary_cos_sin=mrope_cos_sin(positions, self._inv_freq, self._pair_axes),
+            prompt_table_extra_ids=prompt_table_extra_ids(
+                pending.input_ids, info.image_token_id, pending.plan.data, grid, merge
+            ),
             deepstack_count=info.deepstack_count,
             headers=pending.plan.headers,
         )
