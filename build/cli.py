@@ -97,8 +97,13 @@ def _generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         end_ids=pipeline.end_ids,
     )
-    pipeline.generate([{"role": "user", "content": parts}], sampling, on_text=lambda s: print(s, end="", flush=True))
-    print()
+    messages = [{"role": "user", "content": parts}]
+    if args.json:
+        reply = pipeline.generate(messages, sampling)
+        print(json.dumps({"text": reply.text, "token_ids": reply.token_ids}))
+    else:
+        pipeline.generate(messages, sampling, on_text=lambda s: print(s, end="", flush=True))
+        print()
 
 
 def _build_config(args: argparse.Namespace):
@@ -238,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="0: no limit")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids"} at the end')
     s.set_defaults(func=_generate)
 
     s = sub.add_parser("convert-llm", help="convert the language model to a TensorRT-LLM 1.2.1 checkpoint")

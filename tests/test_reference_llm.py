@@ -6,17 +6,21 @@ chain from request bytes to logits, compared with Qwen3VLForConditionalGeneratio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from images import jpeg
 from qwen3vl_trt.errors import InputError
 from qwen3vl_trt.llm.convert import convert_llm
+from qwen3vl_trt.llm.inputs import rope_index
+from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
-from qwen3vl_trt.runtime.local import engine_request
-from qwen3vl_trt.testing.hf_reference import hf_model_inputs
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
+from qwen3vl_trt.runtime.local import LocalPipeline, StreamingDetokenizer, engine_request
+from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
+from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from qwen3vl_trt.vision import VisionEncoder
 from transformers import AutoModelForImageTextToText
 
@@ -78,8 +82,8 @@ class Chain:
         self.encoder = VisionEncoder(vision_dir)
         self.hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def engine_request(self, llm: ReferenceLLM, messages, sampling=None) -> LLMRequest:
-        return engine_request(self.pre, self.encoder, messages, llm.config.max_position_embeddings, sampling)
+    def engine_request(self, messages, sampling=None) -> LLMRequest:
+        return engine_request(self.pre, self.encoder, messages, sampling)
 
     def hf_inputs(self, messages) -> dict:
         r = self.pre(messages)
@@ -119,7 +123,7 @@ def position_errors(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logits_match_transformers(variant, case, chains, runtimes):
     chain, llm = chains(VARIANTS[variant][0]), runtimes(variant)
-    request = chain.engine_request(llm, CASES[case])
+    request = chain.engine_request(CASES[case])
     if case != "text only":
         assert request.prompt_embedding_table is not None and int(request.input_ids.max()) >= llm.vocab_size
     ours = llm.prompt_logits(request)
@@ -133,7 +137,7 @@ def test_prompt_logits_match_transformers(variant, case, chains, runtimes):
 def test_deepstack_changes_the_logits(chains, runtimes):
     """The DeepStack rows matter: zeroing them moves the logits far beyond the tolerance."""
     chain, llm = chains("dense"), runtimes("dense")
-    request = chain.engine_request(llm, CASES["one image"])
+    request = chain.engine_request(CASES["one image"])
     table = request.prompt_embedding_table.clone()
     table.view(-1, 4, table.shape[-1])[:, 1:] = 0  # keep the main rows (K = 3)
     flat = LLMRequest(request.input_ids, table, request.mrope_rotary_cos_sin, request.mrope_position_deltas)
@@ -145,7 +149,7 @@ def test_deepstack_changes_the_logits(chains, runtimes):
 def test_greedy_generation_matches_generate(variant, case, chains, runtimes):
     chain, llm = chains(variant), runtimes(variant)
     sampling = SamplingParams(max_new_tokens=16, end_ids=END_IDS)
-    (result,) = llm.generate([chain.engine_request(llm, CASES[case], sampling)])
+    (result,) = llm.generate([chain.engine_request(CASES[case], sampling)])
     inputs = chain.hf_inputs(CASES[case])
     with torch.no_grad():
         out = chain.hf.generate(**inputs, max_new_tokens=16, do_sample=False, eos_token_id=list(END_IDS))
@@ -159,7 +163,7 @@ def test_batch_equals_one_by_one(chains, runtimes):
     chain, llm = chains("moe"), runtimes("moe")
     budgets = {"text only": 12, "one image": 16, "three images between text": 7}
     requests = [
-        chain.engine_request(llm, CASES[case], SamplingParams(max_new_tokens=n, end_ids=END_IDS))
+        chain.engine_request(CASES[case], SamplingParams(max_new_tokens=n, end_ids=END_IDS))
         for case, n in budgets.items()
     ]
     assert len({r.input_ids.size for r in requests}) == 3
@@ -173,9 +177,9 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(chains, runtimes)
     """Inflight batching: a request added after others have decoded for a while (with a longer
     budget, so the cache grows) gets the tokens it gets alone, and so do the others."""
     chain, llm = chains("dense"), runtimes("dense")
-    first = chain.engine_request(llm, CASES["three images between text"], SamplingParams(max_new_tokens=6))
-    second = chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=10))
-    third = chain.engine_request(llm, CASES["text only"], SamplingParams(max_new_tokens=240))
+    first = chain.engine_request(CASES["three images between text"], SamplingParams(max_new_tokens=6))
+    second = chain.engine_request(CASES["one image"], SamplingParams(max_new_tokens=10))
+    third = chain.engine_request(CASES["text only"], SamplingParams(max_new_tokens=240))
     alone = [llm.generate([r])[0].output_ids for r in (first, second, third)]
     streamed: list[tuple[int, int]] = []
     batch = DecodeBatch(llm, on_token=lambda i, t: streamed.append((i, t)))
@@ -192,12 +196,32 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(chains, runtimes)
     assert steps == 3 + 239 and [t for i, t in streamed if i == 2] == alone[2]
 
 
+def test_a_rolling_batch_gives_every_request_its_own_tokens(runtimes):
+    """Requests join one after another while others leave (the cache's rows and capacity grow
+    several times, and rows freed in the middle are refilled), each getting the tokens it gets alone."""
+    llm = runtimes("dense")
+    rng = np.random.default_rng(0)
+    requests = [
+        LLMRequest(rng.integers(0, 1000, length).astype(np.int32), sampling=SamplingParams(max_new_tokens=budget))
+        for length, budget in [(5, 9), (40, 3), (12, 30), (3, 1), (70, 12), (8, 20), (25, 6), (16, 40)]
+    ]
+    alone = [llm.generate([r])[0].output_ids for r in requests]
+    batch = DecodeBatch(llm)
+    results = []
+    for index, request in enumerate(requests):
+        results.append(batch.add(request, index))
+        batch.step()
+    while batch:
+        batch.step()
+    assert [r.output_ids for r in results] == alone
+
+
 def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):
     chain, llm = chains("dense"), runtimes("dense")
 
     def tokens(**kw):
         sampling = SamplingParams(max_new_tokens=12, **kw)
-        return llm.generate([chain.engine_request(llm, CASES["one image"], sampling)])[0].output_ids
+        return llm.generate([chain.engine_request(CASES["one image"], sampling)])[0].output_ids
 
     greedy = tokens()
     hot = dict(temperature=5.0)
@@ -207,10 +231,10 @@ def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):
     assert tokens(top_k=1, seed=3, **hot) == greedy  # only the argmax survives the cut
     assert tokens(top_p=1e-6, seed=3, **hot) == greedy
     # top_k bounds each pick to the k most likely tokens: with k = 2, every token is one of them.
-    request = chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=1, top_k=2, **hot))
+    request = chain.engine_request(CASES["one image"], SamplingParams(max_new_tokens=1, top_k=2, **hot))
     top2 = set(llm.prompt_logits(request)[-1].topk(2).indices.tolist())
     picks = {
-        llm.generate([chain.engine_request(llm, CASES["one image"], SamplingParams(1, top_k=2, seed=s, **hot))])[
+        llm.generate([chain.engine_request(CASES["one image"], SamplingParams(1, top_k=2, seed=s, **hot))])[
             0
         ].output_ids[0]
         for s in range(8)
@@ -220,15 +244,15 @@ def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):
 
 def test_end_ids_stop_and_tokens_stream(chains, runtimes):
     chain, llm = chains("dense"), runtimes("dense")
-    free = llm.generate([chain.engine_request(llm, CASES["text only"], SamplingParams(max_new_tokens=8))])[0]
+    free = llm.generate([chain.engine_request(CASES["text only"], SamplingParams(max_new_tokens=8))])[0]
     stop_at = free.output_ids[3]
     first = free.output_ids.index(stop_at)
     streamed: list[tuple[int, int]] = []
     sampling = SamplingParams(max_new_tokens=8, end_ids=(stop_at,))
     results = llm.generate(
         [
-            chain.engine_request(llm, CASES["text only"], sampling),
-            chain.engine_request(llm, CASES["one image"], SamplingParams(max_new_tokens=5)),
+            chain.engine_request(CASES["text only"], sampling),
+            chain.engine_request(CASES["one image"], SamplingParams(max_new_tokens=5)),
         ],
         on_token=lambda index, token: streamed.append((index, token)),
     )
@@ -240,7 +264,7 @@ def test_end_ids_stop_and_tokens_stream(chains, runtimes):
 
 def test_contract_violations_are_refused(chains, runtimes):
     chain, llm = chains("dense"), runtimes("dense")
-    request = chain.engine_request(llm, CASES["one image"])
+    request = chain.engine_request(CASES["one image"])
     with pytest.raises(InputError, match="no prompt_embedding_table"):
         llm.prompt_logits(LLMRequest(request.input_ids))
     with pytest.raises(InputError, match="has no row"):
@@ -251,3 +275,102 @@ def test_contract_violations_are_refused(chains, runtimes):
         llm.generate([LLMRequest(np.array([1, 2, 3], np.int32), sampling=SamplingParams(max_new_tokens=10**7))])
     with pytest.raises(InputError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+# -- rope_index, the CPU chain's request and streaming ------------------------------------------------
+
+
+def _vision_prompt(grids, seed: int = 0) -> np.ndarray:
+    """Text, then each image as vision_start + its image tokens + vision_end, then text (random ids)."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.integers(0, 1000, 5)]
+    for t, h, w in grids:
+        parts += [[VISION_START_ID], [IMAGE_TOKEN_ID] * (t * h * w // 4), [VISION_END_ID], rng.integers(0, 1000, 3)]
+    return np.concatenate(parts).astype(np.int64)
+
+
+ROPE_GRIDS = {
+    "text only": [],
+    "one image": [[1, 4, 6]],
+    "several images": [[1, 4, 4], [1, 10, 6], [1, 2, 2], [1, 6, 12]],
+    "video-like": [[2, 8, 8], [3, 8, 6]],  # several temporal patches (t <= rows and cols, as in videos)
+}
+
+
+@pytest.fixture(scope="module")
+def hf_text_model(tiny_dense):
+    return load_hf_text_model(tiny_dense)
+
+
+@pytest.mark.parametrize("case", list(ROPE_GRIDS))
+def test_rope_index_matches_get_rope_index(case, hf_text_model):
+    ids = _vision_prompt(ROPE_GRIDS[case])
+    grids = np.array(ROPE_GRIDS[case], dtype=np.int64).reshape(-1, 3)
+    positions, delta = rope_index(ids, grids, IMAGE_TOKEN_ID, merge_size=2)
+    expected, expected_delta = hf_rope_index(hf_text_model, ids, grids, IMAGE_TOKEN_ID)
+    np.testing.assert_array_equal(positions, expected)
+    assert delta == expected_delta
+
+
+@pytest.fixture(scope="module")
+def local_pipeline(tiny_dense, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local") / "build"
+    build(tiny_dense, out, log=lambda *_: None)
+    return LocalPipeline(tiny_dense, out)
+
+
+def test_local_request_carries_only_the_prompts_rope_rows(local_pipeline):
+    """The CPU chain hands the runtime the prompt's cos/sin rows, not the engine's
+    max_position_embeddings-long table (32 MiB here, 128 MiB for released configs), and gets the
+    tokens the full engine table gives."""
+    pipe = local_pipeline
+    messages = CASES["one image"]
+    sampling = SamplingParams(max_new_tokens=12)
+    request = engine_request(pipe.pre, pipe.encoder, messages, sampling)
+    rotary_dim = pipe.llm.config.rotary_dim
+    assert request.mrope_rotary_cos_sin.size == request.input_ids.size * rotary_dim
+    full_table = pipe.pre(messages).mrope_rotary_cos_sin(pipe.llm.config.max_position_embeddings)
+    assert full_table.size == pipe.llm.config.max_position_embeddings * rotary_dim
+    engine_sized = replace(request, mrope_rotary_cos_sin=full_table)
+    assert [r.output_ids for r in pipe.llm.generate([request, engine_sized])] == [
+        pipe.llm.generate([engine_sized])[0].output_ids
+    ] * 2
+
+
+def _cuts_inside_a_character(tokenizer, ids) -> list[int]:
+    """The lengths at which ids end inside a multi-byte UTF-8 character."""
+    return [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+
+
+MULTIBYTE_TEXT = "Grüße, naïve café — 你好世界 🙂👍🏽 𝄞 done."
+
+
+def test_streaming_detokenizer_deltas_add_up_to_the_text(local_pipeline):
+    tokenizer = local_pipeline.tokenizer
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False).ids
+    cuts = _cuts_inside_a_character(tokenizer, ids)
+    assert cuts  # the text has characters split across tokens
+    for tokens in (ids, ids[: cuts[0]]):
+        detokenizer = StreamingDetokenizer(tokenizer)
+        deltas = [detokenizer.push(token) for token in tokens]
+        assert all("\ufffd" not in d for d in deltas)  # a split character is held back until it is whole
+        assert "".join(deltas) + detokenizer.finish() == tokenizer.decode(tokens)
+    assert tokenizer.decode(ids) == MULTIBYTE_TEXT
+
+
+def test_streamed_text_is_the_reply_when_generation_stops_inside_a_character(local_pipeline):
+    pipe = local_pipeline
+    messages = CASES["text only"]
+    # Random weights: look for a seed whose sampled reply has a token boundary inside a character.
+    for seed in range(32):
+        sampling = SamplingParams(max_new_tokens=64, temperature=5.0, seed=seed)
+        tokens = pipe.llm.generate([engine_request(pipe.pre, pipe.encoder, messages, sampling)])[0].output_ids
+        if cuts := _cuts_inside_a_character(pipe.tokenizer, tokens):
+            break
+    else:
+        pytest.fail("no sampled reply splits a character")
+    cut = replace(sampling, max_new_tokens=cuts[0])  # same seed: the same first tokens, stopped there
+    deltas: list[str] = []
+    reply = pipe.generate(messages, cut, on_text=deltas.append)
+    assert reply.text.endswith("\ufffd") and "".join(deltas) == reply.text
+    assert reply.token_ids == tokens[: cuts[0]]

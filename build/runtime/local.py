@@ -3,32 +3,67 @@ the reference LLM on the converted checkpoint, and detokenization. `qwen3vl-trt 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..contracts import BuildLayout
+from ..errors import CheckpointError
+from ..fsutil import read_json
 from ..preprocess import Preprocessor
-from ..vision.runner import VisionEncoder
+from ..vision.runner import VisionEncoder, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def engine_request(
     pre: Preprocessor,
     encoder: VisionEncoder,
     messages: list[dict[str, Any]],
-    max_position_embeddings: int,
     sampling: SamplingParams | None = None,
 ) -> LLMRequest:
-    """Preprocesses chat messages, encodes their images and returns the LLM engine's inputs."""
+    """Preprocesses chat messages, encodes their images and returns the reference runtime's request
+    (the engine's inputs, with only the prompt's rows of the mrope table)."""
     request = pre(messages)
     embeds: tuple[Any, Any] = (None, None)
     if request.num_visual_tokens:
         embeds = encoder.run({"pixel_values": request.pixel_values.cpu().numpy(), **request.vision_inputs})
-    return LLMRequest.from_preprocessed(request, max_position_embeddings, *embeds, sampling=sampling)
+    return LLMRequest.from_preprocessed(request, *embeds, sampling=sampling)
+
+
+class StreamingDetokenizer:
+    """Turns generated tokens into text pieces whose concatenation is their decoded text, in time
+    linear in the tokens: each push decodes only the tokens since the last piece (after the tokens
+    of the piece before it, as context: some decoders drop a leading space at the start of what they
+    decode), and text that ends inside a UTF-8 character is held back until the character is whole."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.context = 0  # first token decoded as context
+        self.shown = 0  # tokens whose text has been returned
+
+    def push(self, token: int) -> str:
+        """The new text that this token completes (possibly empty)."""
+        self.tokens.append(token)
+        return self._piece(final=False)
+
+    def finish(self) -> str:
+        """The text held back at the end (an incomplete character decodes to U+FFFD, as in decode)."""
+        return self._piece(final=True)
+
+    def _piece(self, final: bool) -> str:
+        shown = self.tokenizer.decode(self.tokens[self.context : self.shown])
+        text = self.tokenizer.decode(self.tokens[self.context :])
+        if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
+            return ""
+        self.context, self.shown = self.shown, len(self.tokens)
+        return text[len(shown) :]
 
 
 def generation_end_ids(model_dir: Path) -> tuple[int, ...]:
@@ -36,15 +71,34 @@ def generation_end_ids(model_dir: Path) -> tuple[int, ...]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id", [])
-    return tuple(eos if isinstance(eos, list) else [eos])
+    eos = read_json(path, "").get("eos_token_id", [])
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    token_ids: list[int]  # generated tokens, end id excluded: `text` decodes from exactly these
 
 
 class LocalPipeline:
     def __init__(self, model_dir: str | os.PathLike[str], build_dir: str | os.PathLike[str]):
+        import hashlib
+
         from tokenizers import Tokenizer
 
+        from ..checkpoint import read_config
+        from ..pipeline import LLM_CHECKPOINT_STAGE, VISION_STAGE, read_manifest
+
         self.model_dir, build = Path(model_dir), BuildLayout(Path(build_dir))
+        # Cheap checks first: a build of another checkpoint would answer with the wrong weights.
+        read_manifest(build.root, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
+        config_sha256 = hashlib.sha256(read_config(self.model_dir)[0]).hexdigest()
+        rebuild = f"qwen3vl-trt build --model {self.model_dir} --output {build.root} --force"
+        VisionSidecar.load(build.vision).check_source(self.model_dir, config_sha256, rebuild)
         self.pre = Preprocessor.from_pretrained(self.model_dir)
         self.encoder = VisionEncoder(build.vision)
         self.llm = ReferenceLLM.from_checkpoint(build.llm_checkpoint)
@@ -56,22 +110,25 @@ class LocalPipeline:
         messages: list[dict[str, Any]],
         sampling: SamplingParams | None = None,
         on_text: Callable[[str], None] | None = None,
-    ) -> str:
-        """The reply to chat messages; on_text receives it piece by piece as tokens arrive."""
+    ) -> Reply:
+        """The reply to chat messages; on_text receives its text piece by piece as tokens arrive."""
         sampling = sampling or SamplingParams(end_ids=self.end_ids)
-        request = engine_request(self.pre, self.encoder, messages, self.llm.config.max_position_embeddings, sampling)
-        tokens: list[int] = []
-        shown = ""
+        request = engine_request(self.pre, self.encoder, messages, sampling)
+        detokenizer = StreamingDetokenizer(self.tokenizer)
+        pieces: list[str] = []
+        token_ids: list[int] = []
+
+        def show(piece: str) -> None:
+            if piece:
+                pieces.append(piece)
+                if on_text is not None:
+                    on_text(piece)
 
         def stream(_index: int, token: int) -> None:
-            nonlocal shown
-            if token in sampling.end_ids:
-                return
-            tokens.append(token)
-            text = self.tokenizer.decode(tokens)
-            if on_text is not None and not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
-                on_text(text[len(shown) :])
-                shown = text
+            if token not in sampling.end_ids:
+                token_ids.append(token)
+                show(detokenizer.push(token))
 
         self.llm.generate([request], on_token=stream)
-        return self.tokenizer.decode(tokens)
+        show(detokenizer.finish())
+        return Reply("".join(pieces), token_ids)

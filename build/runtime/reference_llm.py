@@ -3,7 +3,7 @@
 It loads a converted TensorRT-LLM checkpoint (any tensor/pipeline split, reassembled) and takes the
 engine's per-request inputs exactly: fake-id `input_ids`, the DeepStack-interleaved
 `prompt_embedding_table`, `mrope_rotary_cos_sin` and `mrope_position_deltas` (see contracts.py and
-llm_inputs.py). What the engine computes, it computes:
+llm/inputs.py). What the engine computes, it computes:
 
 - an id >= vocab_size takes row `prompt_table_row(id, vocab_size)` of the request's table (the
   stock prompt-tuning lookup); after decoder layer j < K, row `prompt_table_row(id, vocab_size, j)`
@@ -15,13 +15,16 @@ llm_inputs.py). What the engine computes, it computes:
 
 It is also the LLM of the CPU deployment: requests of different lengths decode together over one
 KV cache (DecodeBatch; new requests may join between steps, as with inflight batching), with greedy
-or sampled tokens, end ids, and a per-token callback for streaming.
+or sampled tokens, end ids, and a per-token callback for streaming. Prompts joining together run as
+one ragged batch, and only their last positions reach the vocabulary projection; the cache has a
+row per sequence that grows by doubling, and decoding attends over it in place (grouped-query
+attention without repeating keys and values). Prefill attention uses SDPA's `enable_gqa` (torch >= 2.5).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN
 from ..errors import InputError
 from ..llm.checkpoint_format import LLMWeights, MoEWeights, load_llm_weights
 from ..llm.inputs import prompt_table_row, rope_inv_freq
@@ -56,24 +58,24 @@ class LLMRequest:
     def from_preprocessed(
         cls,
         request: Request,
-        max_position_embeddings: int,
         image_embeds: Any = None,
         deepstack_embeds: Any = None,
         sampling: SamplingParams | None = None,
     ) -> LLMRequest:
-        """The engine inputs of a preprocessed request and its vision encoder outputs (the
-        request's images only: image_embeds [M, D], deepstack_embeds [K, M, D])."""
-        inputs = request.engine_inputs(max_position_embeddings)
+        """The request for a preprocessed request and its vision encoder outputs (the request's
+        images only: image_embeds [M, D], deepstack_embeds [K, M, D]). Its mrope table holds the
+        prompt's rows only: generated tokens rotate from the model's frequencies, so the rows up to
+        max_position_embeddings that the engine wants (128 MiB for released configs) are never read."""
         table = None
         if request.num_visual_tokens:
             if image_embeds is None or deepstack_embeds is None:
                 raise InputError(f"the request has {request.num_visual_tokens} visual tokens but no vision outputs")
             table = request.prompt_embedding_table(torch.as_tensor(image_embeds), torch.as_tensor(deepstack_embeds))
         return cls(
-            input_ids=inputs[LLM_INPUT_IDS.name],
+            input_ids=request.engine_input_ids,
             prompt_embedding_table=table,
-            mrope_rotary_cos_sin=inputs[MROPE_ROTARY_COS_SIN.name],
-            mrope_position_deltas=int(inputs[MROPE_POSITION_DELTAS.name][0]),
+            mrope_rotary_cos_sin=request.rotary_cos_sin.reshape(-1),
+            mrope_position_deltas=request.mrope_position_delta,
             sampling=sampling or SamplingParams(),
         )
 
@@ -93,10 +95,23 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX rotation: pair i turns dims i and i + half. x [..., L, head_dim]; cos/sin [L, half]."""
+    """GPT-NeoX rotation: pair i turns dims i and i + half. x [N, heads, head_dim]; cos/sin [N, 1, half]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class _Prompt:
+    """A checked prompt: ids (int64), its cos/sin [L, half] as the context phase applies them, its
+    prompt table in the model dtype, and where its visual tokens are and which table rows they take."""
+
+    ids: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table: torch.Tensor | None
+    visual: torch.Tensor  # positions of the visual tokens
+    visual_ids: torch.Tensor  # their fake ids
 
 
 class ReferenceLLM:
@@ -120,10 +135,9 @@ class ReferenceLLM:
     ) -> ReferenceLLM:
         return cls(load_llm_weights(checkpoint_dir), device=device)
 
-    # -- one request's prompt --------------------------------------------------------------------
+    # -- prompts ---------------------------------------------------------------------------------
 
-    def _check(self, request: LLMRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The prompt's ids (int64), and its cos/sin [L, half] as the context phase applies them."""
+    def _check(self, request: LLMRequest) -> _Prompt:
         ids = torch.as_tensor(np.asarray(request.input_ids).reshape(-1), dtype=torch.int64, device=self.device)
         length = ids.numel()
         if length == 0:
@@ -152,28 +166,30 @@ class ReferenceLLM:
                 )
             pairs = torch.from_numpy(flat[: length * 2 * half].reshape(length, half, 2)).to(self.device)
             cos, sin = pairs[..., 0], pairs[..., 1]
-        return ids, cos, sin
+        visual = (ids >= self.vocab_size).nonzero().reshape(-1)
+        if table is not None:
+            table = table.to(self.device, self.dtype)
+        return _Prompt(ids, cos, sin, table, visual, ids[visual])
 
     def _positions_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, half] of plain positions (all three axes equal), in float32 as transformers."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
 
-    def _embed(self, ids: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
-        visual = ids >= self.vocab_size
-        h = F.embedding(ids.masked_fill(visual, 0), self.w.vocab_embedding)
-        if visual.any():
-            assert table is not None
-            h[visual] = table[prompt_table_row(ids[visual], self.vocab_size)].to(h.dtype)
+    def _embed(self, prompt: _Prompt) -> torch.Tensor:
+        # Visual fake ids take their prompt-table rows below; any in-vocabulary id holds their place.
+        h = F.embedding(prompt.ids.clamp(max=self.vocab_size - 1), self.w.vocab_embedding)
+        if prompt.table is not None:
+            h[prompt.visual] = prompt.table[prompt_table_row(prompt.visual_ids, self.vocab_size)]
         return h
 
-    def _deepstack(self, h: torch.Tensor, ids: torch.Tensor, table: torch.Tensor | None, layer: int) -> None:
-        """Adds the DeepStack feature of decoder layer `layer` at the visual positions, in place."""
-        if table is None or layer >= self.config.deepstack_count:
-            return
-        visual = ids >= self.vocab_size
-        if visual.any():
-            h[visual] += table[prompt_table_row(ids[visual], self.vocab_size, layer)].to(h.dtype)
+    def _deepstack(self, h: torch.Tensor, prompt: _Prompt, layer: int) -> None:
+        """Adds the DeepStack feature of decoder layer `layer` at the prompt's visual positions of
+        h (its own rows), in place."""
+        if prompt.table is not None and layer < self.config.deepstack_count:
+            h[prompt.visual] += prompt.table[prompt_table_row(prompt.visual_ids, self.vocab_size, layer)]
+
+    # -- layers ----------------------------------------------------------------------------------
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         w = self.w.layers[layer].mlp
@@ -184,96 +200,149 @@ class ReferenceLLM:
     def _moe(self, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
         moe = self.config.moe
         assert moe is not None
-        flat = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(F.linear(flat.float(), w.router), dim=-1)  # the router runs in float32
+        probs = F.softmax(F.linear(x.float(), w.router), dim=-1)  # the router runs in float32
         top_p, top_e = probs.topk(moe.top_k, dim=-1)
         if moe.renormalize:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         top_p = top_p.to(x.dtype)
-        out = torch.zeros_like(flat)
+        out = torch.zeros_like(x)
         for expert in top_e.unique().tolist():
             token, slot = (top_e == expert).nonzero(as_tuple=True)
-            xs = flat[token]
+            xs = x[token]
             hidden = F.silu(F.linear(xs, w.gate[expert])) * F.linear(xs, w.up[expert])
             out.index_add_(0, token, F.linear(hidden, w.down[expert]) * top_p[token, slot, None])
-        return out.reshape(x.shape)
+        return out
 
     def _qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, H, n, hd], k/v [B, KV, n, hd] of x [B, n, D], normalized per head and rotated."""
+        """q [N, H, hd], k/v [N, KV, hd] of N tokens x [N, D] rotating with cos/sin [N, half],
+        normalized per head and rotated."""
         w = self.w.layers[layer]
-        b, n, _ = x.shape
-        qkv = F.linear(x, w.qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = x.shape[0]
+        q, k, v = F.linear(x, w.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         eps = self.config.norm_epsilon
-        q = _rms_norm(q.view(b, n, -1, self.head_dim), w.q_norm, eps).transpose(1, 2)
-        k = _rms_norm(k.view(b, n, -1, self.head_dim), w.k_norm, eps).transpose(1, 2)
-        v = v.view(b, n, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-    def _attend(self, layer: int, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        b, _, n, _ = out.shape
-        return F.linear(out.transpose(1, 2).reshape(b, n, self.q_size), self.w.layers[layer].dense)
+        q = _rms_norm(q.view(n, -1, self.head_dim), w.q_norm, eps)
+        k = _rms_norm(k.view(n, -1, self.head_dim), w.k_norm, eps)
+        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v.view(n, -1, self.head_dim)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(h, self.w.ln_f, self.config.norm_epsilon)
         return F.linear(h, self.w.lm_head).float()
 
     @torch.inference_mode()
-    def _prefill(
-        self, request: LLMRequest, all_logits: bool
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Runs one prompt; returns its logits (every position, or the last) and per-layer (k, v)."""
-        ids, cos, sin = self._check(request)
-        table = request.prompt_embedding_table
-        if table is not None:
-            table = table.to(self.device)
-        eps = self.config.norm_epsilon
-        h = self._embed(ids, table)[None]  # [1, L, D]
-        cache = []
+    def _prefill(self, prompts: Sequence[_Prompt], all_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Runs several prompts as one ragged batch (their tokens concatenated, each attending only to
+        itself). Returns float32 logits (at every position, or at each prompt's last) and the keys
+        and values [layers, tokens, KV heads, head_dim] of all tokens, prompt after prompt."""
+        lengths = [p.ids.numel() for p in prompts]
+        spans = list(zip(np.cumsum([0, *lengths[:-1]]).tolist(), np.cumsum(lengths).tolist(), strict=True))
+        cos = torch.cat([p.cos for p in prompts])
+        sin = torch.cat([p.sin for p in prompts])
+        h = torch.cat([self._embed(p) for p in prompts])  # [T, D]
+        c, eps = self.config, self.config.norm_epsilon
+        keys = h.new_empty(c.num_hidden_layers, h.shape[0], c.num_key_value_heads, self.head_dim)
+        values = torch.empty_like(keys)
         for layer, w in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, _rms_norm(h, w.input_layernorm, eps), cos, sin)
-            cache.append((k[0], v[0]))
-            h = h + self._attend(layer, q, k, v, None, causal=True)
+            keys[layer], values[layer] = k, v
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # heads first
+            attended = torch.cat(
+                [
+                    F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, enable_gqa=True)
+                    for a, b in spans
+                ],
+                dim=1,
+            )
+            h = h + F.linear(attended.transpose(0, 1).reshape(h.shape[0], self.q_size), w.dense)
             h = h + self._mlp(layer, _rms_norm(h, w.post_layernorm, eps))
-            self._deepstack(h[0], ids, table, layer)
-        return self._logits(h[0] if all_logits else h[0, -1:]), cache
+            for (a, b), prompt in zip(spans, prompts, strict=True):
+                self._deepstack(h[a:b], prompt, layer)
+        return self._logits(h if all_logits else h[[b - 1 for _, b in spans]]), keys, values
 
     def prompt_logits(self, request: LLMRequest) -> torch.Tensor:
         """float32 logits [L, vocab_size] at every prompt position (what gather_context_logits returns)."""
-        return self._prefill(request, all_logits=True)[0]
+        return self._prefill([self._check(request)], all_logits=True)[0]
 
     # -- batched generation ---------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[LLMRequest], on_token: TokenCallback | None = None) -> list[GenerationResult]:
-        """Generates for several requests at once: each prompt is run on its own, then all active
+        """Generates for several requests at once: their prompts run together, then all active
         requests decode together, one token each per step, over one KV cache."""
         batch = DecodeBatch(self, on_token)
-        results = [batch.add(request, index) for index, request in enumerate(requests)]
+        results = batch.add_many(requests, range(len(requests)))
         while batch:
             batch.step()
         return results
 
-    def _decode_step(self, ids, position, delta, cache_k, cache_v) -> torch.Tensor:
-        """One token per row: writes its k/v at `position` and returns float32 logits [B, vocab]."""
-        rows = torch.arange(ids.numel(), device=self.device)
+    @torch.inference_mode()
+    def _decode_step(
+        self, ids: torch.Tensor, position: torch.Tensor, delta: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token for each of the cache's first B rows: writes its k/v at `position` (per row) and
+        returns float32 logits [B, vocab]."""
+        batch = ids.numel()
+        rows = torch.arange(batch, device=self.device)
         span = int(position.max()) + 1
-        mask = (torch.arange(span, device=self.device)[None, :] <= position[:, None])[:, None, None, :]
+        # Rows of different lengths see only their own keys; rows of one length see all `span`.
+        mask = None
+        if int(position.min()) + 1 < span:
+            mask = (torch.arange(span, device=self.device)[None, :] <= position[:, None])[:, None, None, :]
         cos, sin = self._positions_cos_sin(position + delta)
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # per row: [B, 1, 1, half]
         eps = self.config.norm_epsilon
-        h = F.embedding(ids, self.w.vocab_embedding)[:, None]  # [B, 1, D]
+        kv_heads = self.config.num_key_value_heads
+        h = F.embedding(ids, self.w.vocab_embedding)  # [B, D]
         for layer, w in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, _rms_norm(h, w.input_layernorm, eps), cos, sin)
-            cache_k[layer][rows, :, position] = k[:, :, 0]
-            cache_v[layer][rows, :, position] = v[:, :, 0]
-            keys, values = cache_k[layer][:, :, :span], cache_v[layer][:, :, :span]
-            h = h + self._attend(layer, q, keys, values, mask, causal=False)
+            cache.keys[layer, rows, :, position] = k
+            cache.values[layer, rows, :, position] = v
+            # Grouped-query attention without copying the cache: a row's single query becomes one
+            # query per head of each KV group, all attending over that group's keys (views).
+            grouped = q.view(batch, kv_heads, -1, self.head_dim)
+            keys, values = cache.keys[layer, :batch, :, :span], cache.values[layer, :batch, :, :span]
+            attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            h = h + F.linear(attended.reshape(batch, self.q_size), w.dense)
             h = h + self._mlp(layer, _rms_norm(h, w.post_layernorm, eps))
-        return self._logits(h[:, 0])
+        return self._logits(h)
+
+
+class KVCache:
+    """Keys and values of a decode batch, [layers, rows, KV heads, capacity, head_dim] each. Row i
+    belongs to the batch's i-th sequence. Rows and capacity grow by doubling, so requests joining
+    cost amortized O(their own cache); a leaving request's row is refilled by the last row."""
+
+    def __init__(self, llm: ReferenceLLM):
+        c = llm.config
+        self.max_capacity = c.max_position_embeddings
+        self.keys = torch.zeros(
+            (c.num_hidden_layers, 0, c.num_key_value_heads, 0, c.head_size), dtype=llm.dtype, device=llm.device
+        )
+        self.values = torch.zeros_like(self.keys)
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Room for at least `rows` rows of `capacity` positions each."""
+        _, have_rows, _, have_capacity, _ = self.keys.shape
+        if rows <= have_rows and capacity <= have_capacity:
+            return
+        rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        if capacity > have_capacity:
+            capacity = min(max(capacity, 2 * have_capacity), self.max_capacity)
+        else:
+            capacity = have_capacity
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], rows, old.shape[2], capacity, old.shape[4])
+            new[:, :have_rows, :, :have_capacity] = old
+            setattr(self, name, new)
+
+    def write(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A prompt's keys and values [layers, L, KV heads, head_dim] into row `row`."""
+        length = keys.shape[1]
+        self.keys[:, row, :, :length] = keys.transpose(1, 2)
+        self.values[:, row, :, :length] = values.transpose(1, 2)
+
+    def move(self, sources: list[int], targets: list[int]) -> None:
+        self.keys[:, targets] = self.keys[:, sources]
+        self.values[:, targets] = self.values[:, sources]
 
 
 @dataclass
@@ -287,72 +356,115 @@ class _Sequence:
     next_id: int = 0
 
 
+_Joining = tuple[LLMRequest, _Prompt, int]  # a request joining a batch, its checked prompt, its index
+
+
 class DecodeBatch:
-    """Requests decoding together over one KV cache. A request joins with `add` (its prompt is run
-    then) at any point between steps, as in inflight batching; `step` generates one token for every
-    request and drops the finished ones. Cache rows are [KV heads, capacity, head_dim] per layer,
-    the capacity growing to the longest prompt + max_new_tokens that joined."""
+    """Requests decoding together over one KV cache. Requests join with `add` / `add_many` (their
+    prompts are run then) at any point between steps, as in inflight batching; `step` generates one
+    token for every request and drops the finished ones."""
+
+    PREFILL_TOKENS = 8192
+    """Prompts joining together run in ragged batches of at most this many tokens (a longer prompt
+    alone), which bounds the activations as the engine's max_num_tokens does."""
 
     def __init__(self, llm: ReferenceLLM, on_token: TokenCallback | None = None):
         self.llm, self.on_token = llm, on_token
-        self.sequences: list[_Sequence] = []
-        c = llm.config
-        empty = (0, c.num_key_value_heads, 0, c.head_size)
-        self.cache_k = [torch.zeros(empty, dtype=llm.dtype, device=llm.device) for _ in llm.w.layers]
-        self.cache_v = [torch.zeros(empty, dtype=llm.dtype, device=llm.device) for _ in llm.w.layers]
+        self.sequences: list[_Sequence] = []  # sequence i decodes in cache row i
+        self.cache = KVCache(llm)
         self.position = torch.zeros(0, dtype=torch.int64, device=llm.device)  # sequence index of each row's next token
+        self.delta = torch.zeros(0, dtype=torch.int64, device=llm.device)
 
     def __len__(self) -> int:
         return len(self.sequences)
 
-    @torch.inference_mode()
     def add(self, request: LLMRequest, index: int = 0) -> GenerationResult:
         """Runs the request's prompt and picks its first token; the returned result fills as steps run."""
+        return self.add_many([request], [index])[0]
+
+    @torch.inference_mode()
+    def add_many(self, requests: Sequence[LLMRequest], indices: Iterable[int]) -> list[GenerationResult]:
+        """`add` for several requests (indices: what on_token reports for each), their prompts run
+        together in ragged batches."""
         llm = self.llm
-        length = int(np.asarray(request.input_ids).size)
-        need = length + request.sampling.max_new_tokens
-        if need > llm.config.max_position_embeddings:
-            raise InputError(
-                f"prompt of {length} tokens + max_new_tokens {request.sampling.max_new_tokens} exceeds the model's "
-                f"{llm.config.max_position_embeddings} positions"
-            )
-        logits, kv = llm._prefill(request, all_logits=False)
-        seq = _Sequence(
-            index,
-            TokenSampler(request.sampling, llm.device),
-            GenerationResult([], "length", length),
-            int(np.asarray(request.mrope_position_deltas).reshape(-1)[0]),
-        )
-        self._accept(seq, logits[-1])
-        if seq.sampler.finished:
-            return seq.result
-        capacity = max(need, self.cache_k[0].shape[2])
-        for caches, new in ((self.cache_k, [k for k, _ in kv]), (self.cache_v, [v for _, v in kv])):
-            for layer, rows in enumerate(caches):
-                row = F.pad(new[layer], (0, 0, 0, capacity - length))[None]
-                caches[layer] = torch.cat([F.pad(rows, (0, 0, 0, capacity - rows.shape[2])), row])
+        prompts = [llm._check(request) for request in requests]
+        for request, prompt in zip(requests, prompts, strict=True):
+            need = prompt.ids.numel() + request.sampling.max_new_tokens
+            if need > llm.config.max_position_embeddings:
+                raise InputError(
+                    f"prompt of {prompt.ids.numel()} tokens + max_new_tokens {request.sampling.max_new_tokens} "
+                    f"exceeds the model's {llm.config.max_position_embeddings} positions"
+                )
+        joining = list(zip(requests, prompts, indices, strict=True))
+        self.cache.reserve(len(self.sequences) + len(joining), max(p.ids.numel() for p in prompts))
+        results = []
+        for group in self._prefill_groups(joining):
+            logits, keys, values = llm._prefill([prompt for _, prompt, _ in group], all_logits=False)
+            start = 0
+            for (request, prompt, index), first_logits in zip(group, logits, strict=True):
+                length = prompt.ids.numel()
+                seq = _Sequence(
+                    index,
+                    TokenSampler(request.sampling, llm.device),
+                    GenerationResult([], "length", length),
+                    int(np.asarray(request.mrope_position_deltas).reshape(-1)[0]),
+                )
+                self._accept(seq, first_logits)
+                if not seq.sampler.finished:
+                    self._join(seq, keys[:, start : start + length], values[:, start : start + length])
+                start += length
+                results.append(seq.result)
+        return results
+
+    def _prefill_groups(self, joining: list[_Joining]) -> Iterator[list[_Joining]]:
+        group: list[_Joining] = []
+        tokens = 0
+        for item in joining:
+            length = item[1].ids.numel()
+            if group and tokens + length > self.PREFILL_TOKENS:
+                yield group
+                group, tokens = [], 0
+            group.append(item)
+            tokens += length
+        if group:
+            yield group
+
+    def _join(self, seq: _Sequence, keys: torch.Tensor, values: torch.Tensor) -> None:
+        row, length = len(self.sequences), keys.shape[1]
+        self.cache.reserve(row + 1, length)
+        self.cache.write(row, keys, values)
         self.position = torch.cat([self.position, self.position.new_tensor([length])])
+        self.delta = torch.cat([self.delta, self.delta.new_tensor([seq.delta])])
         self.sequences.append(seq)
-        return seq.result
 
     @torch.inference_mode()
     def step(self) -> None:
         """One token for every request in the batch; finished requests leave it."""
         if not self.sequences:
             return
+        self.cache.reserve(len(self.sequences), int(self.position.max()) + 1)
         ids = torch.tensor([s.next_id for s in self.sequences], device=self.llm.device)
-        delta = self.position.new_tensor([s.delta for s in self.sequences])
-        logits = self.llm._decode_step(ids, self.position, delta, self.cache_k, self.cache_v)
-        self.position = self.position + 1
+        logits = self.llm._decode_step(ids, self.position, self.delta, self.cache)
+        self.position += 1
         for row, seq in enumerate(self.sequences):
             self._accept(seq, logits[row])
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Removes finished sequences; the last active rows move into the rows they free."""
         keep = [row for row, seq in enumerate(self.sequences) if not seq.sampler.finished]
-        if len(keep) < len(self.sequences):
-            rows = torch.tensor(keep, dtype=torch.int64, device=self.llm.device)
-            self.cache_k = [c.index_select(0, rows) for c in self.cache_k]
-            self.cache_v = [c.index_select(0, rows) for c in self.cache_v]
-            self.position = self.position[rows]
-            self.sequences = [self.sequences[row] for row in keep]
+        if len(keep) == len(self.sequences):
+            return
+        holes = [row for row in range(len(keep)) if self.sequences[row].sampler.finished]
+        movers = [row for row in keep if row >= len(keep)]
+        if holes:
+            self.cache.move(movers, holes)
+            for hole, mover in zip(holes, movers, strict=True):
+                self.sequences[hole] = self.sequences[mover]
+            self.position[holes] = self.position[movers]
+            self.delta[holes] = self.delta[movers]
+        del self.sequences[len(keep) :]
+        self.position, self.delta = self.position[: len(keep)], self.delta[: len(keep)]
 
     def _accept(self, seq: _Sequence, logits: torch.Tensor) -> None:
         seq.next_id = seq.sampler.next_token(logits)
