@@ -40,9 +40,11 @@ class TinySpec:
 
 
 _TINY_VISION = dict(depth=4, hidden_size=128, num_heads=2, intermediate_size=256, deepstack_visual_indexes=[0, 1, 2])
+# Five decoder layers: the three DeepStack features enter after layers 0-2, and layers 3-4 show that
+# nothing is added past them (L >= K + 2).
 _TINY_TEXT = dict(
     hidden_size=64,
-    num_hidden_layers=3,
+    num_hidden_layers=5,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
