@@ -214,6 +214,24 @@ def test_corrupt_or_foreign_build_files_exit_2(tiny_dense, build_dir, tmp_path, 
     assert message in err and err.count("\n") == 1, err
 
 
+def test_truncated_rank_file_exit_2(tiny_dense, build_dir, tmp_path, capsys):
+    broken = Path(shutil.copytree(build_dir, tmp_path / "build"))
+    rank0 = broken / "llm_checkpoint" / "rank0.safetensors"
+    rank0.write_bytes(rank0.read_bytes()[:-100])
+    assert _generate(tiny_dense, broken) == 2
+    err = capsys.readouterr().err
+    assert "rank0.safetensors is not a readable safetensors file" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"eos_token_id": "<|im_end|>"}'])
+def test_corrupt_generation_config_exit_2(tiny_dense, build_dir, tmp_path, content, capsys):
+    model = Path(shutil.copytree(tiny_dense, tmp_path / "model"))
+    (model / "generation_config.json").write_text(content)
+    assert _generate(model, build_dir) == 2
+    err = capsys.readouterr().err
+    assert "generation_config.json" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize(
     ("entry", "value", "message"),
     [

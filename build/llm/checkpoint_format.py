@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import ModelInfo
 from ..dtypes import DTYPE_NAMES
@@ -430,7 +430,12 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
                 path = root / rank_file(mapping.rank(tp_rank, pp_rank))
                 if not path.is_file():
                     raise CheckpointError(f"{root} lacks {path.name} (tp={mapping.tp_size}, pp={mapping.pp_size})")
-                files.append(opened.enter_context(safe_open(str(path), framework="pt")))
+                try:
+                    files.append(opened.enter_context(safe_open(str(path), framework="pt")))
+                except SafetensorError as e:
+                    raise CheckpointError(
+                        f"{path} is not a readable safetensors file ({e}); convert the checkpoint again"
+                    ) from None
             for role, param in params.items():
                 parts = []
                 for tp_rank, f in enumerate(files):
