@@ -62,7 +62,7 @@ def _build(args: argparse.Namespace) -> None:
         llm_dtype=args.llm_dtype,
         tp=args.tp,
         pp=args.pp,
-        limits=_build_config(args),
+        limits=_engine_limits(args),
         force=args.force,
     )
 
@@ -106,7 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
         print()
 
 
-def _build_config(args: argparse.Namespace):
+def _engine_limits(args: argparse.Namespace):
     from .limits import EngineLimits
 
     return EngineLimits(
@@ -125,7 +125,7 @@ def _build_llm_engine(args: argparse.Namespace) -> None:
     from .llm.checkpoint_format import read_trtllm_config
     from .llm.engine_build import build_llm_engine, launcher_command
 
-    limits = _build_config(args)
+    limits = _engine_limits(args)
     if args.print_command:
         _, config = read_trtllm_config(args.checkpoint)
         command = launcher_command(

@@ -8,7 +8,7 @@ enforces per request. Both take their token defaults from the same constants, an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from .errors import LimitsError
 
@@ -77,9 +77,6 @@ class EngineLimits:
             raise LimitsError(
                 f"max_visual_tokens ({self.max_visual_tokens}) cannot exceed max_input_len ({self.max_input_len})"
             )
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
     def request_limits(self, **image_limits: int) -> RequestLimits:
         """The preprocessing limits that keep requests inside the engine (prompt and visual tokens);
