@@ -63,8 +63,85 @@ def _build(args: argparse.Namespace) -> None:
         tp=args.tp,
         pp=args.pp,
         limits=_engine_limits(args),
+        target=args.target,
+        settings=_repository_settings(args),
         force=args.force,
     )
+
+
+def _repository_settings(args: argparse.Namespace):
+    from .serving.repository import RepositorySettings
+
+    return RepositorySettings(
+        max_queue_delay_us=args.max_queue_delay_us,
+        dynamic_batching=not args.no_dynamic_batching,
+        attention_budget_bytes=args.vision_attention_mib * 2**20,
+        kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
+    )
+
+
+def _add_repository_options(s: argparse.ArgumentParser) -> None:
+    from .serving.repository import RepositorySettings
+
+    d = RepositorySettings()
+    g = s.add_argument_group("Triton repository")
+    g.add_argument("--target", choices=["gpu", "cpu"], help="default: gpu where the GPU stack is present, else cpu")
+    g.add_argument("--max-queue-delay-us", type=int, default=d.max_queue_delay_us, help="dynamic batching delay")
+    g.add_argument("--no-dynamic-batching", action="store_true", help="one request per model execution")
+    g.add_argument(
+        "--vision-attention-mib",
+        type=int,
+        default=d.attention_budget_bytes >> 20,
+        help="attention memory of one vision encoder run (the batch is cut into runs that fit)",
+    )
+    g.add_argument(
+        "--kv-cache-free-gpu-mem-fraction",
+        type=float,
+        default=d.kv_cache_free_gpu_mem_fraction,
+        help="GPU target: share of free GPU memory for the KV cache",
+    )
+
+
+def _write_repo(args: argparse.Namespace) -> None:
+    from .serving.repository import write_repository
+
+    path = write_repository(
+        args.build_dir,
+        args.output,
+        target=args.target,
+        model_dir=args.model,
+        settings=_repository_settings(args),
+        force=args.force,
+    )
+    print(f"wrote Triton model repository {path}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serving.server import serve
+
+    return serve(args)
+
+
+def _infer(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .errors import MessageError
+    from .serving.client import Client
+
+    images = []
+    for path in args.image:
+        try:
+            images.append(Path(path).read_bytes())
+        except OSError as e:
+            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    client = Client(args.url, timeout_s=args.timeout)
+    options = dict(stream=args.stream, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.json:
+        answer = client.generate(args.prompt, images, args.max_tokens, **options)
+        print(json.dumps({"text": answer.text, "token_ids": answer.token_ids}))
+    else:
+        client.generate(args.prompt, images, args.max_tokens, on_text=lambda s: print(s, end="", flush=True), **options)
+        print()
 
 
 def _convert_llm(args: argparse.Namespace) -> None:
@@ -230,8 +307,37 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the LLM")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of the LLM")
     _add_limits(s)
+    _add_repository_options(s)
     s.add_argument("--force", action="store_true", help="replace an existing build directory")
     s.set_defaults(func=_build)
+
+    s = sub.add_parser("write-repo", help="write the Triton model repository for a build directory")
+    s.add_argument("--build-dir", required=True, help="directory written by `qwen3vl-trt build`")
+    s.add_argument("--output", required=True, help="repository directory to create")
+    s.add_argument("--model", help="checkpoint with the tokenizer and processor files (default: the build's)")
+    _add_repository_options(s)
+    s.add_argument("--force", action="store_true", help="replace an existing repository")
+    s.set_defaults(func=_write_repo)
+
+    s = sub.add_parser("serve", help="run tritonserver on a repository written by build or write-repo")
+    from .serving.server import add_serve_arguments
+
+    add_serve_arguments(s)
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("infer", help="send one request to a running deployment over gRPC")
+    s.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address")
+    s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    s.add_argument("--prompt", required=True, help="the user's message (after the images)")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    s.add_argument("--temperature", type=float, help="default greedy")
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
+    s.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids"}')
+    s.set_defaults(func=_infer)
 
     s = sub.add_parser("generate", help="answer one chat request on the CPU (ONNX Runtime + reference LLM)")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (tokenizer, processor)")
@@ -268,14 +374,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        args.func(args)
+        status = args.func(args)
     except Qwen3VLTrtError as e:
         print(f"qwen3vl-trt {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"qwen3vl-trt {args.command}: interrupted; no output was published", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

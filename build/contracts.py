@@ -118,6 +118,7 @@ class BuildLayout:
     VISION = "vision"
     LLM_CHECKPOINT = "llm_checkpoint"
     LLM_ENGINE = "llm_engine"
+    TRITON_REPO = "triton_repo"
     MANIFEST = "manifest.json"
 
     @property
@@ -131,6 +132,10 @@ class BuildLayout:
     @property
     def llm_engine(self) -> Path:
         return self.root / self.LLM_ENGINE
+
+    @property
+    def triton_repo(self) -> Path:
+        return self.root / self.TRITON_REPO
 
     @property
     def manifest(self) -> Path:

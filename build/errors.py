@@ -63,3 +63,9 @@ class GpuStackMissingError(Qwen3VLTrtError):
     """A stage needs the GPU stack (CUDA device, TensorRT, TensorRT-LLM) that this machine lacks."""
 
     exit_code = 3
+
+
+class ServingError(Qwen3VLTrtError):
+    """No usable Triton server: not installed, not runnable from this environment, or not ready in time."""
+
+    exit_code = 3

@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from . import __version__
 from .checkpoint import Checkpoint
 from .contracts import BuildLayout
-from .errors import CheckpointError
+from .errors import CheckpointError, GpuStackMissingError
 from .fsutil import atomic_output_dir, read_json
 from .limits import EngineLimits
+from .llm.checkpoint_format import read_trtllm_config
 from .llm.convert import convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
+from .serving.repository import RepositorySettings, Target, model_configs, write_model_files
 from .vision.export import export_vision
 
 VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE = "vision-onnx", "llm-checkpoint", "llm-engine"
+TRITON_REPO_STAGE = "triton-repo"
 
 
 def build(
@@ -28,9 +32,20 @@ def build(
     tp: int = 1,
     pp: int = 1,
     limits: EngineLimits | None = None,
+    target: Target | None = None,
+    settings: RepositorySettings | None = None,
     force: bool = False,
     log=print,
 ) -> dict:
+    """Runs the stages; the Triton repository (last) is written for `target` (default: gpu where the
+    GPU stack is present, else cpu). A gpu target needs the LLM engine, so it fails early elsewhere."""
+    limits = limits or EngineLimits()
+    problem = gpu_stack_problem()
+    target = target or ("gpu" if problem is None else "cpu")
+    if target == "gpu" and problem is not None:
+        raise GpuStackMissingError(
+            f"a gpu-target repository needs the LLM engine, which cannot be built here: {problem}"
+        )
     ckpt = Checkpoint(model_dir)
     ckpt.verify_shards()
     stages = []
@@ -45,7 +60,6 @@ def build(
         start = time.perf_counter()
         convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
         stages.append(_done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
-        problem = gpu_stack_problem()
         if problem is None:
             start = time.perf_counter()
             build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
@@ -55,11 +69,22 @@ def build(
             stages.append(
                 {"stage": LLM_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
             )
+        start = time.perf_counter()
+        _, llm = read_trtllm_config(tmp.llm_checkpoint)
+        model = Path(model_dir).absolute()
+        # The repository records the build's final paths, where its models will find the files.
+        configs = model_configs(
+            BuildLayout(out.root.absolute()), model, target, limits, llm, settings or RepositorySettings()
+        )
+        write_model_files(tmp.triton_repo, configs)
+        stages.append({**_done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start), "target": target})
         manifest = {
             "qwen3vl_trt": __version__,
-            "model": str(Path(model_dir).absolute()),
+            "model": str(model),
             "model_type": ckpt.info.model_type,
             "size": ckpt.info.size_name,
+            "limits": asdict(limits),
+            "target": target,
             "stages": stages,
         }
         tmp.manifest.write_text(json.dumps(manifest, indent=2) + "\n")

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a tiny random-weight Qwen3-VL checkpoint, then
-# `qwen3vl-trt build` on it (vision encoder ONNX export verified against transformers, the LLM as a
-# TensorRT-LLM checkpoint; the engine stage says it is skipped without a GPU), then the
-# preprocessing of one chat request with a 1280x720 JPEG, and its answer from the CPU chain
-# (vision encoder on ONNX Runtime, the converted LLM on the reference runtime; random weights, so
-# the words are noise, but every stage runs).
+# `qwen3vl-trt build` on it for the CPU target (vision encoder ONNX verified against transformers,
+# the LLM as a TensorRT-LLM checkpoint, the Triton model repository; the engine stage says it is
+# skipped without a GPU), then `qwen3vl-trt serve` on that repository (a real tritonserver), one
+# gRPC request with a 1280x720 JPEG through `qwen3vl-trt infer`, and the server stopped. Random
+# weights, so the words are noise, but every stage runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 out=${1:-runs/demo}
-.venv/bin/qwen3vl-trt make-tiny --output "$out/checkpoint" --force
-.venv/bin/qwen3vl-trt build --model "$out/checkpoint" --output "$out/build" --force
-# What one chat request with an image becomes for the engines (ids, grid, positions, table rows).
+port=${QWEN3VL_DEMO_GRPC_PORT:-18001}
+cli=.venv/bin/qwen3vl-trt
+$cli make-tiny --output "$out/checkpoint" --force
+$cli build --model "$out/checkpoint" --output "$out/build" --target cpu --force
 .venv/bin/python -c "from qwen3vl_trt.testing.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
-.venv/bin/qwen3vl-trt preprocess --model "$out/checkpoint" --image "$out/photo.jpg" --text "What is in this picture?"
-.venv/bin/qwen3vl-trt generate --model "$out/checkpoint" --build "$out/build" --image "$out/photo.jpg" --text "What is in this picture?" --max-new-tokens 24
+
+$cli serve --repo "$out/build/triton_repo" --grpc-port "$port" --http-port $((port + 1)) --metrics-port $((port + 2)) \
+    > "$out/server.log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 300); do
+    grep -q '^ready:' "$out/server.log" && break
+    kill -0 $server 2>/dev/null || { echo "the server exited; its log:" >&2; tail -n 30 "$out/server.log" >&2; exit 1; }
+    sleep 1
+done
+grep '^ready:' "$out/server.log"
+$cli infer --url "127.0.0.1:$port" --image "$out/photo.jpg" --prompt "What is in this picture?" --max-tokens 24

@@ -62,7 +62,9 @@ class StreamingDetokenizer:
         text = self.tokenizer.decode(self.tokens[self.context :])
         if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
             return ""
-        self.context, self.shown = self.shown, len(self.tokens)
+        # Only the tokens of the piece just shown stay, as the next piece's context.
+        del self.tokens[: self.shown]
+        self.context, self.shown = 0, len(self.tokens)
         return text[len(shown) :]
 
 

@@ -83,7 +83,7 @@ class LLMRequest:
 @dataclass
 class GenerationResult:
     output_ids: list[int]
-    finish_reason: str  # "stop" (an end id was generated) or "length"
+    finish_reason: str  # "stop" (an end id or stop sequence was generated), "length" or "cancelled"
     prompt_length: int
 
 
@@ -448,6 +448,15 @@ class DecodeBatch:
         self.position += 1
         for row, seq in enumerate(self.sequences):
             self._accept(seq, logits[row])
+        self._drop_finished()
+
+    def cancel(self, indices: Iterable[int]) -> None:
+        """Ends the requests with these indices now (their results keep the tokens so far)."""
+        cancelled = set(indices)
+        for seq in self.sequences:
+            if seq.index in cancelled:
+                seq.sampler.cancel()
+                seq.result.finish_reason = seq.sampler.finish_reason
         self._drop_finished()
 
     def _drop_finished(self) -> None:

@@ -1,0 +1,75 @@
+"""Triton model configurations as `ModelConfig` protobuf messages (the schema tritonclient ships),
+written in protobuf text format and checked by parsing them back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..errors import Qwen3VLTrtError
+from .interface import Tensor
+
+CONFIG_FILE = "config.pbtxt"
+
+# Triton data types of the checkpoint dtypes the LLM runs in ("MODEL" tensors take one of these).
+MODEL_DATA_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+
+
+def data_type(tensor: Tensor, model_data_type: str = "FP32") -> int:
+    name = model_data_type if tensor.data_type == "MODEL" else tensor.data_type
+    return mc.DataType.Value(f"TYPE_{name}")
+
+
+def model_input(
+    tensor: Tensor, model_data_type: str = "FP32", optional: bool | None = None, ragged: bool = False
+) -> mc.ModelInput:
+    spec = mc.ModelInput(name=tensor.name, data_type=data_type(tensor, model_data_type), dims=list(tensor.dims))
+    if tensor.optional if optional is None else optional:
+        spec.optional = True
+    if ragged:
+        spec.allow_ragged_batch = True
+    return spec
+
+
+def model_output(tensor: Tensor, model_data_type: str = "FP32") -> mc.ModelOutput:
+    return mc.ModelOutput(name=tensor.name, data_type=data_type(tensor, model_data_type), dims=list(tensor.dims))
+
+
+def parameters(config: mc.ModelConfig, values: Mapping[str, object]) -> None:
+    """Sets string parameters (Triton passes every parameter as a string)."""
+    for key, value in values.items():
+        config.parameters[key].string_value = str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def instance_group(kind: str, count: int = 1, gpus: Iterable[int] = ()) -> mc.ModelInstanceGroup:
+    group = mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.Kind.Value(f"KIND_{kind.upper()}"), count=count)
+    group.gpus.extend(gpus)
+    return group
+
+
+def to_text(config: mc.ModelConfig) -> str:
+    text = text_format.MessageToString(config)
+    if parse(text) != config:  # text format round-trips exactly; anything else is a bug here
+        raise Qwen3VLTrtError(f"the configuration of {config.name} does not survive its text format")
+    return text
+
+
+def parse(text: str) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+def write(model_dir: Path, config: mc.ModelConfig) -> Path:
+    path = model_dir / CONFIG_FILE
+    path.write_text(to_text(config))
+    return path
+
+
+def read(model_dir: Path) -> mc.ModelConfig:
+    path = model_dir / CONFIG_FILE
+    try:
+        return parse(path.read_text())
+    except (OSError, text_format.ParseError) as e:
+        raise Qwen3VLTrtError(f"cannot read the Triton model configuration {path}: {e}") from None

@@ -1,0 +1,174 @@
+"""The CPU target's `llm`: the reference runtime serving the tensorrt_llm backend's inputs with
+inflight batching.
+
+One thread owns a DecodeBatch. Between decode steps it lets waiting requests join (their prompts
+run together) and drops finished and cancelled ones, so requests arriving while others decode start
+at the next step, as the TensorRT-LLM executor schedules them. Tokens go out through each request's
+stream: one response per token when streaming, else one response at the end, after the prompt's
+ids unless exclude_input_in_output. End ids are not sent (the engine leaves them out too).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import Qwen3VLTrtError
+from ..runtime.reference_llm import DecodeBatch, LLMRequest, ReferenceLLM
+from ..runtime.sampling import SamplingParams
+from . import interface as io
+from .preprocessing import split_word_list
+
+log = logging.getLogger(__name__)
+
+
+class TokenStream(Protocol):
+    """Where one request's tokens go."""
+
+    def send(self, tokens: list[int], final: bool) -> None: ...
+    def finish(self) -> None: ...  # the end of a stream whose tokens were all sent
+    def fail(self, error: Exception) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Job:
+    request: LLMRequest
+    stream: TokenStream
+    streaming: bool
+    end_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)  # the prompt's ids first when it is echoed
+
+
+def _value(inputs: Mapping[str, Any], tensor: io.Tensor, default: Any) -> Any:
+    value = inputs.get(tensor.name)
+    return default if value is None else np.asarray(value).reshape(-1)[0].item()
+
+
+class InflightLLM:
+    def __init__(self, checkpoint_dir: str | Path, end_ids: Sequence[int], max_batch_size: int):
+        self.llm = ReferenceLLM.from_checkpoint(checkpoint_dir)
+        self.end_ids = tuple(end_ids)
+        self.max_batch_size = max_batch_size
+        self.largest_batch = 0  # most requests decoding together so far
+        self._waiting: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inflight-llm", daemon=True)
+
+    def request(self, inputs: Mapping[str, Any]) -> LLMRequest:
+        """The reference runtime's request for the tensorrt_llm inputs of one request."""
+        ids = np.asarray(inputs[io.INPUT_IDS.name]).reshape(-1)
+        length = int(_value(inputs, io.INPUT_LENGTHS, ids.size))
+        if length != ids.size:
+            raise Qwen3VLTrtError(f"input_lengths is {length} but input_ids holds {ids.size} ids")
+        table = inputs.get(io.PROMPT_TABLE.name)
+        if int(ids.max(initial=0)) < self.llm.vocab_size:
+            table = None  # text only: the table's placeholder row is never addressed
+        end_id = int(_value(inputs, io.END_ID, self.end_ids[0]))
+        greedy = int(_value(inputs, io.RUNTIME_TOP_K, 0)) == 1
+        sampling = SamplingParams(
+            max_new_tokens=int(_value(inputs, io.REQUEST_OUTPUT_LEN, 0)),
+            temperature=0.0 if greedy else float(_value(inputs, io.TEMPERATURE, 1.0)),
+            top_k=0 if greedy else int(_value(inputs, io.RUNTIME_TOP_K, 0)),
+            top_p=1.0 if greedy else float(_value(inputs, io.RUNTIME_TOP_P, 1.0)),
+            seed=int(_value(inputs, io.SEED, 0)),
+            end_ids=tuple(dict.fromkeys((end_id, *self.end_ids))),
+            min_new_tokens=int(_value(inputs, io.MIN_TOKENS, 0)),
+            stop_sequences=split_word_list(inputs.get(io.STOP_WORDS_LIST.name)),
+            bad_sequences=split_word_list(inputs.get(io.BAD_WORDS_LIST.name)),
+        )
+        return LLMRequest(
+            input_ids=ids.astype(np.int32),
+            prompt_embedding_table=None if table is None else torch.as_tensor(table),
+            mrope_rotary_cos_sin=inputs.get(io.MROPE_COS_SIN.name),
+            mrope_position_deltas=int(_value(inputs, io.MROPE_DELTAS, 0)),
+            sampling=sampling,
+        )
+
+    def warm_up(self) -> None:
+        """A short generation, so the first request does not pay for first-use initialization."""
+        self.llm.generate([LLMRequest(np.zeros(4, np.int32), sampling=SamplingParams(max_new_tokens=2))])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, inputs: Mapping[str, Any], stream: TokenStream) -> None:
+        try:
+            request = self.request(inputs)
+        except Qwen3VLTrtError as e:
+            stream.fail(e)
+            return
+        streaming = bool(_value(inputs, io.STREAMING, False))
+        job = _Job(request, stream, streaming, frozenset(request.sampling.end_ids))
+        if not streaming and not _value(inputs, io.EXCLUDE_INPUT, False):
+            job.tokens.extend(int(t) for t in request.input_ids)  # the engine's output_ids hold the prompt too
+        self._waiting.put(job)
+
+    def _run(self) -> None:
+        jobs: dict[int, _Job] = {}
+        batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
+        next_index = 0
+        while not self._closing.is_set():
+            joining: dict[int, _Job] = {}
+            while len(batch) + len(joining) < self.max_batch_size:
+                try:
+                    job = self._waiting.get(block=not batch and not joining, timeout=0.2)
+                except queue.Empty:
+                    break
+                joining[next_index] = job
+                next_index += 1
+            try:
+                self._join(batch, jobs, joining)
+                batch.cancel(i for i, job in jobs.items() if job.stream.cancelled())
+                batch.step()
+                self.largest_batch = max(self.largest_batch, len(batch))
+            except Exception as e:  # a runtime bug: every request in flight gets the error, serving goes on
+                log.exception("the decode step failed")
+                for job in jobs.values():
+                    job.stream.fail(e)
+                jobs.clear()
+                batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
+            self._finish(batch, jobs)
+
+    def _join(self, batch: DecodeBatch, jobs: dict[int, _Job], joining: dict[int, _Job]) -> None:
+        if not joining:
+            return
+        jobs.update(joining)
+        try:
+            batch.add_many([job.request for job in joining.values()], joining)
+        except Qwen3VLTrtError:
+            # One bad request: the others join one by one and only the bad ones are answered with errors.
+            for index, job in joining.items():
+                try:
+                    batch.add(job.request, index)
+                except Qwen3VLTrtError as e:
+                    job.stream.fail(e)
+                    del jobs[index]
+
+    def _token(self, job: _Job, token: int) -> None:
+        if token in job.end_ids:
+            return
+        job.tokens.append(token)
+        if job.streaming:
+            job.stream.send([token], final=False)
+
+    def _finish(self, batch: DecodeBatch, jobs: dict[int, _Job]) -> None:
+        running = {seq.index for seq in batch.sequences}
+        for index in [i for i in jobs if i not in running]:
+            job = jobs.pop(index)
+            if job.streaming:
+                job.stream.finish()
+            else:
+                job.stream.send(job.tokens, final=True)

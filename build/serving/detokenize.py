@@ -1,0 +1,58 @@
+"""The `postprocessing` model: generated ids -> text.
+
+Streamed responses carry only their new tokens (the tensorrt_llm backend's streaming output), and
+an ensemble step after a decoupled model sees nothing but that model's outputs, so the text of a
+response is decoded against the tokens before it by keeping each request's detokenizer, keyed by
+the request id the ensemble gives every step (core: src/ensemble_scheduler/ensemble_scheduler.cc,
+InitStep: `irequest->SetId(request_id_)`): each response gets only its new text. States are
+dropped least recently used beyond `max_streams` (a few tokens each). A request sent without an id
+has its responses decoded one by one. End ids are never shown; prompt ids (when the llm echoes the
+prompt) are shown with the image placeholder for the visual fake ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ..checkpoint import parse_config, read_config
+from ..runtime.local import StreamingDetokenizer, generation_end_ids
+from . import interface as io
+
+
+class Detokenizing:
+    def __init__(self, model_dir: str | Path, max_streams: int = 4096):
+        self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.end_ids = frozenset(generation_end_ids(Path(model_dir)))
+        info = parse_config(read_config(Path(model_dir))[1])
+        self.vocab_size, self.image_token_id = info.text.vocab_size, info.image_token_id
+        self.max_streams = max_streams
+        self.streams: OrderedDict[str, StreamingDetokenizer] = OrderedDict()
+
+    def execute(self, requests: Sequence[Mapping[str, Any]], request_ids: Sequence[str]) -> list[dict[str, Any]]:
+        return [self._one(inputs, request_id) for inputs, request_id in zip(requests, request_ids, strict=True)]
+
+    def _one(self, inputs: Mapping[str, Any], request_id: str) -> dict[str, Any]:
+        ids = np.atleast_2d(np.asarray(inputs[io.LLM_OUTPUT_IDS.name]))  # [beams, tokens]
+        length = int(np.asarray(inputs[io.SEQUENCE_LENGTH.name]).reshape(-1)[0])
+        received = ids[0, : min(length, ids.shape[1])].astype(np.int64)
+        received[received >= self.vocab_size] = self.image_token_id
+        tokens = [int(t) for t in received if int(t) not in self.end_ids]
+        detokenizer = self.streams.pop(request_id, None) if request_id else None
+        detokenizer = detokenizer or StreamingDetokenizer(self.tokenizer)
+        text = "".join(detokenizer.push(t) for t in tokens)
+        if request_id:
+            self.streams[request_id] = detokenizer
+            while len(self.streams) > self.max_streams:
+                self.streams.popitem(last=False)
+        else:
+            text += detokenizer.finish()
+        return {
+            io.TEXT_OUTPUT.name: np.array([text.encode()], dtype=object),
+            io.OUTPUT_IDS_OUT.name: np.array(tokens, dtype=np.int32),
+        }

@@ -1,0 +1,159 @@
+"""The Triton deployment's tensors and model names, declared once.
+
+The ensemble `qwen3vl` takes the tensorrtllm_backend ensemble's request inputs (so its clients and
+genai-perf work unchanged) plus `images`, `messages` and `raw_prompt`. Between the models, tensors
+carry the names of the contracts they implement: the vision encoder's inputs (contracts.VISION_INPUTS)
+and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's `llm` declares too,
+so both targets route the same ensemble. Dims exclude the batch dimension (every model batches);
+scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm backend declares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contracts import (
+    LLM_INPUT_IDS,
+    MROPE_POSITION_DELTAS,
+    MROPE_ROTARY_COS_SIN,
+    PIXEL_VALUES,
+    POS_EMBED_IDX,
+    POS_EMBED_W,
+    PROMPT_EMBEDDING_TABLE,
+    PROMPT_TABLE_EXTRA_IDS,
+    ROTARY_POS,
+    SEGMENT_START,
+)
+
+PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
+    "preprocessing",
+    "vision_encoder",
+    "llm",
+    "postprocessing",
+    "qwen3vl",
+)
+MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    data_type: str  # Triton's DataType name without TYPE_ (INT32, FP32, BOOL, STRING, ...)
+    dims: tuple[int, ...]
+    optional: bool = False
+    scalar: bool = False  # one value per request: reshaped to [] where the tensorrt_llm backend does
+
+
+def _scalar(name: str, data_type: str, optional: bool = True) -> Tensor:
+    return Tensor(name, data_type, (1,), optional=optional, scalar=True)
+
+
+# -- the ensemble's request interface (tensorrtllm_backend conventions) ----------------------------
+TEXT_INPUT = _scalar("text_input", "STRING", optional=False)
+MAX_TOKENS = _scalar("max_tokens", "INT32", optional=False)
+STREAM = _scalar("stream", "BOOL")
+TEMPERATURE_IN = _scalar("temperature", "FP32")
+TOP_K = _scalar("top_k", "INT32")
+TOP_P = _scalar("top_p", "FP32")
+SEED_IN = _scalar("seed", "UINT64")
+END_ID_IN = _scalar("end_id", "INT32")
+PAD_ID_IN = _scalar("pad_id", "INT32")
+STOP_WORDS = Tensor("stop_words", "STRING", (-1,), optional=True)
+BAD_WORDS = Tensor("bad_words", "STRING", (-1,), optional=True)
+MIN_TOKENS_IN = _scalar("min_tokens", "INT32")
+EXCLUDE_INPUT_IN = _scalar("exclude_input_in_output", "BOOL")
+IMAGES = Tensor("images", "STRING", (-1,), optional=True)
+MESSAGES = _scalar("messages", "STRING")
+RAW_PROMPT = _scalar("raw_prompt", "BOOL")
+
+REQUEST_INPUTS: tuple[Tensor, ...] = (
+    TEXT_INPUT,
+    MAX_TOKENS,
+    STREAM,
+    TEMPERATURE_IN,
+    TOP_K,
+    TOP_P,
+    SEED_IN,
+    END_ID_IN,
+    PAD_ID_IN,
+    STOP_WORDS,
+    BAD_WORDS,
+    MIN_TOKENS_IN,
+    EXCLUDE_INPUT_IN,
+    IMAGES,
+    MESSAGES,
+    RAW_PROMPT,
+)
+
+TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
+OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
+REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT)
+
+# -- preprocessing -> vision_encoder ---------------------------------------------------------------
+VISION_PIXELS = Tensor(PIXEL_VALUES.name, "FP32", (-1, -1))
+VISION_POS_EMBED_IDX = Tensor(POS_EMBED_IDX.name, "INT32", (-1, 4))
+VISION_POS_EMBED_W = Tensor(POS_EMBED_W.name, "FP32", (-1, 4))
+VISION_ROTARY_POS = Tensor(ROTARY_POS.name, "INT32", (-1, 2))
+VISION_SEGMENT_START = Tensor(SEGMENT_START.name, "INT32", (-1,))
+IMAGE_GRID_THW = Tensor("image_grid_thw", "INT64", (-1, 3))
+VISUAL_TOKEN_COUNT = _scalar("visual_token_count", "INT32", optional=False)
+VISION_REQUEST: tuple[Tensor, ...] = (
+    VISION_PIXELS,
+    VISION_POS_EMBED_IDX,
+    VISION_POS_EMBED_W,
+    VISION_ROTARY_POS,
+    VISION_SEGMENT_START,
+    IMAGE_GRID_THW,
+    VISUAL_TOKEN_COUNT,
+)
+
+# -- vision_encoder -> llm (dtype: the LLM checkpoint's) -----------------------------------------
+PROMPT_TABLE = Tensor(PROMPT_EMBEDDING_TABLE.name, "MODEL", (-1, -1), optional=True)
+
+# -- preprocessing -> llm: the tensorrt_llm backend's input names ---------------------------------
+INPUT_IDS = Tensor(LLM_INPUT_IDS.name, "INT32", (-1,))
+INPUT_LENGTHS = _scalar("input_lengths", "INT32", optional=False)
+REQUEST_OUTPUT_LEN = _scalar("request_output_len", "INT32", optional=False)
+END_ID = _scalar("end_id", "INT32")
+PAD_ID = _scalar("pad_id", "INT32")
+RUNTIME_TOP_K = _scalar("runtime_top_k", "INT32")
+RUNTIME_TOP_P = _scalar("runtime_top_p", "FP32")
+TEMPERATURE = _scalar("temperature", "FP32")
+SEED = _scalar("seed", "UINT64")
+MIN_TOKENS = _scalar("min_tokens", "INT32")
+STREAMING = _scalar("streaming", "BOOL")
+EXCLUDE_INPUT = _scalar("exclude_input_in_output", "BOOL")
+STOP_WORDS_LIST = Tensor("stop_words_list", "INT32", (2, -1), optional=True)
+BAD_WORDS_LIST = Tensor("bad_words_list", "INT32", (2, -1), optional=True)
+MROPE_COS_SIN = Tensor(MROPE_ROTARY_COS_SIN.name, "FP32", (-1,), optional=True)
+MROPE_DELTAS = Tensor(MROPE_POSITION_DELTAS.name, "INT64", (1,), optional=True)
+EXTRA_IDS = Tensor(PROMPT_TABLE_EXTRA_IDS.name, "UINT64", (-1,), optional=True)
+LLM_REQUEST: tuple[Tensor, ...] = (
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    REQUEST_OUTPUT_LEN,
+    END_ID,
+    PAD_ID,
+    RUNTIME_TOP_K,
+    RUNTIME_TOP_P,
+    TEMPERATURE,
+    SEED,
+    MIN_TOKENS,
+    STREAMING,
+    EXCLUDE_INPUT,
+    STOP_WORDS_LIST,
+    BAD_WORDS_LIST,
+    MROPE_COS_SIN,
+    MROPE_DELTAS,
+    EXTRA_IDS,
+)
+LLM_INPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
+
+# -- llm -> postprocessing ----------------------------------------------------------------------
+LLM_OUTPUT_IDS = Tensor("output_ids", "INT32", (-1, -1))  # [beams, tokens]
+SEQUENCE_LENGTH = Tensor("sequence_length", "INT32", (-1,))  # per beam
+LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH)
+# Triton ensembles let a step after a decoupled model read only what that model produced, so
+# postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
+
+PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*VISION_REQUEST, *LLM_REQUEST)

@@ -1,0 +1,240 @@
+"""`qwen3vl-trt write-repo`: a build directory -> a Triton model repository.
+
+Models: `preprocessing`, `vision_encoder`, `llm`, `postprocessing` and the ensemble `qwen3vl`
+(serving.interface). Target `cpu` serves the ONNX vision encoder with ONNX Runtime and the LLM
+checkpoint with the reference runtime (decoupled python models); target `gpu` serves the TensorRT-LLM
+engine with the tensorrtllm backend and decodes images into device memory. Every config.pbtxt is a
+ModelConfig message whose batching numbers come from the build's EngineLimits. The python models
+find the build and the checkpoint's tokenizer/processor files by the absolute paths recorded in
+their parameters: after moving either, write the repository again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .. import __version__
+from ..checkpoint import read_config
+from ..contracts import BuildLayout
+from ..errors import CheckpointError
+from ..fsutil import atomic_output_dir
+from ..limits import EngineLimits
+from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
+from . import config as cfg
+from . import interface as io
+
+Target = Literal["gpu", "cpu"]
+REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
+MODEL_FILE = "model.py"
+
+
+@dataclass(frozen=True)
+class RepositorySettings:
+    """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
+    waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
+    attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching)."""
+
+    max_queue_delay_us: int = 2000
+    dynamic_batching: bool = True
+    attention_budget_bytes: int = 1 << 30
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+
+
+def _internal(producer: str, tensor: io.Tensor) -> str:
+    """The ensemble's name for a tensor one step produces and later steps read."""
+    return f"{producer}_{tensor.name}"
+
+
+def _python_model(
+    name: str,
+    limits: EngineLimits,
+    settings: RepositorySettings,
+    inputs: list[mc.ModelInput],
+    outputs: list[mc.ModelOutput],
+    kind: str,
+    params: dict[str, object],
+    decoupled: bool = False,
+) -> mc.ModelConfig:
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
+    config.input.extend(inputs)
+    config.output.extend(outputs)
+    config.instance_group.append(cfg.instance_group(kind))
+    if settings.dynamic_batching:
+        config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
+    if decoupled:
+        config.model_transaction_policy.decoupled = True
+    cfg.parameters(config, params)
+    return config
+
+
+def _ragged(tensor: io.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
+    return cfg.model_input(tensor, model_data_type, optional=optional, ragged=True)
+
+
+def _llm_input(tensor: io.Tensor, model_data_type: str) -> mc.ModelInput:
+    spec = _ragged(tensor, model_data_type)
+    if tensor.scalar:
+        spec.reshape.SetInParent()  # shape [], as the tensorrt_llm backend declares scalars
+    return spec
+
+
+def model_configs(
+    build: BuildLayout,
+    model_dir: Path,
+    target: Target,
+    limits: EngineLimits,
+    llm: LLMConfig,
+    settings: RepositorySettings = RepositorySettings(),
+) -> dict[str, mc.ModelConfig]:
+    """The configuration of every model, for a build whose final location is `build.root` and whose
+    LLM checkpoint has the configuration `llm`."""
+    model_type = cfg.MODEL_DATA_TYPES.get(llm.dtype)
+    if model_type is None:
+        raise CheckpointError(f"{build.llm_checkpoint}: dtype {llm.dtype!r} cannot be served")
+    gpu = target == "gpu"
+    kind = "gpu" if gpu else "cpu"
+    common = {"model_dir": model_dir, "limits": json.dumps(asdict(limits))}
+    if gpu:
+        common["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"  # pixels stay in device memory between models
+    configs = {}
+    configs[io.PREPROCESSING] = _python_model(
+        io.PREPROCESSING,
+        limits,
+        settings,
+        [_ragged(t, optional=True) for t in io.REQUEST_INPUTS],
+        [cfg.model_output(t) for t in io.PREPROCESSING_OUTPUTS],
+        kind,
+        {**common, "device": "cuda" if gpu else "cpu", "mrope_positions": limits.max_seq_len if gpu else 0},
+    )
+    configs[io.VISION_ENCODER] = _python_model(
+        io.VISION_ENCODER,
+        limits,
+        settings,
+        [_ragged(t, optional=False) for t in io.VISION_REQUEST],
+        [cfg.model_output(io.PROMPT_TABLE, model_type)],
+        kind,
+        {
+            **common,
+            "vision_dir": build.vision,
+            "llm_dtype": llm.dtype,
+            "llm_hidden_size": llm.hidden_size,
+            "attention_budget_bytes": settings.attention_budget_bytes,
+        },
+    )
+    if gpu:
+        from .trtllm_config import tensorrt_llm_model_config
+
+        configs[io.LLM] = tensorrt_llm_model_config(
+            engine_dir=build.llm_engine,
+            limits=limits,
+            model_data_type=model_type,
+            tokenizer_dir=model_dir,
+            max_queue_delay_us=settings.max_queue_delay_us,
+            kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
+        )
+    else:
+        configs[io.LLM] = _python_model(
+            io.LLM,
+            limits,
+            settings,
+            [_llm_input(t, model_type) for t in io.LLM_INPUTS],
+            [cfg.model_output(t) for t in io.LLM_OUTPUTS],
+            kind,
+            {**common, "checkpoint_dir": build.llm_checkpoint},
+            decoupled=True,
+        )
+    configs[io.POSTPROCESSING] = _python_model(
+        io.POSTPROCESSING,
+        limits,
+        settings,
+        [_ragged(t) for t in io.LLM_OUTPUTS],
+        [cfg.model_output(t) for t in io.REQUEST_OUTPUTS],
+        "cpu",  # tokenizers run on the host
+        {**common},
+    )
+    configs[io.ENSEMBLE] = _ensemble(limits)
+    for config in configs.values():
+        cfg.parse(cfg.to_text(config))
+    return configs
+
+
+def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
+    config = mc.ModelConfig(name=io.ENSEMBLE, platform="ensemble", max_batch_size=limits.max_batch_size)
+    # All optional here: an ensemble whose request lacks a required input never runs its first step and
+    # answers with nothing, so preprocessing checks the required ones and says what is missing.
+    config.input.extend(cfg.model_input(t, optional=True) for t in io.REQUEST_INPUTS)
+    config.output.extend(cfg.model_output(t) for t in io.REQUEST_OUTPUTS)
+    pre = {t.name: _internal(io.PREPROCESSING, t) for t in io.PREPROCESSING_OUTPUTS}
+    table = _internal(io.VISION_ENCODER, io.PROMPT_TABLE)
+    generated = {t.name: _internal(io.LLM, t) for t in io.LLM_OUTPUTS}
+    steps = [
+        (io.PREPROCESSING, {t.name: t.name for t in io.REQUEST_INPUTS}, pre),
+        (io.VISION_ENCODER, {t.name: pre[t.name] for t in io.VISION_REQUEST}, {io.PROMPT_TABLE.name: table}),
+        (io.LLM, {**{t.name: pre[t.name] for t in io.LLM_REQUEST}, io.PROMPT_TABLE.name: table}, generated),
+        (
+            io.POSTPROCESSING,
+            generated,
+            {t.name: t.name for t in io.REQUEST_OUTPUTS},
+        ),
+    ]
+    for model, inputs, outputs in steps:
+        step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+        step.input_map.update(inputs)
+        step.output_map.update(outputs)
+    return config
+
+
+def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
+    """config.pbtxt for every model, its model.py adapter for python models, version directory 1."""
+    sources = resources.files("qwen3vl_trt.triton_models")
+    for name, config in configs.items():
+        version = repo / name / "1"
+        version.mkdir(parents=True)
+        cfg.write(repo / name, config)
+        if config.backend == "python":
+            (version / MODEL_FILE).write_text(sources.joinpath(name, MODEL_FILE).read_text())
+
+
+def build_limits(manifest: dict) -> EngineLimits:
+    """The engine limits a build was made with (older builds recorded none: the defaults)."""
+    return EngineLimits(**manifest.get("limits", {}))
+
+
+def default_target() -> Target:
+    from ..llm.engine_build import gpu_stack_problem
+
+    return "gpu" if gpu_stack_problem() is None else "cpu"
+
+
+def write_repository(
+    build_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    target: Target | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+    settings: RepositorySettings = RepositorySettings(),
+    force: bool = False,
+) -> Path:
+    """Writes the repository for a `qwen3vl-trt build` directory (the checkpoint is the one the build
+    was made from unless model_dir says otherwise)."""
+    from ..pipeline import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_STAGE, read_manifest
+
+    build = BuildLayout(Path(build_dir).absolute())
+    target = target or default_target()
+    required = (VISION_STAGE, LLM_CHECKPOINT_STAGE) + ((LLM_ENGINE_STAGE,) if target == "gpu" else ())
+    manifest = read_manifest(build.root, required_stages=required)
+    model = Path(model_dir or manifest["model"]).absolute()
+    read_config(model)  # the tokenizer and processor files must be there at serving time
+    _, llm = read_trtllm_config(build.llm_checkpoint)
+    configs = model_configs(build, model, target, build_limits(manifest), llm, settings)
+    with atomic_output_dir(output, force=force, inputs=[build.root, model]) as tmp:
+        write_model_files(tmp, configs)
+        record = {"qwen3vl_trt": __version__, "target": target, "build_dir": str(build.root), "model_dir": str(model)}
+        (tmp / REPOSITORY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return Path(output)

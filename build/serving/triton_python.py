@@ -1,0 +1,171 @@
+"""Triton python-backend models over the serving components; the repository's model.py files are
+one import of these. Importable only inside Triton's python backend (triton_python_backend_utils).
+
+Tensors are read as numpy arrays without their batch dimension (bf16 and device tensors through
+DLPack, as torch tensors) and written back with it. Each model's parameters come from its
+config.pbtxt, which the repository writer fills from the build.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
+
+from ..errors import Qwen3VLTrtError
+from ..limits import EngineLimits
+
+_DLPACK_TYPES = {"TYPE_BF16"}
+
+
+class _Model:
+    """Reads a model's configuration and moves tensors between Triton and the components."""
+
+    def initialize(self, args: Mapping[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
+        self.load()
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def param_path(self, key: str) -> Path:
+        return Path(self.params[key])
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(**json.loads(self.params["limits"]))
+
+    def read(self, request: Any) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, data_type in self.inputs.items():
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                continue
+            if data_type in _DLPACK_TYPES or not tensor.is_cpu():
+                values[name] = torch.from_dlpack(tensor.to_dlpack())[0]
+            else:
+                values[name] = tensor.as_numpy()[0]
+        return values
+
+
+def _tensor(name: str, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.dtype != torch.bfloat16:
+            return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()[None]))
+        return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value[None].contiguous()))
+    return pb_utils.Tensor(name, np.ascontiguousarray(np.asarray(value)[None]))
+
+
+def response(outputs: Mapping[str, Any]) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[_tensor(name, value) for name, value in outputs.items()])
+
+
+def error_response(error: Exception) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
+
+
+def _respond(results: Sequence[Mapping[str, Any] | Exception]) -> list[Any]:
+    return [error_response(r) if isinstance(r, Exception) else response(r) for r in results]
+
+
+class _BatchModel(_Model):
+    """A model that answers every request of a batch from one call of its component."""
+
+    component: Any
+
+    def execute(self, requests: Sequence[Any]) -> list[Any]:
+        inputs = [self.read(r) for r in requests]
+        try:
+            return _respond(self.component.execute(inputs))
+        except Qwen3VLTrtError as e:
+            return [error_response(e)] * len(requests)
+
+
+class Preprocessing(_BatchModel):
+    def load(self) -> None:
+        from .preprocessing import Preprocessing as Component
+
+        self.component = Component(
+            self.param_path("model_dir"),
+            self.limits(),
+            mrope_positions=int(self.params["mrope_positions"]),
+            device=self.params["device"],
+        )
+
+
+class VisionEncoder(_BatchModel):
+    def load(self) -> None:
+        from .vision_batching import VisionBatching
+
+        self.component = VisionBatching(
+            self.param_path("vision_dir"),
+            getattr(torch, self.params["llm_dtype"]),
+            int(self.params["llm_hidden_size"]),
+            int(self.params["attention_budget_bytes"]),
+        )
+        self.component.warm_up()
+
+
+class Postprocessing(_Model):
+    def load(self) -> None:
+        from .detokenize import Detokenizing
+
+        self.component = Detokenizing(self.param_path("model_dir"))
+
+    def execute(self, requests: Sequence[Any]) -> list[Any]:
+        results = self.component.execute([self.read(r) for r in requests], [r.request_id() for r in requests])
+        return _respond(results)
+
+
+class _ResponseStream:
+    """A TokenStream over a decoupled request's response sender."""
+
+    def __init__(self, sender: Any):
+        self.sender = sender
+
+    def send(self, tokens: list[int], final: bool) -> None:
+        from . import interface as io
+
+        outputs = {
+            io.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
+            io.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
+        }
+        self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def finish(self) -> None:
+        self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def fail(self, error: Exception) -> None:
+        self.sender.send(error_response(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self) -> bool:
+        return bool(self.sender.is_cancelled())
+
+
+class CpuLLM(_Model):
+    """Decoupled: execute hands the requests to the inflight batcher and returns at once."""
+
+    def load(self) -> None:
+        from ..runtime.local import generation_end_ids
+        from .cpu_llm import InflightLLM
+
+        self.engine = InflightLLM(
+            self.param_path("checkpoint_dir"),
+            generation_end_ids(self.param_path("model_dir")),
+            self.limits().max_batch_size,
+        )
+        self.engine.warm_up()
+        self.engine.start()
+
+    def execute(self, requests: Sequence[Any]) -> None:
+        for request in requests:
+            self.engine.submit(self.read(request), _ResponseStream(request.get_response_sender()))
+
+    def finalize(self) -> None:
+        self.engine.close()

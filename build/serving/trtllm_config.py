@@ -1,0 +1,126 @@
+"""The GPU target's `llm` model: TensorRT-LLM's tensorrtllm Triton backend over the LLM engine.
+
+Every choice below comes from TensorRT-LLM's `triton_backend/` on the 1.2 release line that 1.2.1
+belongs to (read at NVIDIA/TensorRT-LLM commit 0c8de69a, tensorrt_llm/version.py 1.2.0rc8):
+
+- inflight_batcher_llm/src/model_state.cc, GetParameter<std::string>: every parameter is a string;
+  a missing key throws. model_instance_state.cc catches that for most keys and falls back to a
+  default, but reads gpt_model_type (getBatchingTypeFromParams) and tokenizer_dir,
+  xgrammar_tokenizer_info_path and guided_decoding_backend (getGuidedDecodingConfigFromParams)
+  outside any try: without them the model does not load. gpt_model_path falls back to "", which
+  then fails the "Both encoder and decoder model paths are empty" check for a decoder-only engine.
+- Guided decoding is off when guided_decoding_backend or xgrammar_tokenizer_info_path is empty;
+  tokenizer_dir is only logged as unused by the C++ flow, so it carries the checkpoint directory.
+- Booleans parse from true/false/1/0 (GetParameter<bool>); enable_kv_cache_reuse defaults to true.
+  Reuse is safe here because preprocessing sends one prompt_table_extra_ids value per prompt token
+  (contracts.PROMPT_TABLE_EXTRA_IDS); utils.cc getPromptTuningConfigFromTensors drops the extra ids
+  silently unless their count equals the input length.
+- Prompt-table offloading: the backend reads no key for it and builds its ExecutorConfig without
+  it (getExecutorConfigFromParams), so it keeps ExecutorConfig's default, false
+  (cpp/include/tensorrt_llm/executor/executor.h): there is nothing to set.
+- all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: input names, types, dims, the
+  `reshape: { shape: [ ] }` of per-request scalars and allow_ragged_batch; instance_group KIND_CPU
+  count 1 (the backend places the engine on its devices itself, gpu_device_ids).
+- Outputs: fillTritonResponse throws unless output_ids and sequence_length are both requested, so a
+  caller (the ensemble) must ask for both.
+- utils.cc getMropeConfigFromTensors uses mrope inputs only when both are sent, and reads the INT64
+  mrope_position_deltas as an int32 (the low half on little-endian hosts; deltas fit).
+- utils.cc createRequestsFromInputTensors: more than one request per execute and streaming both
+  need the decoupled transaction policy; `streaming` is read from CPU memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
+from ..limits import EngineLimits
+from . import interface as io
+from .config import MODEL_DATA_TYPES, instance_group, model_input, model_output, parameters
+
+BACKEND = "tensorrtllm"
+
+_SOURCE = "triton_backend/inflight_batcher_llm/src/model_instance_state.cc"
+# Keys whose absence stops the model from loading: (key, where the backend reads it).
+REQUIRED_PARAMETERS: tuple[tuple[str, str], ...] = (
+    ("gpt_model_type", f"{_SOURCE}: getBatchingTypeFromParams"),
+    ("gpt_model_path", f"{_SOURCE}: ModelInstanceState::ModelInstanceState"),
+    ("tokenizer_dir", f"{_SOURCE}: getGuidedDecodingConfigFromParams"),
+    ("xgrammar_tokenizer_info_path", f"{_SOURCE}: getGuidedDecodingConfigFromParams"),
+    ("guided_decoding_backend", f"{_SOURCE}: getGuidedDecodingConfigFromParams"),
+)
+
+# getSchedulerConfigFromParams: anything else logs a warning and means guaranteed_no_evict.
+BATCH_SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+# Inputs the upstream tensorrt_llm config.pbtxt declares with allow_ragged_batch.
+_RAGGED = frozenset(
+    t.name for t in (io.INPUT_IDS, io.STOP_WORDS_LIST, io.BAD_WORDS_LIST, io.PROMPT_TABLE, io.EXTRA_IDS)
+)
+
+
+def _input(tensor: io.Tensor, model_data_type: str) -> mc.ModelInput:
+    spec = model_input(tensor, model_data_type, ragged=tensor.name in _RAGGED)
+    if tensor.scalar:
+        spec.reshape.SetInParent()  # reshape { shape: [] }: the backend takes per-request scalars unbatched
+    return spec
+
+
+def tensorrt_llm_model_config(
+    engine_dir: Path,
+    limits: EngineLimits,
+    model_data_type: str,
+    tokenizer_dir: Path,
+    max_queue_delay_us: int,
+    kv_cache_free_gpu_mem_fraction: float = 0.9,
+    instance_gpus: Sequence[int] = (),
+    batch_scheduler_policy: str = "guaranteed_no_evict",
+) -> mc.ModelConfig:
+    """The `llm` model for the tensorrtllm backend. model_data_type: the LLM's Triton dtype (FP16,
+    BF16, FP32), the prompt table's. instance_gpus: the devices of the engine's ranks (gpu_device_ids);
+    empty lets the backend choose. Paths are written absolute: the backend resolves them against
+    tritonserver's working directory."""
+    if model_data_type not in MODEL_DATA_TYPES.values():
+        raise UnsupportedModelError(
+            f"LLM data type {model_data_type!r} has no TensorRT-LLM prompt table type; "
+            f"expected one of {', '.join(sorted(MODEL_DATA_TYPES.values()))}"
+        )
+    if not 0.0 < kv_cache_free_gpu_mem_fraction <= 1.0:
+        raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_cache_free_gpu_mem_fraction!r}")
+    if isinstance(max_queue_delay_us, bool) or not isinstance(max_queue_delay_us, int) or max_queue_delay_us < 0:
+        raise LimitsError(f"max_queue_delay_us must be a non-negative integer, got {max_queue_delay_us!r}")
+    if batch_scheduler_policy not in BATCH_SCHEDULER_POLICIES:
+        raise Qwen3VLTrtError(
+            f"batch_scheduler_policy {batch_scheduler_policy!r} is not one of {', '.join(BATCH_SCHEDULER_POLICIES)}"
+        )
+    gpus = list(instance_gpus)
+    if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise Qwen3VLTrtError(f"instance_gpus must be distinct non-negative device ids, got {gpus!r}")
+
+    config = mc.ModelConfig(name=io.LLM, backend=BACKEND, max_batch_size=limits.max_batch_size)
+    config.model_transaction_policy.decoupled = True
+    config.dynamic_batching.SetInParent()
+    config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    config.input.extend(_input(t, model_data_type) for t in io.LLM_INPUTS)
+    config.output.extend(model_output(t) for t in io.LLM_OUTPUTS)
+    config.instance_group.append(instance_group("CPU"))
+    values: dict[str, object] = {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": engine_dir.absolute(),
+        "tokenizer_dir": tokenizer_dir.absolute(),
+        "guided_decoding_backend": "",  # empty: guided decoding off
+        "xgrammar_tokenizer_info_path": "",
+        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
+        "enable_kv_cache_reuse": True,
+        "batch_scheduler_policy": batch_scheduler_policy,
+        "max_beam_width": 1,
+        "exclude_input_in_output": True,  # output ids carry fake visual ids; postprocessing echoes the real prompt
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+    }
+    if gpus:
+        values["gpu_device_ids"] = ",".join(map(str, gpus))
+    parameters(config, values)
+    return config

@@ -1,0 +1,108 @@
+"""The Triton model repository writer: configs as ModelConfig messages for both targets, the
+write-repo command, and the request-level pieces the models run (word lists, sampling rules)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from qwen3vl_trt.cli import main
+from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.errors import CheckpointError
+from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
+from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
+from qwen3vl_trt.serving import config as cfg
+from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
+from qwen3vl_trt.serving.repository import REPOSITORY_FILE, model_configs
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def built(tiny_dense, tmp_path_factory):
+    output = tmp_path_factory.mktemp("repo") / "build"
+    build(tiny_dense, output, target="cpu", log=_quiet)
+    return output
+
+
+def _steps(config) -> dict[str, tuple[dict, dict]]:
+    return {s.model_name: (dict(s.input_map), dict(s.output_map)) for s in config.ensemble_scheduling.step}
+
+
+def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
+    layout = BuildLayout(built)
+    _, llm = read_trtllm_config(layout.llm_checkpoint)
+    limits = EngineLimits()
+    cpu = model_configs(layout, tiny_dense, "cpu", limits, llm)
+    gpu = model_configs(layout, tiny_dense, "gpu", limits, llm)
+    assert _steps(cpu[io.ENSEMBLE]) == _steps(gpu[io.ENSEMBLE])
+    assert gpu[io.LLM].backend == "tensorrtllm" and cpu[io.LLM].backend == "python"
+    # Every tensor the ensemble hands the llm is declared by both llms, with the same type and shape.
+    for tensor in io.LLM_INPUTS:
+        ours = {i.name: i for i in cpu[io.LLM].input}[tensor.name]
+        theirs = {i.name: i for i in gpu[io.LLM].input}[tensor.name]
+        assert (ours.data_type, list(ours.dims), list(ours.reshape.shape)) == (
+            theirs.data_type,
+            list(theirs.dims),
+            list(theirs.reshape.shape),
+        ), tensor.name
+    pre = gpu[io.PREPROCESSING]
+    assert pre.instance_group[0].kind == pre.instance_group[0].KIND_GPU
+    assert pre.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    assert pre.parameters["device"].string_value == "cuda"
+    assert int(pre.parameters["mrope_positions"].string_value) == limits.max_seq_len
+    assert int(cpu[io.PREPROCESSING].parameters["mrope_positions"].string_value) == 0
+    for configs in (cpu, gpu):
+        for config in configs.values():
+            assert cfg.parse(cfg.to_text(config)) == config
+            if config.name != io.ENSEMBLE:
+                assert config.max_batch_size == limits.max_batch_size
+
+
+def test_write_repo_writes_every_model_and_refuses_a_gpu_target_without_engine(built, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert main(["write-repo", "--build-dir", str(built), "--output", str(repo), "--target", "cpu"]) == 0
+    for name in io.MODELS:
+        config = cfg.read(repo / name)
+        assert config.name == name and (repo / name / "1").is_dir()
+        assert (repo / name / "1" / "model.py").is_file() == (config.backend == "python")
+    record = json.loads((repo / REPOSITORY_FILE).read_text())
+    assert record["target"] == "cpu" and record["build_dir"] == str(built.absolute())
+    assert main(["write-repo", "--build-dir", str(built), "--output", str(tmp_path / "gpu"), "--target", "gpu"]) == 2
+    assert "llm-engine" in capsys.readouterr().err
+    assert main(["write-repo", "--build-dir", str(built), "--output", str(built / "inside")]) == 2
+
+
+def test_a_build_without_manifest_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        from qwen3vl_trt.serving.repository import write_repository
+
+        write_repository(tmp_path, tmp_path / "repo", target="cpu")
+
+
+def test_word_lists_round_trip_in_tensorrt_llm_layout():
+    table = word_list([[5, 6], [7], []])
+    assert table.tolist() == [[5, 6, 7], [2, 3, -1]]
+    assert split_word_list(table) == ((5, 6), (7,))
+    assert word_list([]).tolist() == [[0], [-1]] and split_word_list(word_list([])) == ()
+
+
+def _picks(params: SamplingParams, rows: list[list[float]]) -> list[int]:
+    sampler = TokenSampler(params, torch.device("cpu"))
+    return [sampler.next_token(torch.tensor(row)) for row in rows if not sampler.finished]
+
+
+def test_stop_sequences_bad_sequences_and_min_tokens():
+    # Logits favour token 2 then 0; token 0 is the end id.
+    rows = [[1.0, 0.0, 3.0, 2.0]] * 3 + [[5.0, 0.0, 1.0, 0.0]] * 2
+    assert _picks(SamplingParams(5, end_ids=[0]), rows) == [2, 2, 2, 0]
+    assert _picks(SamplingParams(5, end_ids=[0], stop_sequences=[[2, 2]]), rows) == [2, 2]
+    assert _picks(SamplingParams(5, end_ids=[0], bad_sequences=[[2]]), rows) == [3, 3, 3, 0]
+    assert _picks(SamplingParams(5, end_ids=[0], bad_sequences=[[2, 2]]), rows)[:2] == [2, 3]
+    assert _picks(SamplingParams(5, end_ids=[0], min_new_tokens=5), rows) == [2, 2, 2, 2, 2]

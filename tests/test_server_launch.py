@@ -1,0 +1,359 @@
+"""The `serve` launcher: where tritonserver is found, the commands it builds (one process, or one per rank
+under MPI), and real starts of the bundled tritonserver that become ready and stop with their whole
+process group."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+from qwen3vl_trt.errors import CheckpointError, ServingError
+from qwen3vl_trt.serving import config as serving_config
+from qwen3vl_trt.serving import server
+from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, TEXT_INPUT, TEXT_OUTPUT
+from qwen3vl_trt.serving.server import (
+    ServerPorts,
+    TritonInstall,
+    TritonServer,
+    add_serve_arguments,
+    find_tritonserver,
+    free_ports,
+    launch_command,
+    mpi_command,
+    serve,
+    server_command,
+    world_size,
+)
+from tritonclient.grpc import model_config_pb2 as mc
+
+WHEEL_ROOT = server._pytriton_dir()
+
+
+def _script(path: Path, body: str = "exec sleep 60") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def _group_gone(pgid: int, within: float = 5.0) -> bool:
+    """Whether the process group empties within `within` seconds (killed orphans are reaped by init, later)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def nowhere(tmp_path, monkeypatch):
+    """No tritonserver on PATH, in the environment or in /opt: discovery falls through to the wheel."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", os.pathsep.join([str(empty), "/usr/bin", "/bin"]))  # the python backend runs bash
+    monkeypatch.delenv(server.ENV_VAR, raising=False)
+    monkeypatch.setattr(server, "NGC_INSTALL", tmp_path / "no-opt")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_discovery_order(nowhere, monkeypatch):
+    on_path = _script(nowhere / "path-bin" / "tritonserver")
+    from_env = _script(nowhere / "env-bin" / "tritonserver")
+    explicit = _script(nowhere / "explicit-bin" / "tritonserver")
+    opt = _script(nowhere / "opt" / "bin" / "tritonserver")
+    monkeypatch.setattr(server, "NGC_INSTALL", nowhere / "opt")
+    assert find_tritonserver() == TritonInstall(opt, None, {}, str(nowhere / "opt"))
+    monkeypatch.setenv("PATH", str(on_path.parent))  # first on PATH
+    assert find_tritonserver() == TritonInstall(on_path, None, {}, "PATH")
+    monkeypatch.setenv(server.ENV_VAR, str(from_env))
+    assert find_tritonserver() == TritonInstall(from_env, None, {}, "$QWEN3VL_TRITONSERVER")
+    assert find_tritonserver(str(explicit)) == TritonInstall(explicit, None, {}, "--tritonserver")
+    with pytest.raises(ServingError, match="--tritonserver names .*/missing, which is not an executable file"):
+        find_tritonserver(str(nowhere / "missing"))
+    monkeypatch.setenv(server.ENV_VAR, str(nowhere))  # a directory
+    with pytest.raises(ServingError, match=r"\$QWEN3VL_TRITONSERVER names .* not an executable file"):
+        find_tritonserver()
+
+
+def test_wheel_fallback_prepares_a_backend_directory_for_this_interpreter(nowhere, monkeypatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/already/there")
+    install = find_tritonserver()
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert install.source == "nvidia-pytriton 0.7.0 wheel"
+    assert install.binary == WHEEL_ROOT / "tritonserver" / "bin" / "tritonserver"
+    assert install.backend_dir == nowhere / "cache" / "qwen3vl-trt" / "tritonserver" / f"0.7.0-py{python}" / "backends"
+    python_dir = install.backend_dir / "python"
+    assert sorted(p.name for p in python_dir.iterdir()) == [
+        "libtriton_python.so",
+        "triton_python_backend_stub",
+        "triton_python_backend_utils.py",
+    ]
+    stub = (python_dir / "triton_python_backend_stub").resolve()
+    assert stub == (WHEEL_ROOT / "tritonserver" / "python_backend_stubs" / python / "triton_python_backend_stub")
+    assert install.env["LD_LIBRARY_PATH"].split(os.pathsep) == [
+        sysconfig.get_config_var("LIBDIR"),
+        str(WHEEL_ROOT.parent / "nvidia_pytriton.libs"),
+        "/already/there",
+    ]
+    assert install.env["PATH"] == os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    # Idempotent: the same directory again, nothing left behind beside it.
+    assert find_tritonserver() == install
+    assert [p.name for p in install.backend_dir.parent.iterdir()] == ["backends"]
+    # Links into another (moved, upgraded) install are replaced.
+    (python_dir / "triton_python_backend_stub").unlink()
+    (python_dir / "triton_python_backend_stub").symlink_to(nowhere / "gone")
+    assert find_tritonserver() == install
+    assert (python_dir / "triton_python_backend_stub").resolve() == stub
+    assert [p.name for p in install.backend_dir.parent.iterdir()] == ["backends"]
+    shutil.rmtree(install.backend_dir)
+    install.backend_dir.symlink_to(nowhere)  # a foreign link in its place
+    assert find_tritonserver() == install and not install.backend_dir.is_symlink()
+    assert [p.name for p in install.backend_dir.parent.iterdir()] == ["backends"]
+
+
+def test_wheel_refusals(nowhere, monkeypatch):
+    monkeypatch.setattr(server, "_numpy_version", lambda: "2.1.3")
+    with pytest.raises(ServingError, match=r'numpy 2\.1\.3 .* corrupts tensors .*`pip install "numpy<2"`'):
+        find_tritonserver()
+    monkeypatch.setattr(server, "_numpy_version", lambda: "1.26.4")
+    monkeypatch.setattr(server, "_interpreter_version", lambda: "3.7")
+    with pytest.raises(ServingError, match=r"no python backend stub for Python 3\.7 \(it has 3\.10, 3\.11, .*3\.8"):
+        find_tritonserver()
+    monkeypatch.setattr(server, "_pytriton_dir", lambda: None)
+    with pytest.raises(ServingError) as e:
+        find_tritonserver()
+    message = str(e.value)
+    assert message.startswith("no tritonserver found (searched --tritonserver, $QWEN3VL_TRITONSERVER, PATH, ")
+    assert "pip install nvidia-pytriton==0.7.0" in message and "nvcr.io/nvidia/tritonserver:" in message
+    assert e.value.exit_code == 3
+
+
+INSTALL = TritonInstall(Path("/srv/triton/bin/tritonserver"), Path("/srv/backends"), {}, "test")
+
+
+def test_server_command(tmp_path):
+    ports = ServerPorts(grpc=9001, http=9000, metrics=9002)
+    assert server_command(INSTALL, tmp_path, ports, log_verbose=1, extra=["--exit-timeout-secs=5"]) == [
+        "/srv/triton/bin/tritonserver",
+        f"--model-repository={tmp_path}",
+        "--backend-directory=/srv/backends",
+        "--grpc-address=127.0.0.1",
+        "--http-address=127.0.0.1",
+        "--metrics-address=127.0.0.1",
+        "--grpc-port=9001",
+        "--http-port=9000",
+        "--metrics-port=9002",
+        "--exit-on-error=true",
+        "--strict-readiness=true",
+        "--log-verbose=1",
+        "--exit-timeout-secs=5",
+    ]
+    default = TritonInstall(INSTALL.binary, None, {}, "PATH")
+    command = server_command(default, tmp_path, ServerPorts(), address="0.0.0.0")
+    assert not any(arg.startswith("--backend-directory") for arg in command)
+    assert "--grpc-address=0.0.0.0" in command and "--grpc-port=8001" in command and "--http-port=8000" in command
+
+
+def _llm_repo(root: Path, backend: str, engine: Path | None = None, mapping: dict | None = None) -> Path:
+    config = mc.ModelConfig(name=LLM, backend=backend, max_batch_size=8)
+    if engine is not None:
+        serving_config.parameters(config, {"gpt_model_path": engine})
+        engine.mkdir(parents=True)
+        (engine / "config.json").write_text(
+            json.dumps({"version": "1.2.1", "pretrained_config": {"mapping": mapping}, "build_config": {}})
+        )
+    (root / LLM).mkdir(parents=True)
+    serving_config.write(root / LLM, config)
+    return root
+
+
+def test_world_size_and_mpi_command(tmp_path):
+    assert world_size(tmp_path / "empty") == 1
+    assert world_size(_llm_repo(tmp_path / "cpu", "python")) == 1
+    mapping = {"world_size": 2, "tp_size": 2, "pp_size": 1, "cp_size": 1}
+    repo = _llm_repo(tmp_path / "gpu", "tensorrtllm", tmp_path / "engine", mapping)
+    assert world_size(repo) == 2
+    assert world_size(_llm_repo(tmp_path / "old", "tensorrtllm", tmp_path / "e2", {"tp_size": 2, "pp_size": 2})) == 4
+
+    ports = ServerPorts(grpc=9001, http=9000, metrics=9002)
+    command = launch_command(INSTALL, repo, ports, log_verbose=2)
+    assert command == mpi_command(INSTALL, repo, ports, 2, log_verbose=2)
+    assert command[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"]
+    separator = command.index(":")
+    rank0, rank1 = command[4:separator], command[separator + 3 :]
+    assert command[separator : separator + 3] == [":", "-n", "1"] and ":" not in rank1
+    shared = server_command(INSTALL, repo, ports)
+    assert rank0 == [
+        *server_command(INSTALL, repo, ports, log_verbose=2),
+        "--disable-auto-complete-config",
+        "--backend-config=python,shm-region-prefix-name=prefix0_",
+    ]
+    assert rank1 == [
+        *shared,
+        "--disable-auto-complete-config",
+        "--backend-config=python,shm-region-prefix-name=prefix1_",
+        "--model-control-mode=explicit",
+        f"--load-model={LLM}",
+    ]
+    assert launch_command(INSTALL, tmp_path / "cpu", ports) == server_command(INSTALL, tmp_path / "cpu", ports)
+
+
+def test_world_size_errors(tmp_path):
+    no_path = _llm_repo(tmp_path / "a", "tensorrtllm")
+    with pytest.raises(ServingError, match="has no gpt_model_path parameter"):
+        world_size(no_path)
+    missing = tmp_path / "b"
+    (missing / LLM).mkdir(parents=True)
+    config = mc.ModelConfig(name=LLM, backend="tensorrtllm")
+    serving_config.parameters(config, {"gpt_model_path": tmp_path / "no-engine"})
+    serving_config.write(missing / LLM, config)
+    with pytest.raises(CheckpointError, match="LLM engine config .*no-engine/config.json does not exist"):
+        world_size(missing)
+    with pytest.raises(ServingError, match="has neither world_size nor tp_size and pp_size"):
+        world_size(_llm_repo(tmp_path / "c", "tensorrtllm", tmp_path / "e3", {"tp_size": 2}))
+
+
+def test_not_ready_in_time_and_a_server_that_ignores_sigterm(tmp_path):
+    # A "server" that never listens and ignores SIGTERM, with a child in its group: the readiness timeout
+    # names its log, and stop() escalates to SIGKILL for the whole group.
+    stubborn = _script(tmp_path / "tritonserver", "trap '' TERM\necho loading\nsleep 60 &\nsleep 60")
+    launched = TritonServer(tmp_path, free_ports(), tritonserver=str(stubborn), ready_timeout=0.5)
+    launched.stop_timeout = 0.5
+    with pytest.raises(ServingError, match=r"not ready after 0\.5 s .*\n.*loading"):
+        with launched:
+            pass
+    assert _group_gone(launched.pid)
+
+
+def test_server_that_exits_reports_its_log(tmp_path, nowhere):
+    with pytest.raises(ServingError, match=r"exited with status 1 before it was ready; the last lines of its log") as e:
+        with TritonServer(tmp_path / "no-such-repo", free_ports(), log_path=tmp_path / "server.log"):
+            pass
+    assert "no-such-repo" in str(e.value) and (tmp_path / "server.log").is_file()
+
+
+def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
+    (tmp_path / "repo").mkdir()
+    with TritonServer(tmp_path / "repo", free_ports()) as running:
+        client = grpcclient.InferenceServerClient(running.url)
+        assert client.is_server_live() and client.is_server_ready()
+        client.close()
+        listening = [c.laddr.ip for c in psutil.Process(running.pid).net_connections("inet") if c.status == "LISTEN"]
+        assert len(listening) == 3 and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in listening)
+    assert running.wait() == 0 and _group_gone(running.pid)
+
+
+ECHO_MODEL = textwrap.dedent(
+    f"""
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            texts = [pb_utils.get_input_tensor_by_name(r, "{TEXT_INPUT.name}").as_numpy() for r in requests]
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("{TEXT_OUTPUT.name}", t)]) for t in texts]
+    """
+)
+
+
+def _echo_repo(root: Path) -> Path:
+    """A `qwen3vl` ensemble over a python model that echoes the text: the launcher's end of a real repository."""
+    io = dict(input=[serving_config.model_input(TEXT_INPUT)], output=[serving_config.model_output(TEXT_OUTPUT)])
+    echo = mc.ModelConfig(name="echo", backend="python", max_batch_size=0, **io)
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    serving_config.write(root / "echo", echo)
+    step = mc.ModelEnsembling.Step(
+        model_name="echo",
+        model_version=-1,
+        input_map={TEXT_INPUT.name: TEXT_INPUT.name},
+        output_map={TEXT_OUTPUT.name: TEXT_OUTPUT.name},
+    )
+    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0, **io)
+    ensemble.ensemble_scheduling.step.append(step)
+    (root / ENSEMBLE / "1").mkdir(parents=True)
+    serving_config.write(root / ENSEMBLE, ensemble)
+    return root
+
+
+SERVE = (
+    "import argparse, sys\n"
+    "from qwen3vl_trt.serving.server import add_serve_arguments, serve\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_serve_arguments(parser)\n"
+    "sys.exit(serve(parser.parse_args()))\n"
+)
+
+
+def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, nowhere):
+    repo = _echo_repo(tmp_path / "repo")
+    ports = free_ports()
+    flags = ["--repo", str(repo), "--grpc-port", str(ports.grpc), "--http-port", str(ports.http)]
+    flags += ["--metrics-port", str(ports.metrics)]
+    serving = subprocess.Popen([sys.executable, "-c", SERVE, *flags], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        lines = []
+        while not lines or not lines[-1].startswith("ready: "):
+            assert time.monotonic() < deadline and serving.poll() is None, lines
+            lines.append(serving.stdout.readline())
+        assert lines[-1] == (
+            f"ready: gRPC 127.0.0.1:{ports.grpc}, HTTP 127.0.0.1:{ports.http}, metrics 127.0.0.1:{ports.metrics}\n"
+        )
+        (tritonserver,) = psutil.Process(serving.pid).children()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
+        text = grpcclient.InferInput(TEXT_INPUT.name, [1], "BYTES")
+        sent = np.array(["Qwen3-VL über Triton ✓".encode()], dtype=object)
+        text.set_data_from_numpy(sent)
+        result = client.infer(ENSEMBLE, [text]).as_numpy(TEXT_OUTPUT.name)
+        client.close()
+        assert result.tolist() == sent.tolist()  # the python stub under this interpreter's numpy keeps tensors intact
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=60) == 0
+        assert _group_gone(tritonserver.pid)
+    finally:
+        serving.kill()
+        serving.wait()
+        serving.stdout.close()
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_print_command(tmp_path, nowhere, capsys):
+    repo = _echo_repo(tmp_path / "repo")
+    assert (
+        serve(_serve_args("--repo", str(repo), "--grpc-port", "9101", "--address", "0.0.0.0", "--print-command")) == 0
+    )
+    printed = shlex.split(capsys.readouterr().out)
+    install = find_tritonserver()
+    assert printed[:2] == [f"{name}={value}" for name, value in install.env.items()]
+    assert printed[2:] == server_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
+
+    with pytest.raises(ServingError, match="has no qwen3vl/config.pbtxt; write one with `qwen3vl-trt write-repo`"):
+        serve(_serve_args("--repo", str(tmp_path), "--print-command"))
+    with pytest.raises(ServingError, match="is not a directory"):
+        serve(_serve_args("--repo", str(tmp_path / "missing")))
+    with pytest.raises(SystemExit):
+        _serve_args("--repo", str(repo), "--http-port", "70000")

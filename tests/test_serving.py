@@ -1,0 +1,336 @@
+"""The Triton deployment end to end on a real tritonserver (the CPU target), called over gRPC with
+tritonclient, against transformers' generate on the same requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from images import jpeg
+from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving.client import Client, InferenceError
+from qwen3vl_trt.serving.repository import RepositorySettings
+from qwen3vl_trt.serving.server import TritonServer, free_ports
+from qwen3vl_trt.testing.hf_reference import hf_model_inputs
+from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
+from transformers import AutoModelForImageTextToText
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+END_IDS = (IM_END_ID, ENDOFTEXT_ID)
+# Small limits keep the too-long-prompt case cheap; the queue delay lets concurrent requests meet.
+LIMITS = EngineLimits(
+    max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
+)
+SETTINGS = RepositorySettings(max_queue_delay_us=50_000)
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
+class Deployment:
+    def __init__(self, model_dir, root):
+        build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet)
+        self.model_dir = model_dir
+        self.server = TritonServer(root / "build" / "triton_repo", free_ports(), log_path=root / "server.log")
+        self.server.start()
+        self.server.wait_ready()
+        self.url = self.server.url
+        self._hf = None
+
+    def client(self) -> Client:
+        return Client(self.url, timeout_s=120)
+
+    def expected(self, prompt, images=(), max_tokens=16) -> list[int]:
+        """transformers' greedy tokens for the same request (end ids dropped, as the server does)."""
+        if self._hf is None:
+            self._hf = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self._pre = Preprocessor.from_pretrained(self.model_dir)
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        r = self._pre([{"role": "user", "content": parts}])
+        inputs = hf_model_inputs(self._hf, r.input_ids, self._pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
+        with torch.no_grad():
+            out = self._hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(END_IDS))
+        return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
+
+    def statistics(self, model: str) -> dict:
+        stats = self.client().grpc.get_inference_statistics(model_name=model, as_json=True)
+        return stats["model_stats"][0]
+
+
+@pytest.fixture(scope="module")
+def dense(checkpoints, tmp_path_factory):
+    deployment = Deployment(checkpoints["dense"], tmp_path_factory.mktemp("serve-dense"))
+    yield deployment
+    deployment.server.stop()
+
+
+PHOTO = jpeg(64, 96, seed=1)
+
+
+@pytest.mark.parametrize("images", [[PHOTO], []], ids=["one image", "text only"])
+def test_greedy_tokens_equal_transformers_generate(dense, images):
+    answer = dense.client().generate("Describe this picture.", images, max_tokens=16)
+    assert answer.token_ids == dense.expected("Describe this picture.", images)
+    assert answer.text
+
+
+def test_moe_greedy_tokens_equal_transformers_generate(checkpoints, tmp_path):
+    moe = Deployment(checkpoints["moe"], tmp_path)
+    try:
+        images = [jpeg(96, 64, seed=5), PHOTO]
+        answer = moe.client().generate("Compare the two images.", images, max_tokens=16)
+        assert answer.token_ids == moe.expected("Compare the two images.", images)
+    finally:
+        moe.server.stop()
+
+
+def test_streaming_sends_the_same_text_as_deltas(dense):
+    client = dense.client()
+    whole = client.generate("Describe this picture.", [PHOTO], max_tokens=16)
+    pieces: list[str] = []
+    streamed = client.generate("Describe this picture.", [PHOTO], max_tokens=16, stream=True, on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == streamed.text == whole.text
+    assert streamed.token_ids == whole.token_ids
+
+
+def test_seed_makes_sampling_reproducible(dense):
+    client = dense.client()
+
+    def sample(seed):
+        return client.generate("Hello!", max_tokens=12, temperature=1.0, top_k=50, seed=seed).token_ids
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    assert sample(7) != client.generate("Hello!", max_tokens=12).token_ids
+
+
+MIXED = [
+    ("One image.", [jpeg(64, 96, seed=10)]),
+    ("Two images.", [jpeg(32, 32, seed=11), jpeg(128, 64, seed=12)]),
+    ("No image at all, just text.", []),
+    ("A larger one.", [jpeg(160, 128, seed=13)]),
+    ("Three small ones.", [jpeg(32, 64, seed=14), jpeg(64, 32, seed=15), jpeg(48, 48, seed=16)]),
+    ("Another.", [jpeg(96, 96, seed=17)]),
+]
+
+
+def _concurrently(deployment, requests, **options):
+    def one(request):
+        return deployment.client().generate(request[0], request[1], max_tokens=8, **options)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def _largest_batch(stats: dict) -> int:
+    return max((int(b["batch_size"]) for b in stats.get("batch_stats", [])), default=0)
+
+
+def test_concurrent_mixed_requests_are_batched_and_equal_sequential_results(dense):
+    client = dense.client()
+    alone = [client.generate(prompt, images, max_tokens=8) for prompt, images in MIXED]
+    together = _concurrently(dense, MIXED)
+    assert [a.token_ids for a in together] == [a.token_ids for a in alone]
+    assert [a.text for a in together] == [a.text for a in alone]
+    for model in (io.PREPROCESSING, io.VISION_ENCODER):
+        assert _largest_batch(dense.statistics(model)) > 1, f"{model} never ran a batch of more than one request"
+
+
+def test_bad_requests_fail_alone_and_the_server_stays_ready(dense):
+    client = dense.client()
+    good = [("Describe.", [jpeg(64, 64, seed=20)]), ("Hello there.", [])]
+    expected = [client.generate(p, i, max_tokens=8).token_ids for p, i in good]
+    bad = {
+        "broken image": dict(prompt="Look.", images=[PHOTO[: len(PHOTO) // 3]]),
+        "too many images": dict(prompt="Many.", images=[jpeg(32, 32, seed=s) for s in range(17)]),
+        "too long": dict(prompt="word " * 1500, images=[]),
+        "no max_tokens": dict(prompt="Hi.", images=[], max_tokens=None),
+    }
+    messages = {
+        "broken image": "image",
+        "too many images": "17 images",
+        "too long": "limit is 1024",
+        "no max_tokens": "max_tokens",
+    }
+
+    def run(item):
+        name, request = item
+        if name in good_names:
+            prompt, images = request
+            return client_for().generate(prompt, images, max_tokens=8).token_ids
+        try:
+            client_for().generate(**{"max_tokens": 8, **request})
+        except InferenceError as e:
+            return str(e)
+        return "no error"
+
+    good_names = {f"good {i}" for i in range(len(good))}
+    items = [*((f"good {i}", g) for i, g in enumerate(good)), *bad.items()]
+    local = threading.local()
+
+    def client_for():
+        if not hasattr(local, "client"):
+            local.client = dense.client()
+        return local.client
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        results = dict(zip([name for name, _ in items], pool.map(run, items), strict=True))
+    assert [results[f"good {i}"] for i in range(len(good))] == expected
+    for name, fragment in messages.items():
+        assert fragment in results[name], f"{name}: {results[name]}"
+    assert client.is_ready()
+    assert client.generate("Still here?", max_tokens=4).token_ids
+
+
+def test_load_8_clients_20_requests_no_failures_no_memory_growth(dense):
+    requests = [("Describe.", [jpeg(64, 64, seed=30)]), ("Hi!", []), ("Two.", [jpeg(32, 64, seed=31)] * 2)]
+    client = dense.client()
+    expected = [client.generate(p, i, max_tokens=4).token_ids for p, i in requests]
+    _concurrently(dense, requests * 3)  # a full batch once: buffers reach their working size
+    server = psutil.Process(dense.server.pid)
+
+    def rss() -> int:
+        return sum(p.memory_info().rss for p in [server, *server.children(recursive=True)])
+
+    done = []
+    samples: dict[str, int] = {}
+    lock = threading.Lock()
+    total = 8 * 20
+
+    def worker(w):
+        c, failures = dense.client(), []
+        for k in range(20):
+            prompt, images = requests[(w + k) % len(requests)]
+            if c.generate(prompt, images, max_tokens=4).token_ids != expected[(w + k) % len(requests)]:
+                failures.append((w, k))
+            with lock:
+                done.append(1)
+                if len(done) == total // 4:
+                    samples["first quarter"] = rss()
+        return failures
+
+    with ThreadPoolExecutor(8) as pool:
+        failures = [f for fs in pool.map(worker, range(8)) for f in fs]
+    samples["end"] = rss()
+    assert failures == []
+    growth = samples["end"] - samples["first quarter"]
+    assert growth < 0.05 * samples["first quarter"], f"memory grew by {growth / 2**20:.0f} MiB: {samples}"
+
+
+def _infer_model(url, model, arrays: dict[str, np.ndarray]):
+    client = grpcclient.InferenceServerClient(url)
+    inputs = []
+    for name, array in arrays.items():
+        spec = grpcclient.InferInput(
+            name, list(array.shape), "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+        )
+        spec.set_data_from_numpy(array)
+        inputs.append(spec)
+    return client.infer(model, inputs)
+
+
+def test_tensors_cross_every_model_intact(dense):
+    """Known values through each model directly: the python backend's tensors arrive and leave as sent."""
+    from qwen3vl_trt.serving.preprocessing import Preprocessing
+    from qwen3vl_trt.serving.vision_batching import VisionBatching
+
+    request = {
+        io.TEXT_INPUT.name: np.array([[b"What is this?"]], dtype=object),
+        io.MAX_TOKENS.name: np.array([[5]], np.int32),
+        io.IMAGES.name: np.array([[PHOTO]], dtype=object),
+        io.STOP_WORDS.name: np.array([[b"stop here"]], dtype=object),
+        io.SEED_IN.name: np.array([[2**63 + 5]], np.uint64),
+        io.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
+    }
+    served = _infer_model(dense.url, io.PREPROCESSING, request)
+    local = Preprocessing(dense.model_dir, LIMITS).execute([{k: v[0] for k, v in request.items()}])[0]
+    for tensor in io.PREPROCESSING_OUTPUTS:
+        ours = np.asarray(local[tensor.name])
+        theirs = served.as_numpy(tensor.name)[0]
+        np.testing.assert_array_equal(theirs, ours, err_msg=tensor.name)
+        assert theirs.dtype == ours.dtype, tensor.name
+    assert int(served.as_numpy(io.SEED.name)[0, 0]) == 2**63 + 5
+
+    vision_inputs = {t.name: served.as_numpy(t.name) for t in io.VISION_REQUEST}
+    table = _infer_model(dense.url, io.VISION_ENCODER, vision_inputs).as_numpy(io.PROMPT_TABLE.name)[0]
+    build_dir = dense.server.repo.parent
+    batching = VisionBatching(build_dir / "vision", torch.float32, table.shape[1], SETTINGS.attention_budget_bytes)
+    expected = batching.execute([{k: v[0] for k, v in vision_inputs.items()}])[0][io.PROMPT_TABLE.name]
+    np.testing.assert_array_equal(table, expected.numpy())
+
+    ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int32)
+    out = _infer_model(
+        dense.url,
+        io.POSTPROCESSING,
+        {io.LLM_OUTPUT_IDS.name: ids[:, None], io.SEQUENCE_LENGTH.name: np.array([[8]], np.int32)},
+    )
+    tokenizer = Preprocessor.from_pretrained(dense.model_dir).prompts.tokenizer
+    assert out.as_numpy(io.TEXT_OUTPUT.name)[0, 0].decode() == tokenizer.decode(ids[0].tolist())
+    np.testing.assert_array_equal(out.as_numpy(io.OUTPUT_IDS_OUT.name)[0], ids[0])
+
+
+def test_every_generated_config_parses_and_the_ensemble_routes_every_tensor(dense):
+    from qwen3vl_trt.serving import config as cfg
+
+    repo = dense.server.repo
+    configs = {name: cfg.read(repo / name) for name in io.MODELS}
+    assert {name: c.name for name, c in configs.items()} == {name: name for name in io.MODELS}
+    ensemble = configs[io.ENSEMBLE]
+    produced = {t.name for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        declared = {t.name for t in model.input}
+        assert set(step.input_map) <= declared
+        assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
+        assert set(step.input_map.values()) <= produced, step.model_name
+        assert set(step.output_map) <= {t.name for t in model.output}
+        produced |= set(step.output_map.values())
+    assert {t.name for t in ensemble.output} <= produced
+    assert configs[io.LLM].model_transaction_policy.decoupled
+    record = (
+        json.loads((repo / "qwen3vl_repository.json").read_text())
+        if (repo / "qwen3vl_repository.json").exists()
+        else None
+    )
+    assert record is None  # the build's own repository is recorded in its manifest
+    manifest = json.loads((repo.parent / "manifest.json").read_text())
+    assert manifest["target"] == "cpu" and manifest["limits"]["max_input_len"] == LIMITS.max_input_len
+
+
+def test_infer_cli_prints_the_answer_as_json(dense, capsys, tmp_path):
+    from qwen3vl_trt.cli import main
+
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(PHOTO)
+    assert (
+        main(
+            [
+                "infer",
+                "--url",
+                dense.url,
+                "--image",
+                str(photo),
+                "--prompt",
+                "Describe this picture.",
+                "--max-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["token_ids"] == dense.expected("Describe this picture.", [PHOTO])
+    time.sleep(0)

@@ -1,0 +1,5 @@
+"""Triton python-backend model `llm`: an adapter over the qwen3vl_trt package."""
+
+from qwen3vl_trt.serving.triton_python import CpuLLM as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

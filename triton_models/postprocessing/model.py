@@ -1,0 +1,5 @@
+"""Triton python-backend model `postprocessing`: an adapter over the qwen3vl_trt package."""
+
+from qwen3vl_trt.serving.triton_python import Postprocessing as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,5 @@
+"""Triton python-backend model `preprocessing`: an adapter over the qwen3vl_trt package."""
+
+from qwen3vl_trt.serving.triton_python import Preprocessing as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,5 @@
+"""Triton python-backend model `vision_encoder`: an adapter over the qwen3vl_trt package."""
+
+from qwen3vl_trt.serving.triton_python import VisionEncoder as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
