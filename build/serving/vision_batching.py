@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..llm.inputs import interleave_prompt_table
 from ..vision.runner import VisionEncoder
 from . import interface as io
@@ -77,7 +78,7 @@ class VisionBatching:
         deepstack: list[np.ndarray] = []
         for run in plan_runs([im.patches.stop - im.patches.start for im in images], self.heads, self.budget):
             feeds = {
-                name: np.concatenate([np.asarray(requests[images[i].request][name])[images[i].patches] for i in run])
+                name: np.concatenate([_host(requests[images[i].request][name])[images[i].patches] for i in run])
                 for name in _PER_PATCH
             }
             feeds[io.VISION_PIXELS.name] = feeds[io.VISION_PIXELS.name].astype(np.float32, copy=False)
@@ -93,7 +94,7 @@ class VisionBatching:
             tokens = sum(im.tokens for im in images if im.request == r)
             expected = int(np.asarray(inputs[io.VISUAL_TOKEN_COUNT.name]).reshape(-1)[0])
             if tokens != expected:
-                raise ValueError(f"request {r}: its image grids give {tokens} visual tokens, the prompt has {expected}")
+                raise InputError(f"request {r}: its image grids give {tokens} visual tokens, the prompt has {expected}")
             if tokens and all_embeds is not None and all_deepstack is not None:
                 span = slice(first, first + tokens)
                 table = interleave_prompt_table(all_embeds[span], all_deepstack[:, span]).to(self.llm_dtype)
@@ -102,6 +103,11 @@ class VisionBatching:
             first += tokens
             outputs.append({io.PROMPT_TABLE.name: table.contiguous()})
         return outputs
+
+
+def _host(x: Any) -> np.ndarray:
+    """ONNX Runtime's CPU provider reads host arrays (pixels arrive in device memory on the GPU target)."""
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 _PER_PATCH = (
