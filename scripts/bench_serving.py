@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""The Triton deployment under load over gRPC: throughput and latency, dynamic batching on vs off, and
+transformers `generate` on the same requests.
+
+Without --url (the default) it makes a tiny checkpoint (or takes --model), builds it for the CPU
+target (fp32, so transformers runs the same weights), writes two repositories from the build, one with
+Triton's dynamic batching and one without, and serves each in turn on a real tritonserver. "Off" means
+every model executes one request at a time; the `llm` keeps its own inflight batching either way, as
+the TensorRT-LLM backend does. With --url it measures that running server only; the on/off
+comparison then cannot be made, and transformers runs only when --model names the served checkpoint.
+
+The workload is a fixed cycle of mixed requests (text only, one image, two images of different sizes;
+real JPEGs), greedy, --max-tokens each. At each concurrency level, that many threads (one gRPC client
+each) send --requests requests in all; a level reports requests/s, generated tokens/s and p50/p99
+latency (send to last response). One untimed pass of the cycle warms each server first. Then the same
+requests run through transformers `generate` one at a time in this process (fp32, greedy, inputs from
+this package's Preprocessor; the timed part includes preprocessing, as the server's does).
+
+Every answer to a request must carry the same token ids in every run, on every server and at every
+level: mismatches are listed and the script exits with 1. Agreement with transformers is reported.
+
+    .venv/bin/python scripts/bench_serving.py [--url HOST:PORT] [--model DIR] [--requests 32]
+        [--max-tokens 16] [--concurrency 1 4 16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from qwen3vl_trt.errors import Qwen3VLTrtError
+from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.repository import RepositorySettings
+from qwen3vl_trt.testing.tiny import synthetic_jpeg
+
+BATCHED_MODELS = (io.PREPROCESSING, io.VISION_ENCODER, io.POSTPROCESSING)  # under Triton's dynamic batcher
+
+
+@dataclass(frozen=True)
+class Request:
+    label: str
+    prompt: str
+    images: tuple[bytes, ...]
+
+
+def workload() -> list[Request]:
+    """The request cycle: image sizes (height x width) differ, so batches are ragged."""
+
+    def photo(height: int, width: int, seed: int) -> bytes:
+        return synthetic_jpeg(height, width, seed)
+
+    return [
+        Request("1 image 96x128", "Describe this picture.", (photo(96, 128, 1),)),
+        Request("text only", "What is the capital of France?", ()),
+        Request("2 images 64x64 + 160x96", "Compare the two images.", (photo(64, 64, 2), photo(160, 96, 3))),
+        Request("1 image 128x128", "What colours do you see?", (photo(128, 128, 4),)),
+        Request("text only, longer", "Tell me a short story about a lighthouse keeper and a storm.", ()),
+        Request("2 images 32x48 + 96x160", "Which one is larger?", (photo(32, 48, 5), photo(96, 160, 6))),
+    ]
+
+
+@dataclass(frozen=True)
+class Level:
+    concurrency: int
+    requests: int
+    seconds: float
+    tokens: int
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "requests_per_s": round(self.requests_per_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+def _level(concurrency: int, latencies: list[float], seconds: float, tokens: int) -> Level:
+    p50, p99 = np.percentile(latencies, [50, 99]) * 1000
+    return Level(concurrency, len(latencies), seconds, tokens, float(p50), float(p99))
+
+
+class Answers:
+    """The first token ids seen for each request of the cycle; every later answer must equal them."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[str, list[int]]] = {}
+        self.mismatches: list[dict] = []
+        self._lock = threading.Lock()
+
+    def check(self, run: str, index: int, token_ids: list[int]) -> None:
+        with self._lock:
+            if index not in self.first:
+                self.first[index] = (run, token_ids)
+            elif token_ids != self.first[index][1]:
+                seen_in, expected = self.first[index]
+                self.mismatches.append(
+                    dict(request=index, run=run, token_ids=token_ids, expected=expected, first_seen_in=seen_in)
+                )
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def bench_server(url: str, name: str, requests: list[Request], args: argparse.Namespace, answers: Answers) -> dict:
+    """Every concurrency level against one server, after an untimed pass of the cycle."""
+    warm = Client(url)
+    for index, request in enumerate(requests):
+        answer = warm.generate(request.prompt, request.images, args.max_tokens)
+        answers.check(f"{name} warm-up", index, answer.token_ids)
+    levels = []
+    for concurrency in args.concurrency:
+        _log(f"  {name}: concurrency {concurrency}, {args.requests} requests")
+        levels.append(run_level(url, f"{name} concurrency {concurrency}", requests, concurrency, args, answers))
+    largest = {model: _largest_batch(warm, model) for model in BATCHED_MODELS}
+    warm.close()
+    return {"levels": levels, "largest_batch": largest}
+
+
+def run_level(
+    url: str, run: str, requests: list[Request], concurrency: int, args: argparse.Namespace, answers: Answers
+) -> Level:
+    """`args.requests` requests taken from the cycle in order by `concurrency` threads, one client each."""
+    next_index = iter(range(args.requests))
+    lock = threading.Lock()
+    clients = [Client(url) for _ in range(concurrency)]
+
+    def worker(client: Client) -> list[tuple[float, int]]:
+        done: list[tuple[float, int]] = []
+        while True:
+            with lock:
+                n = next(next_index, None)
+            if n is None:
+                return done
+            request = requests[n % len(requests)]
+            start = time.perf_counter()
+            answer = client.generate(request.prompt, request.images, args.max_tokens)
+            done.append((time.perf_counter() - start, len(answer.token_ids)))
+            answers.check(run, n % len(requests), answer.token_ids)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = [item for items in pool.map(worker, clients) for item in items]
+    seconds = time.perf_counter() - start
+    for client in clients:
+        client.close()
+    return _level(concurrency, [r[0] for r in results], seconds, sum(r[1] for r in results))
+
+
+def _largest_batch(client: Client, model: str) -> int:
+    """The largest batch the model executed, from the server's statistics."""
+    stats = client.grpc.get_inference_statistics(model_name=model, as_json=True)["model_stats"][0]
+    return max((int(b["batch_size"]) for b in stats.get("batch_stats", [])), default=0)
+
+
+def bench_transformers(
+    model_dir: Path, requests: list[Request], args: argparse.Namespace
+) -> tuple[Level, list[list[int]]]:
+    """The same requests one at a time through transformers' greedy generate; also its token ids per request."""
+    import torch
+    from qwen3vl_trt.preprocess import Preprocessor
+    from qwen3vl_trt.runtime.local import generation_end_ids
+    from qwen3vl_trt.testing.hf_reference import hf_model_inputs
+    from transformers import AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pre = Preprocessor.from_pretrained(model_dir)
+    end_ids = list(generation_end_ids(model_dir))
+    ends = {"eos_token_id": end_ids, "pad_token_id": end_ids[0]} if end_ids else {}
+
+    def generate(request: Request) -> list[int]:
+        parts = [{"type": "image", "image": image} for image in request.images]
+        r = pre([{"role": "user", "content": [*parts, {"type": "text", "text": request.prompt}]}])
+        inputs = hf_model_inputs(model, r.input_ids, pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=args.max_tokens, do_sample=False, **ends)
+        # The server leaves the end ids out of its answers; so do these.
+        return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in end_ids]
+
+    expected = [generate(request) for request in requests]  # also the warm-up
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    for n in range(args.requests):
+        begin = time.perf_counter()
+        tokens += len(generate(requests[n % len(requests)]))
+        latencies.append(time.perf_counter() - begin)
+    return _level(1, latencies, time.perf_counter() - start, tokens), expected
+
+
+def bench_own_servers(
+    model_dir: Path, scratch: Path, requests: list[Request], args: argparse.Namespace, answers: Answers
+) -> dict:
+    """Builds `model_dir` for the CPU target and benchmarks it with dynamic batching on, then off."""
+    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.serving.repository import write_repository
+    from qwen3vl_trt.serving.server import TritonServer, free_ports
+
+    _log(f"building {model_dir} for the CPU target in {scratch}")
+    limits = EngineLimits(max_batch_size=args.max_batch_size)
+    build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
+    settings = {
+        "batching on": RepositorySettings(max_queue_delay_us=args.queue_delay_us),
+        "batching off": RepositorySettings(dynamic_batching=False),
+    }
+    servers = {}
+    for name, setting in settings.items():
+        repo = write_repository(scratch / "build", scratch / name.replace(" ", "-"), "cpu", settings=setting)
+        _log(f"{name}: starting tritonserver on {repo}")
+        with TritonServer(repo, free_ports(), log_path=scratch / f"{repo.name}.log") as server:
+            servers[name] = bench_server(server.url, name, requests, args, answers)
+    return servers
+
+
+def _levels_table(name: str, result: dict) -> list[str]:
+    widths = (11, 10, 8, 7, 7)
+
+    def row(*cells: str) -> str:
+        return "  " + "  ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True))
+
+    lines = [f"{name}:", row("concurrency", "requests/s", "tokens/s", "p50 ms", "p99 ms")]
+    lines += [
+        row(
+            str(lv.concurrency),
+            f"{lv.requests_per_s:.2f}",
+            f"{lv.tokens_per_s:.1f}",
+            f"{lv.p50_ms:.0f}",
+            f"{lv.p99_ms:.0f}",
+        )
+        for lv in result["levels"]
+    ]
+    lines.append("  largest batch executed: " + ", ".join(f"{m} {b}" for m, b in result["largest_batch"].items()))
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="gRPC HOST:PORT of a running qwen3vl-trt server (default: build and serve here)")
+    p.add_argument("--model", type=Path, help="checkpoint (default: a tiny random one); with --url, the served one")
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-batch-size", type=int, default=EngineLimits().max_batch_size, help="of the build")
+    p.add_argument(
+        "--queue-delay-us",
+        type=int,
+        default=RepositorySettings().max_queue_delay_us,
+        help="dynamic batchers' queue delay of the batching-on repository",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    args = p.parse_args()
+    if args.requests < 1 or min(args.concurrency) < 1:
+        p.error("--requests and --concurrency must be positive")
+    try:
+        sys.exit(run(args))
+    except Qwen3VLTrtError as e:
+        sys.exit(f"error: {e}")
+
+
+def run(args: argparse.Namespace) -> int:
+    requests = workload()
+    answers = Answers()
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        scratch = Path(tmp)
+        model_dir = args.model
+        if args.url:
+            probe = Client(args.url)
+            ready = probe.is_ready()
+            probe.close()
+            if not ready:
+                raise Qwen3VLTrtError(f"no ready qwen3vl-trt server at {args.url}; start one with `qwen3vl-trt serve`")
+            servers = {args.url: bench_server(args.url, args.url, requests, args, answers)}
+        else:
+            if model_dir is None:
+                from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+
+                model_dir = make_tiny_checkpoint(scratch / "checkpoint")
+            servers = bench_own_servers(model_dir, scratch, requests, args, answers)
+        hf: Level | None = None
+        expected: list[list[int]] | None = None
+        if model_dir is not None:
+            _log(f"transformers generate: {args.requests} requests one at a time")
+            hf, expected = bench_transformers(model_dir, requests, args)
+    report(args, requests, servers, hf, expected, answers)
+    return 1 if answers.mismatches else 0
+
+
+def report(
+    args: argparse.Namespace,
+    requests: list[Request],
+    servers: dict,
+    hf: Level | None,
+    expected: list[list[int]] | None,
+    answers: Answers,
+) -> None:
+    top = max(args.concurrency)
+
+    def at_top(result: dict) -> Level:
+        return next(lv for lv in result["levels"] if lv.concurrency == top)
+
+    on, off = servers.get("batching on"), servers.get("batching off")
+    batching_ratio = at_top(on).requests_per_s / at_top(off).requests_per_s if on and off else None
+    first = next(iter(servers.values()))
+    hf_ratio = at_top(first).requests_per_s / hf.requests_per_s if hf else None
+    agree = None
+    if expected is not None:
+        agree = sum(answers.first[i][1] == tokens for i, tokens in enumerate(expected))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "max_tokens": args.max_tokens,
+                    "requests_per_level": args.requests,
+                    "workload": [r.label for r in requests],
+                    "servers": {
+                        name: {**result, "levels": [lv.as_dict() for lv in result["levels"]]}
+                        for name, result in servers.items()
+                    },
+                    "batching_on_over_off": batching_ratio,
+                    "transformers": hf.as_dict() if hf else None,
+                    "server_over_transformers": hf_ratio,
+                    "equal_to_transformers": agree,
+                    "mismatches": answers.mismatches,
+                },
+                indent=2,
+            )
+        )
+        return
+    print(
+        f"{args.requests} requests per level, cycling through {len(requests)}: "
+        f"{'; '.join(r.label for r in requests)}; greedy, max_tokens {args.max_tokens}"
+    )
+    for name, result in servers.items():
+        print("\n".join(_levels_table(name, result)))
+    if batching_ratio is not None:
+        print(f"dynamic batching on / off, requests/s at concurrency {top}: {batching_ratio:.2f}x")
+    else:
+        print("dynamic batching on / off: not measured against a running server (run without --url to compare)")
+    if hf is not None:
+        print(
+            f"transformers generate, one request at a time: {hf.requests_per_s:.2f} requests/s, "
+            f"{hf.tokens_per_s:.1f} tokens/s, p50 {hf.p50_ms:.0f} ms, p99 {hf.p99_ms:.0f} ms"
+        )
+        print(f"{next(iter(servers))} at concurrency {top} / transformers, requests/s: {hf_ratio:.2f}x")
+        print(f"server token ids equal transformers' for {agree} of {len(requests)} requests")
+    else:
+        print("transformers generate: not run (pass --model with the checkpoint the server serves)")
+    runs = "every run" if not answers.mismatches else f"{len(answers.mismatches)} mismatching answers:"
+    print(f"same token ids for each request in {runs}")
+    for m in answers.mismatches:
+        print(f"  request {m['request']} in {m['run']}: {m['token_ids']} != {m['expected']} ({m['first_seen_in']})")
+
+
+if __name__ == "__main__":
+    main()
