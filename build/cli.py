@@ -12,6 +12,20 @@ from . import __version__
 from .errors import Qwen3VLTrtError
 
 
+def _read_images(paths: Sequence[str]) -> list[bytes]:
+    from pathlib import Path
+
+    from .errors import MessageError
+
+    images = []
+    for path in paths:
+        try:
+            images.append(Path(path).read_bytes())
+        except OSError as e:
+            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    return images
+
+
 def _make_tiny(args: argparse.Namespace) -> None:
     from .testing.tiny import make_tiny_checkpoint
 
@@ -123,17 +137,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _infer(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
-    from .errors import MessageError
     from .serving.client import Client
 
-    images = []
-    for path in args.image:
-        try:
-            images.append(Path(path).read_bytes())
-        except OSError as e:
-            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    images = _read_images(args.image)
     client = Client(args.url, timeout_s=args.timeout)
     options = dict(stream=args.stream, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.json:
@@ -152,19 +159,12 @@ def _convert_llm(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
-    from .errors import MessageError
     from .runtime.local import LocalPipeline
     from .runtime.sampling import SamplingParams
 
     pipeline = LocalPipeline(args.model, args.build)
-    parts: list[dict] = []
-    for path in args.image:
-        try:
-            parts.append({"type": "image", "image": Path(path).read_bytes()})
-        except OSError as e:
-            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    parts: list[dict] = [{"type": "image", "image": image} for image in _read_images(args.image)]
     parts.append({"type": "text", "text": args.text})
     sampling = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -226,18 +226,11 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
 
 
 def _preprocess(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
-    from .errors import MessageError
     from .preprocess import Preprocessor
 
     pre = Preprocessor.from_pretrained(args.model, resize_backend=args.resize_backend, device=args.device)
-    images = []
-    for path in args.image:
-        try:
-            images.append(Path(path).read_bytes())
-        except OSError as e:
-            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
+    images = _read_images(args.image)
     if args.prompt is not None:
         request = pre(prompt=args.prompt, images=images)
     else:
