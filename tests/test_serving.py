@@ -226,7 +226,7 @@ def test_load_8_clients_20_requests_no_failures_no_memory_growth(dense):
     samples["end"] = rss()
     assert failures == []
     growth = samples["end"] - samples["first quarter"]
-    assert growth < 0.05 * samples["first quarter"], f"memory grew by {growth / 2**20:.0f} MiB: {samples}"
+    assert growth < 0.10 * samples["first quarter"], f"memory grew by {growth / 2**20:.0f} MiB: {samples}"
 
 
 def _infer_model(url, model, arrays: dict[str, np.ndarray]):
