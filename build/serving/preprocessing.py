@@ -114,10 +114,9 @@ class Preprocessing:
         try:
             made = self.pre.batch([parsed[i].call for i in order])
             return {i: self._outputs(parsed[i], request) for i, request in zip(order, made, strict=True)}
-        except RequestError:
+        except RequestError as e:
             if len(order) == 1:
-                raise_alone = self._alone(parsed[order[0]])
-                return {order[0]: raise_alone}
+                return {order[0]: e}
         return {i: self._alone(parsed[i]) for i in order}
 
     def _alone(self, parsed: _Parsed) -> dict[str, Any] | Exception:
@@ -207,7 +206,7 @@ class Preprocessing:
                 f"the prompt's {length} tokens + max_tokens {max_tokens} exceed the deployment's max_seq_len "
                 f"{self.limits.max_seq_len}; lower max_tokens or shorten the prompt"
             )
-        vision = {name: np.asarray(request.vision_inputs.get(name, _empty(name))) for name in _VISION_METADATA}
+        vision = {name: np.asarray(request.vision_inputs.get(name, empty)) for name, empty in _NO_IMAGES.items()}
         cos_sin = (
             request.mrope_rotary_cos_sin(self.mrope_positions)
             if self.mrope_positions
@@ -227,19 +226,10 @@ class Preprocessing:
         }
 
 
-_VISION_METADATA = (
-    io.VISION_POS_EMBED_IDX.name,
-    io.VISION_POS_EMBED_W.name,
-    io.VISION_ROTARY_POS.name,
-    io.VISION_SEGMENT_START.name,
-)
-_EMPTY = {
+# The vision metadata of a request without images.
+_NO_IMAGES = {
     io.VISION_POS_EMBED_IDX.name: np.zeros((0, 4), np.int32),
     io.VISION_POS_EMBED_W.name: np.zeros((0, 4), np.float32),
     io.VISION_ROTARY_POS.name: np.zeros((0, 2), np.int32),
     io.VISION_SEGMENT_START.name: np.zeros((0,), np.int32),
 }
-
-
-def _empty(name: str) -> np.ndarray:
-    return _EMPTY[name]
