@@ -121,6 +121,10 @@ class VisionEncoder:
             )
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Every request batch has its own patch count: ORT's arena and memory patterns, which suit
+        # fixed shapes, would keep growing a long-running server by each new shape's buffers.
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
         try:
