@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from . import interface as io
 from .preprocessing import split_word_list
 
 log = logging.getLogger(__name__)
+
+STOP_MEMORY_S = 60.0  # how long a stop request waits for its request to arrive
 
 
 class TokenStream(Protocol):
@@ -45,6 +48,7 @@ class _Job:
     stream: TokenStream
     streaming: bool
     end_ids: frozenset[int]
+    request_id: str
     tokens: list[int] = field(default_factory=list)  # the prompt's ids first when it is echoed
 
 
@@ -60,6 +64,7 @@ class InflightLLM:
         self.max_batch_size = max_batch_size
         self.largest_batch = 0  # most requests decoding together so far
         self._waiting: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._stops: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids a stop request named
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflight-llm", daemon=True)
 
@@ -104,20 +109,25 @@ class InflightLLM:
         self._closing.set()
         self._thread.join(timeout=30)
 
-    def submit(self, inputs: Mapping[str, Any], stream: TokenStream) -> None:
+    def submit(self, inputs: Mapping[str, Any], stream: TokenStream, request_id: str = "") -> None:
+        if _value(inputs, io.STOP, False):
+            self._stops.put(request_id)
+            stream.finish()
+            return
         try:
             request = self.request(inputs)
         except Qwen3VLTrtError as e:
             stream.fail(e)
             return
         streaming = bool(_value(inputs, io.STREAMING, False))
-        job = _Job(request, stream, streaming, frozenset(request.sampling.end_ids))
+        job = _Job(request, stream, streaming, frozenset(request.sampling.end_ids), request_id)
         if not streaming and not _value(inputs, io.EXCLUDE_INPUT, False):
             job.tokens.extend(int(t) for t in request.input_ids)  # the engine's output_ids hold the prompt too
         self._waiting.put(job)
 
     def _run(self) -> None:
         jobs: dict[int, _Job] = {}
+        stopping: dict[str, float] = {}  # stop requests' ids -> when they came (a stop may overtake its request)
         batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
         next_index = 0
         while not self._closing.is_set():
@@ -131,7 +141,7 @@ class InflightLLM:
                 next_index += 1
             try:
                 self._join(batch, jobs, joining)
-                batch.cancel(i for i, job in jobs.items() if job.stream.cancelled())
+                batch.cancel(self._cancelled(jobs, stopping))
                 batch.step()
                 self.largest_batch = max(self.largest_batch, len(batch))
             except Exception as e:  # a runtime bug: every request in flight gets the error, serving goes on
@@ -141,6 +151,19 @@ class InflightLLM:
                 jobs.clear()
                 batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
             self._finish(batch, jobs)
+
+    def _cancelled(self, jobs: dict[int, _Job], stopping: dict[str, float]) -> list[int]:
+        """The jobs to drop: cancelled by Triton, or named by a stop request."""
+        now = time.monotonic()
+        while not self._stops.empty():
+            stopping[self._stops.get()] = now
+        cancelled = [i for i, job in jobs.items() if job.stream.cancelled() or job.request_id in stopping]
+        for i in cancelled:
+            stopping.pop(jobs[i].request_id, None)
+            log.info("request %r cancelled by its client after %d tokens", jobs[i].request_id, len(jobs[i].tokens))
+        for request_id in [r for r, since in stopping.items() if now - since > STOP_MEMORY_S]:
+            del stopping[request_id]
+        return cancelled
 
     def _join(self, batch: DecodeBatch, jobs: dict[int, _Job], joining: dict[int, _Job]) -> None:
         if not joining:

@@ -147,7 +147,11 @@ LLM_REQUEST: tuple[Tensor, ...] = (
     MROPE_DELTAS,
     EXTRA_IDS,
 )
-LLM_INPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
+# A request with stop true ends the request in flight that has the same request id: the tensorrt_llm
+# backend's cancellation, which clients use because Triton's ensembles do not pass a cancelled stream on
+# to the llm step in flight.
+STOP = _scalar("stop", "BOOL")
+LLM_INPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE, STOP)
 
 # -- llm -> postprocessing ----------------------------------------------------------------------
 LLM_OUTPUT_IDS = Tensor("output_ids", "INT32", (-1, -1))  # [beams, tokens]
@@ -157,3 +161,7 @@ LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH)
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
 
 PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*VISION_REQUEST, *LLM_REQUEST)
+
+# Error messages of requests the deployment refuses as sent start with this: gRPC stream responses carry
+# a message and no status code, and clients (the OpenAI gateway: HTTP 400) tell these from failures.
+REJECTED_REQUEST = "request rejected"

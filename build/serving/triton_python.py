@@ -9,6 +9,7 @@ config.pbtxt, which the repository writer fills from the build.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,38 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
-from ..errors import Qwen3VLTrtError
+from ..errors import Qwen3VLTrtError, RequestError
 from ..limits import EngineLimits
+from . import interface as io
 
 _DLPACK_TYPES = {"TYPE_BF16"}
+
+
+class _TritonLog(logging.Handler):
+    """The package's log records, written to Triton's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record)
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(message)
+        else:
+            pb_utils.Logger.log_info(message)
+
+
+def _log_to_triton() -> None:
+    package = logging.getLogger("qwen3vl_trt")
+    if not any(isinstance(h, _TritonLog) for h in package.handlers):
+        package.addHandler(_TritonLog())
+        package.setLevel(logging.INFO)
 
 
 class _Model:
     """Reads a model's configuration and moves tensors between Triton and the components."""
 
     def initialize(self, args: Mapping[str, str]) -> None:
+        _log_to_triton()
         config = json.loads(args["model_config"])
         self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
@@ -67,7 +90,8 @@ def response(outputs: Mapping[str, Any]) -> Any:
 
 
 def error_response(error: Exception) -> Any:
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
+    message = f"{io.REJECTED_REQUEST}: {error}" if isinstance(error, RequestError) else str(error)
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
 def _respond(results: Sequence[Mapping[str, Any] | Exception]) -> list[Any]:
@@ -130,8 +154,6 @@ class _ResponseStream:
         self.sender = sender
 
     def send(self, tokens: list[int], final: bool) -> None:
-        from . import interface as io
-
         outputs = {
             io.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
             io.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
@@ -165,7 +187,7 @@ class CpuLLM(_Model):
 
     def execute(self, requests: Sequence[Any]) -> None:
         for request in requests:
-            self.engine.submit(self.read(request), _ResponseStream(request.get_response_sender()))
+            self.engine.submit(self.read(request), _ResponseStream(request.get_response_sender()), request.request_id())
 
     def finalize(self) -> None:
         self.engine.close()
