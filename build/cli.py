@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -134,6 +135,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .serving.server import serve
 
     return serve(args)
+
+
+def _openai(args: argparse.Namespace) -> int:
+    from .serving.gateway import run_openai
+
+    return run_openai(args)
 
 
 def _infer(args: argparse.Namespace) -> None:
@@ -317,6 +324,16 @@ def parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
+
+    s = sub.add_parser("openai", help="serve the OpenAI-compatible API in front of a running deployment")
+    from .serving.server import add_gateway_arguments
+
+    s.add_argument("--triton-url", default="127.0.0.1:8001", help="the deployment's tritonserver gRPC address")
+    s.add_argument("--repo", type=pathlib.Path, help="the deployment's model repository (default: ask the server)")
+    s.add_argument("--port", type=int, default=9000)
+    s.add_argument("--address", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces); default loopback")
+    add_gateway_arguments(s)
+    s.set_defaults(func=_openai)
 
     s = sub.add_parser("infer", help="send one request to a running deployment over gRPC")
     s.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address")

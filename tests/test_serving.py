@@ -13,13 +13,11 @@ import psutil
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from deployment import LIMITS, SETTINGS, build_cpu_repository
 from images import jpeg
-from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface as io
 from qwen3vl_trt.serving.client import Client, InferenceError
-from qwen3vl_trt.serving.repository import RepositorySettings
 from qwen3vl_trt.serving.server import TritonServer, free_ports
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
@@ -28,22 +26,12 @@ from transformers import AutoModelForImageTextToText
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 END_IDS = (IM_END_ID, ENDOFTEXT_ID)
-# Small limits keep the too-long-prompt case cheap; the queue delay lets concurrent requests meet.
-LIMITS = EngineLimits(
-    max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
-)
-SETTINGS = RepositorySettings(max_queue_delay_us=50_000)
-
-
-def _quiet(*_args, **_kwargs) -> None:
-    pass
 
 
 class Deployment:
     def __init__(self, model_dir, root):
-        build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet)
         self.model_dir = model_dir
-        self.server = TritonServer(root / "build" / "triton_repo", free_ports(), log_path=root / "server.log")
+        self.server = TritonServer(build_cpu_repository(model_dir, root), free_ports(), log_path=root / "server.log")
         self.server.start()
         self.server.wait_ready()
         self.url = self.server.url

@@ -188,6 +188,20 @@ class Preprocessor:
         pending = self._prepare(self._prompt(messages, prompt, images, add_generation_prompt, template_kwargs))
         return self._finish([pending])[0]
 
+    def count_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        prompt: str | None = None,
+        images: Sequence[bytes] = (),
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> int:
+        """The prompt's length in tokens, its images' tokens included, read from the image headers alone
+        (no pixel is decoded); raises what __call__ raises for bad messages, image headers or limits."""
+        prompt_ = self._prompt(messages, prompt, images, add_generation_prompt, template_kwargs)
+        return int(self._prepare(prompt_).input_ids.size)
+
     def batch(self, requests: Sequence[Mapping[str, Any]]) -> list[Request]:
         """Several requests at once (each a dict of __call__'s keyword arguments); their images are
         decoded as one batch. A bad request raises before any image is decoded."""

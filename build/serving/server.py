@@ -27,12 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ..errors import ServingError
 from ..fsutil import json_entry, read_json
 from . import config as serving_config
 from .interface import ENSEMBLE, LLM
+
+if TYPE_CHECKING:
+    from .gateway import GatewayServer
 
 ENV_VAR = "QWEN3VL_TRITONSERVER"
 NGC_INSTALL = Path("/opt/tritonserver")  # where the NGC images install the server
@@ -282,8 +285,24 @@ def launch_command(
     return mpi_command(install, repo, ports, world, address, log_verbose)
 
 
-def _host_port(host: str, port: int) -> str:
+def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
+    parser.add_argument(
+        "--served-model-name", help="the `model` clients ask for (default: the checkpoint's folder name)"
+    )
+    parser.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs in messages (default: only data: URLs are accepted)",
+    )
+
+
+def gateway_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"served_model_name": args.served_model_name, "allow_remote_images": args.allow_remote_images}
 
 
 def free_ports() -> ServerPorts:
@@ -332,7 +351,7 @@ class TritonServer:
     def url(self) -> str:
         """Where a gRPC client reaches the server."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.address, self.address)
-        return _host_port(host, self.ports.grpc)
+        return host_port(host, self.ports.grpc)
 
     @property
     def pid(self) -> int:
@@ -487,6 +506,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-command", action="store_true", help="print the server command and exit")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose logging level")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
+    parser.add_argument(
+        "--openai-port",
+        type=_port,
+        help="also serve the OpenAI-compatible API (POST /v1/chat/completions) on this port, on --address",
+    )
+    add_gateway_arguments(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -513,6 +538,7 @@ def serve(args: argparse.Namespace) -> int:
         server.signal(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    gateway: GatewayServer | None = None
     try:
         print(f"starting {server.install.binary} ({server.install.source})", file=sys.stderr, flush=True)
         server.start()
@@ -525,13 +551,21 @@ def serve(args: argparse.Namespace) -> int:
                 return server.wait()
             raise
         ports = server.ports
+        if args.openai_port is not None:
+            from .gateway import GatewayServer, GatewaySettings
+
+            settings = GatewaySettings.from_repository(server.url, args.repo, **gateway_options(args))
+            gateway = GatewayServer(settings, args.address, args.openai_port)
+            gateway.start()
         print(
-            f"ready: gRPC {_host_port(args.address, ports.grpc)}, HTTP {_host_port(args.address, ports.http)}, "
-            f"metrics {_host_port(args.address, ports.metrics)}",
+            f"ready: gRPC {host_port(args.address, ports.grpc)}, HTTP {host_port(args.address, ports.http)}, "
+            f"metrics {host_port(args.address, ports.metrics)}" + (f", OpenAI {gateway.url}/v1" if gateway else ""),
             flush=True,
         )
         return server.wait()
     finally:
+        if gateway is not None:
+            gateway.stop()
         server.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible gateway started by `qwen3vl-trt serve --openai-port` on the CPU deployment,
+called with the official `openai` client: the same answers as `qwen3vl-trt infer`, usage counted as
+transformers' processor counts the prompt, OpenAI error bodies, and cancellation on the server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from deployment import LIMITS, build_cpu_repository
+from images import jpeg
+from PIL import Image
+from qwen3vl_trt.serving.server import free_ports
+from qwen3vl_trt.testing.hf_reference import load_hf_processor
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+PHOTO = jpeg(64, 96, seed=1)
+PROMPT = "Describe this picture."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qwen3vl_trt.cli", *args], **kwargs)
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+class Gateway:
+    """A command's process serving the OpenAI API, with its output in a log file."""
+
+    def __init__(self, args: list[str], port: int, log: Path, ready_status: int = 200, timeout_s: float = 300):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.process = _cli(*args, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while _status(f"{self.url}/health") != ready_status:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{' '.join(args[:1])} did not come up; its output:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    repo = build_cpu_repository(checkpoints["dense"], root)
+    ports = free_ports()
+    port = _free_port()
+    args = ["serve", "--repo", str(repo), "--openai-port", str(port)]
+    args += ["--grpc-port", str(ports.grpc), "--http-port", str(ports.http), "--metrics-port", str(ports.metrics)]
+    gateway = Gateway(args, port, root / "serve.log")
+    gateway.model_dir = checkpoints["dense"]
+    gateway.repo = repo
+    gateway.grpc_url = f"127.0.0.1:{ports.grpc}"
+    yield gateway
+    gateway.stop()
+
+
+def _data_url(image: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(image).decode()
+
+
+def _user(text: str, *images: bytes) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(i)}} for i in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _error_body(error: openai.APIStatusError) -> dict:
+    """The error object of an OpenAI error response (the client hands over the body or its "error")."""
+    body = error.body
+    assert isinstance(body, dict), body
+    return body.get("error", body)
+
+
+def _infer_json(served, tmp_path, prompt: str, images: list[bytes], max_tokens: int) -> dict:
+    args = ["infer", "--url", served.grpc_url, "--prompt", prompt, "--max-tokens", str(max_tokens), "--json"]
+    for k, image in enumerate(images):
+        path = tmp_path / f"image{k}.jpg"
+        path.write_bytes(image)
+        args += ["--image", str(path)]
+    process = _cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return json.loads(out)
+
+
+def _hf_prompt_tokens(model_dir: Path, prompt: str, images: list[bytes]) -> int:
+    """The prompt's length as transformers' processor tokenizes the same chat."""
+    parts = [{"type": "image", "image": Image.open(io.BytesIO(i))} for i in images]
+    chat = [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+    hf = load_hf_processor(model_dir).apply_chat_template(
+        chat, tokenize=True, add_generation_prompt=True, return_dict=True
+    )
+    return int(np.asarray(hf["input_ids"]).size)
+
+
+def test_openai_client_gets_what_infer_returns_and_usage_counts_the_tokens(served, tmp_path):
+    expected = _infer_json(served, tmp_path, PROMPT, [PHOTO], 16)
+    client = served.client()
+    reply = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16)
+    assert reply.choices[0].message.content == expected["text"] and expected["text"]
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == _hf_prompt_tokens(served.model_dir, PROMPT, [PHOTO])
+    assert reply.usage.completion_tokens == len(expected["token_ids"])
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.choices[0].finish_reason == ("length" if len(expected["token_ids"]) == 16 else "stop")
+
+    chunks = list(
+        client.chat.completions.create(
+            model="dense",
+            messages=_user(PROMPT, PHOTO),
+            max_completion_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == expected["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_text_only_and_sampling_options(served, tmp_path):
+    expected = _infer_json(served, tmp_path, "Hello!", [], 12)
+    client = served.client()
+    reply = client.chat.completions.create(model="dense", messages=_user("Hello!"), max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == expected["text"]
+
+    def sample(seed):
+        return (
+            client.chat.completions.create(
+                model="dense", messages=_user("Hello!"), max_tokens=12, temperature=1.0, top_p=0.9, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sample(7) == sample(7) != sample(8)
+
+
+def test_stop_strings_end_the_text_before_them(served):
+    client = served.client()
+    whole = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16)
+    text = whole.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick another stop string from {text!r}"
+    cut = text[: text.index(stop)]
+    stopped = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16, stop=[stop])
+    assert stopped.choices[0].message.content == cut and stopped.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
+
+    short = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+
+
+BAD_REQUESTS = {
+    "broken image": (dict(messages=_user("Look.", PHOTO[: len(PHOTO) // 3])), 400, "image", None),
+    "too many images": (
+        dict(messages=_user("Many.", *[jpeg(32, 32, seed=s) for s in range(17)])),
+        400,
+        "17 images",
+        "too_many_images",
+    ),
+    "prompt over the limit": (
+        dict(messages=_user("word " * 1500)),
+        400,
+        f"limit is {LIMITS.max_input_len}",
+        "context_length_exceeded",
+    ),
+    "completion over the context": (
+        dict(messages=_user("Hi."), max_tokens=LIMITS.max_seq_len),
+        400,
+        f"maximum context length is {LIMITS.max_seq_len}",
+        "context_length_exceeded",
+    ),
+    "remote image URL": (
+        dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.jpg"}}]}]),
+        400,
+        "only data: URLs",
+        None,
+    ),
+    "n > 1": (dict(messages=_user("Hi."), n=2), 400, "n = 2", None),
+    "tools": (
+        dict(messages=_user("Hi."), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        400,
+        "tools",
+        "unsupported_parameter",
+    ),
+    "temperature out of range": (dict(messages=_user("Hi."), temperature=5.0), 400, "temperature", None),
+    "no messages": (dict(messages=[]), 400, "messages", None),
+    "unknown model": (dict(messages=_user("Hi."), model="gpt-4o"), 404, "'gpt-4o' does not exist", "model_not_found"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors_and_the_server_stays_ready(served, case):
+    request, status, fragment, code = BAD_REQUESTS[case]
+    client = served.client()
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(**{"model": "dense", "max_tokens": 8, "stream": stream, **request})
+        assert raised.value.status_code == status
+        error = _error_body(raised.value)
+        assert fragment in error["message"] and error["type"] == "invalid_request_error"
+        assert error["code"] == code
+    assert _status(f"{served.url}/health") == 200
+    assert client.chat.completions.create(model="dense", messages=_user("Still here?"), max_tokens=4).choices
+
+
+def test_models_and_health(served):
+    assert [m.id for m in served.client().models.list()] == ["dense"]
+    assert _status(f"{served.url}/health") == 200
+
+
+def test_a_client_leaving_mid_stream_cancels_its_request_on_the_server(served):
+    client = served.client()
+    # min_tokens keeps the request generating far longer than the test waits.
+    stream = client.chat.completions.create(
+        model="dense", messages=_user("Go on."), max_tokens=1900, stream=True, extra_body={"min_tokens": 1800}
+    )
+    chunks = [next(stream), next(stream), next(stream)]
+    stream.close()
+    line = f"request '{chunks[0].id}' cancelled by its client"
+    deadline = time.monotonic() + 30
+    while line not in served.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the server log never said {line!r}"
+        time.sleep(0.2)
+
+
+def test_load_8_clients_20_requests_through_the_gateway(served):
+    requests = [_user("Describe.", jpeg(64, 64, seed=30)), _user("Hi!"), _user("Two.", *[jpeg(32, 64, seed=31)] * 2)]
+
+    def ask(client, messages):
+        return client.chat.completions.create(model="dense", messages=messages, max_tokens=4).choices[0].message.content
+
+    expected = [ask(served.client(), m) for m in requests]
+
+    def worker(w):
+        client = served.client()
+        return [(w, k) for k in range(20) if ask(client, requests[(w + k) % 3]) != expected[(w + k) % 3]]
+
+    with ThreadPoolExecutor(8) as pool:
+        failures = [f for fs in pool.map(worker, range(8)) for f in fs]
+    assert failures == []
+
+
+def test_triton_unreachable_is_503(served, tmp_path):
+    port = _free_port()
+    dead = f"127.0.0.1:{_free_port()}"
+    args = ["openai", "--repo", str(served.repo), "--triton-url", dead, "--port", str(port)]
+    gateway = Gateway(args, port, tmp_path / "openai.log", ready_status=503, timeout_s=120)
+    try:
+        with pytest.raises(openai.APIStatusError) as raised:
+            gateway.client().chat.completions.create(model="dense", messages=_user("Hi."), max_tokens=4)
+        assert raised.value.status_code == 503
+        error = _error_body(raised.value)
+        assert error["type"] == "server_error" and dead in error["message"]
+    finally:
+        gateway.stop()
