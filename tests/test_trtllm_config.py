@@ -51,6 +51,7 @@ UPSTREAM_INPUTS = {
     "seed": ("TYPE_UINT64", [1], True, True, False),
     "exclude_input_in_output": ("TYPE_BOOL", [1], True, True, False),
     "streaming": ("TYPE_BOOL", [1], True, True, False),
+    "stop": ("TYPE_BOOL", [1], True, True, False),
     "prompt_embedding_table": ("MODEL", [-1, -1], False, True, True),
     "prompt_table_extra_ids": ("TYPE_UINT64", [-1], False, True, True),
     "mrope_rotary_cos_sin": ("TYPE_FP32", [-1], False, True, False),
