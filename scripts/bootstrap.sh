@@ -25,6 +25,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # shellcheck disable=SC2086
 "${pip[@]}" install $torch_spec >> "$log" 2>&1
 "${pip[@]}" install -e ".[dev]" >> "$log" 2>&1
+PYTHON="$venv/bin/python" scripts/tensorrt_stubs.sh "$venv/typing-tensorrt" >> "$log" 2>&1
 rm -rf "$venv/overlay-tf457"
 "${pip[@]}" install --no-deps --target "$venv/overlay-tf457" \
     "transformers==4.57.3" "huggingface-hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0" >> "$log" 2>&1

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-.venv/bin/ruff check build tests scripts
+.venv/bin/ruff check build plugins triton_models tests scripts
 .venv/bin/mypy
 echo "== tests with transformers 5.x"
 .venv/bin/python -m pytest "$@"
