@@ -7,6 +7,9 @@ merged (LLM) tokens, K the number of DeepStack features, D the LLM hidden size.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,17 @@ class TensorSpec:
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "doc": self.doc}
+
+    def resolved(self, sizes: Mapping[str, int], model_dtype: str) -> dict[str, object]:
+        """as_dict for one export: the named sizes it fixes (patch_dim, D, K) and its compute dtype filled in."""
+        shape = [sizes.get(d, d) if isinstance(d, str) else d for d in self.shape]
+        return {**self.as_dict(), "dtype": model_dtype if self.dtype == "model" else self.dtype, "shape": shape}
+
+
+def contract_sha256(tensors: Iterable[Mapping[str, object]]) -> str:
+    """Identity of a resolved tensor contract: the names, dtypes and shapes in order, not the docs."""
+    key = [[t["name"], t["dtype"], t["shape"]] for t in tensors]
+    return hashlib.sha256(json.dumps(key, separators=(",", ":")).encode()).hexdigest()
 
 
 # Values per patch of Conv3d's input: channels x temporal patch x patch x patch (3 x 2 x 16 x 16).
@@ -44,6 +58,21 @@ SEGMENT_START = TensorSpec(
     "1 on the first patch of each attention segment (one per image and temporal patch), else 0; "
     "concatenating the arrays of several requests stays valid",
 )
+# The plugin variant's attention segmentation, derived from SEGMENT_START after requests are concatenated
+# (offsets do not concatenate; flags do). S is the number of segments, L the longest segment's patches.
+CU_SEQLENS = TensorSpec(
+    "cu_seqlens",
+    "int32",
+    ("S+1",),
+    "first patch of each attention segment, then N: segment s is rows cu_seqlens[s] .. cu_seqlens[s+1]",
+)
+MAX_SEQLEN_CARRIER = TensorSpec(
+    "max_seqlen_carrier",
+    "int32",
+    ("L",),
+    "only its shape is read: L = the longest segment's patch count (TensorRT plugin launch grids are "
+    "expressions of input shapes, never of values)",
+)
 IMAGE_EMBEDS = TensorSpec("image_embeds", "model", ("M", "D"), "merged visual tokens for the LLM")
 DEEPSTACK_EMBEDS = TensorSpec(
     "deepstack_embeds",
@@ -52,12 +81,35 @@ DEEPSTACK_EMBEDS = TensorSpec(
     "DeepStack features, one per deepstack_visual_indexes entry, added after LLM layer k",
 )
 
+# Per-patch inputs, what preprocessing produces and requests concatenate; the portable graph's inputs.
 VISION_INPUTS: tuple[TensorSpec, ...] = (PIXEL_VALUES, POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, SEGMENT_START)
 VISION_OUTPUTS: tuple[TensorSpec, ...] = (IMAGE_EMBEDS, DEEPSTACK_EMBEDS)
+# The graph variants' inputs: portable (standard ONNX ops, a block-diagonal N x N mask) and plugin (each
+# block's attention is one TensorRT plugin node on cu_seqlens; nothing quadratic in N).
+PORTABLE, PLUGIN = "portable", "plugin"
+VISION_GRAPH_INPUTS: dict[str, tuple[TensorSpec, ...]] = {
+    PORTABLE: VISION_INPUTS,
+    PLUGIN: (PIXEL_VALUES, POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, CU_SEQLENS, MAX_SEQLEN_CARRIER),
+}
+
+
+def vision_graph_contract(
+    variant: str, model_dtype: str, patch_dim: int, out_hidden_size: int, deepstack_count: int
+) -> dict[str, list[dict[str, object]]]:
+    """A graph variant's inputs and outputs for one export, resolved (as its sidecar records them)."""
+    sizes = {"patch_dim": patch_dim, "D": out_hidden_size, "K": deepstack_count}
+    return {
+        "inputs": [spec.resolved(sizes, model_dtype) for spec in VISION_GRAPH_INPUTS[variant]],
+        "outputs": [spec.resolved(sizes, model_dtype) for spec in VISION_OUTPUTS],
+    }
+
 
 VISION_ONNX_FILE = "vision_encoder.onnx"
 VISION_ONNX_DATA_FILE = "vision_encoder.onnx.data"
 VISION_SIDECAR_FILE = "vision_config.json"
+VISION_ENGINE_FILE = "vision_encoder.plan"
+VISION_ENGINE_SIDECAR_FILE = "vision_engine.json"
+VISION_TIMING_CACHE_FILE = "timing.cache"
 
 # Visual weights live under this prefix in released Qwen3-VL checkpoints (both dense and MoE).
 VISUAL_PREFIX = "model.visual."
@@ -116,6 +168,8 @@ class BuildLayout:
     root: Path
 
     VISION = "vision"
+    VISION_PLUGIN = "vision_plugin"
+    VISION_ENGINE = "vision_engine"
     LLM_CHECKPOINT = "llm_checkpoint"
     LLM_ENGINE = "llm_engine"
     TRITON_REPO = "triton_repo"
@@ -124,6 +178,14 @@ class BuildLayout:
     @property
     def vision(self) -> Path:
         return self.root / self.VISION
+
+    @property
+    def vision_plugin(self) -> Path:
+        return self.root / self.VISION_PLUGIN
+
+    @property
+    def vision_engine(self) -> Path:
+        return self.root / self.VISION_ENGINE
 
     @property
     def llm_checkpoint(self) -> Path:

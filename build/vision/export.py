@@ -1,9 +1,11 @@
 """Stage export-vision: the ViT, its patch merger and the DeepStack mergers to ONNX.
 
-Reads only the checkpoint's visual tensors, exports one graph with a dynamic patch count (the
-portable variant: standard ONNX ops only, parsed by TensorRT 10.14 and run by ONNX Runtime),
-writes weights as external data beside it and a vision_config.json sidecar, and optionally checks
-the result against the transformers tower before publishing the directory atomically.
+Reads only the checkpoint's visual tensors, exports one graph with a dynamic patch count, writes
+weights as external data beside it and a vision_config.json sidecar, and optionally checks the
+result against the transformers tower before publishing the directory atomically. Two graph
+variants: portable (standard ONNX ops only, parsed by TensorRT 10.14 and run by ONNX Runtime) and
+plugin (each block's attention one node of the varlen attention TensorRT plugin, on cu_seqlens: no
+N x N mask; ONNX Runtime runs it through a Python custom op, see ort_plugin).
 """
 
 from __future__ import annotations
@@ -25,17 +27,26 @@ from .. import __version__
 from ..checkpoint import Checkpoint, VisionConfig, tensors_sha256
 from ..contracts import (
     DEEPSTACK_EMBEDS,
-    VISION_INPUTS,
+    PIXEL_VALUES,
+    PLUGIN,
+    PORTABLE,
+    VISION_GRAPH_INPUTS,
     VISION_ONNX_DATA_FILE,
     VISION_ONNX_FILE,
     VISION_OUTPUTS,
     VISION_SIDECAR_FILE,
+    vision_graph_contract,
 )
 from ..dtypes import DTYPE_NAMES, TORCH_DTYPES
 from ..errors import Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
-from .metadata import num_patches, vision_metadata
-from .model import VisionTower
+from ..plugins import PLUGIN_NAME, PLUGIN_NAMESPACE
+from .metadata import graph_feeds, num_patches, vision_metadata
+from .model import PluginVisionTower, VisionTower
+from .plugin_op import ONNX_TRANSLATION, PLUGIN_DOMAIN_VERSION, PLUGIN_NODE_ATTRIBUTES
+
+# The tower module of each graph variant.
+TOWERS: dict[str, type[VisionTower]] = {PORTABLE: VisionTower, PLUGIN: PluginVisionTower}
 
 # Opset 20: native Gelu (one kernel instead of a tanh formula) and LayerNormalization, and
 # inside the range TensorRT parses (opset 9 to 20 since 10.0).
@@ -76,19 +87,25 @@ def parity_errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, floa
     return err, err / scale
 
 
-def _sample_inputs(cfg: VisionConfig) -> tuple[torch.Tensor, ...]:
+def _sample_inputs(cfg: VisionConfig, variant: str) -> tuple[torch.Tensor, ...]:
     """Two images, so the traced graph sees more than one attention segment."""
     grid = np.array([[1, 4, 4], [1, 2, 4]])
-    meta = vision_metadata(grid, cfg.spatial_merge_size, cfg.num_grid_per_side)
-    pixels = torch.zeros(num_patches(grid), cfg.patch_dim)
-    return (pixels, *(torch.from_numpy(meta[spec.name]) for spec in VISION_INPUTS[1:]))
+    per_patch = {PIXEL_VALUES.name: np.zeros((num_patches(grid), cfg.patch_dim), np.float32)}
+    per_patch.update(vision_metadata(grid, cfg.spatial_merge_size, cfg.num_grid_per_side))
+    feeds = graph_feeds(per_patch, variant)
+    return tuple(torch.from_numpy(feeds[spec.name]) for spec in VISION_GRAPH_INPUTS[variant])
 
 
-def _export_graph(tower: VisionTower, path: Path) -> None:
+def _export_graph(tower: VisionTower, path: Path, variant: str) -> None:
     cfg = tower.cfg
     merged = torch.export.Dim("merged_tokens", min=1)
     patches = cfg.merge_unit * merged  # the patch count is a whole number of merge blocks
-    dynamic_shapes = {spec.name: {0: patches} for spec in VISION_INPUTS}
+    # The plugin variant's segment inputs have their own dims: segments + 1, and the longest segment.
+    segment_dims = {"S+1": torch.export.Dim("segments_plus_one", min=2), "L": torch.export.Dim("max_seqlen", min=1)}
+    dynamic_shapes = {
+        spec.name: {0: patches if spec.shape[0] == "N" else segment_dims[str(spec.shape[0])]}
+        for spec in VISION_GRAPH_INPUTS[variant]
+    }
     onnx_logger = logging.getLogger("torch.onnx")
     level = onnx_logger.level
     with warnings.catch_warnings():
@@ -97,19 +114,20 @@ def _export_graph(tower: VisionTower, path: Path) -> None:
         try:
             program = torch.onnx.export(
                 tower,
-                _sample_inputs(cfg),
+                _sample_inputs(cfg, variant),
                 dynamo=True,
                 opset_version=ONNX_OPSET,
-                input_names=[spec.name for spec in VISION_INPUTS],
+                input_names=[spec.name for spec in VISION_GRAPH_INPUTS[variant]],
                 output_names=[spec.name for spec in VISION_OUTPUTS],
                 dynamic_shapes=dynamic_shapes,
+                custom_translation_table=ONNX_TRANSLATION if variant == PLUGIN else None,
                 verbose=False,
             )
         finally:
             onnx_logger.setLevel(level)
     assert program is not None
     model = program.model_proto
-    _name_dynamic_dims(model)
+    _name_dynamic_dims(model, variant)
     onnx.save_model(
         model,
         str(path),
@@ -120,10 +138,10 @@ def _export_graph(tower: VisionTower, path: Path) -> None:
     )
 
 
-def _name_dynamic_dims(model: onnx.ModelProto) -> None:
-    """Gives the graph's dynamic dims the contract's names (N patches, M merged tokens)."""
-    for value in model.graph.input:
-        value.type.tensor_type.shape.dim[0].dim_param = "N"
+def _name_dynamic_dims(model: onnx.ModelProto, variant: str) -> None:
+    """Gives the graph's dynamic dims the contract's names (N patches, M merged tokens; S+1, L)."""
+    for value, spec in zip(model.graph.input, VISION_GRAPH_INPUTS[variant], strict=True):
+        value.type.tensor_type.shape.dim[0].dim_param = str(spec.shape[0])
     for value in model.graph.output:
         dims = value.type.tensor_type.shape.dim
         dim = dims[1] if value.name == DEEPSTACK_EMBEDS.name else dims[0]
@@ -137,27 +155,29 @@ def check_onnx(path: Path) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
 
 
-def _sidecar(ckpt: Checkpoint, dtype: str, weights_sha256: str) -> dict:
+def _sidecar(ckpt: Checkpoint, dtype: str, weights_sha256: str, variant: str) -> dict:
     cfg = ckpt.info.vision
-    tensor_dtype = {"model": DTYPE_NAMES[dtype]}
-
-    def resolve(spec_shape: tuple[int | str, ...]) -> list[int | str]:
-        sizes = {"patch_dim": cfg.patch_dim, "D": cfg.out_hidden_size, "K": len(cfg.deepstack_visual_indexes)}
-        return [sizes.get(d, d) if isinstance(d, str) else d for d in spec_shape]
-
-    def describe(spec):
-        return {**spec.as_dict(), "dtype": tensor_dtype.get(spec.dtype, spec.dtype), "shape": resolve(spec.shape)}
-
+    contract = vision_graph_contract(
+        variant, DTYPE_NAMES[dtype], cfg.patch_dim, cfg.out_hidden_size, len(cfg.deepstack_visual_indexes)
+    )
+    plugin = {
+        "attention_plugin": {
+            "op_type": PLUGIN_NAME,
+            "domain": PLUGIN_NAMESPACE,
+            "domain_version": PLUGIN_DOMAIN_VERSION,
+            "attributes": PLUGIN_NODE_ATTRIBUTES,
+        }
+    }
     return {
         "format_version": 1,
-        "graph_variant": "portable",
+        "graph_variant": variant,
+        **(plugin if variant == PLUGIN else {}),
         "onnx_file": VISION_ONNX_FILE,
         "external_data_file": VISION_ONNX_DATA_FILE,
         "opset": ONNX_OPSET,
         "dtype": dtype,
         "fp32_islands": ["rope", "layernorm", "softmax", "pos_embed"],
-        "inputs": [describe(s) for s in VISION_INPUTS],
-        "outputs": [describe(s) for s in VISION_OUTPUTS],
+        **contract,
         "patch_dim": cfg.patch_dim,
         "patch_size": cfg.patch_size,
         "temporal_patch_size": cfg.temporal_patch_size,
@@ -214,11 +234,14 @@ def export_vision(
     dtype: str = "fp32",
     verify: bool = False,
     force: bool = False,
+    variant: str = PORTABLE,
     log=print,
 ) -> VisionExport:
     """Exports the vision encoder of a Qwen3-VL checkpoint to `output_dir` (see module doc)."""
     if dtype not in TORCH_DTYPES:
         raise Qwen3VLTrtError(f"unsupported dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    if variant not in TOWERS:
+        raise Qwen3VLTrtError(f"unknown graph variant {variant!r}; choose one of {', '.join(TOWERS)}")
     if verify and dtype != "fp32":
         raise Qwen3VLTrtError(
             "--verify compares against transformers in fp32 on ONNX Runtime; export with --dtype fp32 to verify"
@@ -233,16 +256,19 @@ def export_vision(
             tqdm(ckpt.iter_tensors(names), total=len(names), desc="read vision weights", unit="tensor", disable=None)
         )
         weights_sha256 = tensors_sha256(tensors)
-        tower = VisionTower.from_checkpoint_tensors(cfg, tensors, TORCH_DTYPES[dtype])
+        tower = TOWERS[variant].from_checkpoint_tensors(cfg, tensors, TORCH_DTYPES[dtype])
 
         start = time.perf_counter()
-        log(f"exporting vision encoder ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype}), opset {ONNX_OPSET}")
-        _export_graph(tower, tmp / VISION_ONNX_FILE)
+        log(
+            f"exporting the {variant} vision encoder ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype}), "
+            f"opset {ONNX_OPSET}"
+        )
+        _export_graph(tower, tmp / VISION_ONNX_FILE, variant)
         del tower
         check_onnx(tmp / VISION_ONNX_FILE)
         log(f"exported and checked in {time.perf_counter() - start:.1f}s")
 
-        sidecar = _sidecar(ckpt, dtype, weights_sha256)
+        sidecar = _sidecar(ckpt, dtype, weights_sha256, variant)
         parity: list[Parity] = []
         if verify:
             (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")

@@ -8,13 +8,29 @@ into one valid batch (the Triton vision encoder batches requests that way).
 
 Patch order is the processor's: for each image, temporal patches, then spatial_merge_size x
 spatial_merge_size blocks in row-major order, then row-major patches inside a block.
+
+Attention segments travel as segment_start flags, which concatenate; the plugin graph variant's
+cu_seqlens (offsets, which do not) and its max-seqlen carrier are derived from the flags of the
+whole batch, once its requests are concatenated (attention_segments, graph_feeds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from ..contracts import POS_EMBED_IDX, POS_EMBED_W, ROTARY_POS, SEGMENT_START
+from ..contracts import (
+    CU_SEQLENS,
+    MAX_SEQLEN_CARRIER,
+    PLUGIN,
+    PORTABLE,
+    POS_EMBED_IDX,
+    POS_EMBED_W,
+    ROTARY_POS,
+    SEGMENT_START,
+    VISION_GRAPH_INPUTS,
+)
 from ..errors import InputError
 
 
@@ -76,3 +92,28 @@ def vision_metadata(grid_thw: np.ndarray, merge_size: int, num_grid_per_side: in
         ROTARY_POS.name: np.concatenate(pos).astype(np.int32),
         SEGMENT_START.name: np.concatenate(starts),
     }
+
+
+def attention_segments(segment_start: np.ndarray) -> dict[str, np.ndarray]:
+    """cu_seqlens (int32 [S+1]) and the max-seqlen carrier (int32 zeros [L], L = the longest segment)
+    of a batch's segment_start flags, those of several requests concatenated included."""
+    flags = np.asarray(segment_start)
+    if flags.ndim != 1 or flags.size == 0 or flags[0] != 1 or not np.isin(flags, (0, 1)).all():
+        raise InputError(
+            f"{SEGMENT_START.name} must be a non-empty [N] array of 0/1 flags starting with 1, "
+            f"got shape {list(flags.shape)}" + (f" starting with {flags.flat[0]}" if flags.size else "")
+        )
+    cu_seqlens = np.append(np.flatnonzero(flags), flags.size).astype(np.int32)
+    longest = int(np.diff(cu_seqlens).max())
+    return {CU_SEQLENS.name: cu_seqlens, MAX_SEQLEN_CARRIER.name: np.zeros(longest, dtype=np.int32)}
+
+
+def graph_feeds(per_patch: Mapping[str, np.ndarray], variant: str) -> dict[str, np.ndarray]:
+    """A graph variant's input feed from the per-patch inputs (contracts.VISION_INPUTS) of a batch."""
+    if variant == PORTABLE:
+        return dict(per_patch)
+    if variant != PLUGIN:
+        raise InputError(f"unknown vision graph variant {variant!r}; expected one of {', '.join(VISION_GRAPH_INPUTS)}")
+    feeds = {name: array for name, array in per_patch.items() if name != SEGMENT_START.name}
+    feeds.update(attention_segments(per_patch[SEGMENT_START.name]))
+    return feeds

@@ -4,9 +4,14 @@ Same arithmetic as transformers' Qwen3VLVisionModel, but every grid-dependent qu
 a per-patch input (see vision_metadata), so one static graph with a dynamic patch count serves
 any mix of images. Parameter names mirror the checkpoint's (under `model.visual.`), so weights
 load by name. RoPE, LayerNorm and softmax always run in fp32, whatever the compute dtype.
+
+Two graph variants share everything but how attention keeps to its segments: VisionTower (portable)
+masks an N x N score matrix; PluginVisionTower calls the varlen attention plugin on cu_seqlens.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +20,7 @@ from torch import nn
 from ..checkpoint import VisionConfig
 from ..contracts import VISUAL_PREFIX
 from ..errors import CheckpointError
+from .plugin_op import varlen_attention
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -49,6 +55,40 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class SegmentAttention(Protocol):
+    """Scaled dot-product attention of q, k, v [N, heads, head_dim] within each attention segment."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class MaskedSegmentAttention:
+    """The portable variant: dense scores over all N patches, -inf outside each patch's segment."""
+
+    def __init__(self, segment_start: torch.Tensor):
+        # The running sum is in fp32 because TensorRT's CumSum takes float types only (exact below
+        # 2**24 patches).
+        segment = torch.cumsum(segment_start.float(), dim=0)
+        same = segment.unsqueeze(0) == segment.unsqueeze(1)
+        self.mask_bias = torch.where(same, 0.0, float("-inf"))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim]
+        scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(1, 2)).float() + self.mask_bias
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).transpose(0, 1)
+
+
+class PluginSegmentAttention:
+    """The plugin variant: one varlen attention node per block; fp32 softmax inside the plugin."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen_carrier: torch.Tensor):
+        self.cu_seqlens = cu_seqlens
+        self.max_seqlen_carrier = max_seqlen_carrier
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.cu_seqlens, self.max_seqlen_carrier)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -57,17 +97,14 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: SegmentAttention) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # [heads, N, head_dim]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, heads, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # the same angles for every head
         qf, kf = q.float(), k.float()
         q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
-        scores = torch.matmul(q * self.head_dim**-0.5, k.transpose(1, 2)).float() + mask_bias
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)
-        out = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1)
-        return self.proj(out)
+        return self.proj(attend(q, k, v).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -78,8 +115,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask_bias)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: SegmentAttention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -173,6 +210,17 @@ class VisionTower(nn.Module):
         rotary_pos: torch.Tensor,
         segment_start: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encode(pixel_values, pos_embed_idx, pos_embed_w, rotary_pos, MaskedSegmentAttention(segment_start))
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        pos_embed_idx: torch.Tensor,
+        pos_embed_w: torch.Tensor,
+        rotary_pos: torch.Tensor,
+        attend: SegmentAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image_embeds, deepstack_embeds); `attend` keeps attention inside each segment."""
         dtype = self.patch_embed.proj.weight.dtype
         x = self.patch_embed(pixel_values.to(dtype))
         pos = (self.pos_embed(pos_embed_idx) * pos_embed_w.unsqueeze(-1)).sum(dim=1)
@@ -183,19 +231,29 @@ class VisionTower(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
 
-        # Attention stays inside each segment (one image, one temporal patch). The running sum
-        # is in fp32 because TensorRT's CumSum takes float types only (exact below 2**24 patches).
-        segment = torch.cumsum(segment_start.float(), dim=0)
-        same = segment.unsqueeze(0) == segment.unsqueeze(1)
-        mask_bias = torch.where(same, 0.0, float("-inf"))
-
         deepstack = []
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask_bias)
+            x = block(x, cos, sin, attend)
             if layer in self.cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(layer)]
                 deepstack.append(merger(x))
         return self.merger(x), torch.stack(deepstack)
+
+
+class PluginVisionTower(VisionTower):
+    """The plugin graph variant: the same weights and arithmetic, attention on cu_seqlens."""
+
+    def forward(  # type: ignore[override]  # the plugin variant's inputs (contracts.VISION_GRAPH_INPUTS)
+        self,
+        pixel_values: torch.Tensor,
+        pos_embed_idx: torch.Tensor,
+        pos_embed_w: torch.Tensor,
+        rotary_pos: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen_carrier: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attend = PluginSegmentAttention(cu_seqlens, max_seqlen_carrier)
+        return self.encode(pixel_values, pos_embed_idx, pos_embed_w, rotary_pos, attend)
 
 
 def _rope_inv_freq(cfg: VisionConfig) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 `VisionEncoder(onnx_dir).encode(pixel_values, grid_thw)` takes exactly what the transformers
 processor produces and returns the LLM's visual inputs. The grid-dependent inputs come from
-vision_metadata, the same module preprocessing uses.
+vision_metadata, the same module preprocessing uses. `run` takes the per-patch inputs
+(contracts.VISION_INPUTS, several requests' concatenated) for either graph variant; the plugin
+variant's cu_seqlens are derived from them (metadata.graph_feeds) and its attention nodes run as a
+Python custom op (ort_plugin: verification, not serving).
 """
 
 from __future__ import annotations
@@ -18,19 +21,28 @@ from ..contracts import (
     DEEPSTACK_EMBEDS,
     IMAGE_EMBEDS,
     PIXEL_VALUES,
+    PLUGIN,
+    VISION_GRAPH_INPUTS,
     VISION_INPUTS,
     VISION_ONNX_FILE,
     VISION_SIDECAR_FILE,
+    contract_sha256,
+    vision_graph_contract,
 )
+from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, InputError, Qwen3VLTrtError
 from ..fsutil import read_json
-from .metadata import check_grid_thw, num_patches, vision_metadata
+from .metadata import check_grid_thw, graph_feeds, num_patches, vision_metadata
 
 # Sidecar entries the runtimes read, with their types; "a.b" is entry b of object a.
 _SIDECAR_ENTRIES: dict[str, type] = {
+    "graph_variant": str,
     "patch_dim": int,
     "spatial_merge_size": int,
     "num_grid_per_side": int,
+    "num_heads": int,
+    "out_hidden_size": int,
+    "deepstack_count": int,
     "dtype": str,
     "source_checkpoint.path": str,
     "source_checkpoint.config_sha256": str,
@@ -50,6 +62,10 @@ class VisionSidecar:
         problems = [
             f"'{key}' is not a {kind.__name__}" for key, kind in _SIDECAR_ENTRIES.items() if not _has(raw, key, kind)
         ]
+        if raw.get("graph_variant") not in (*VISION_GRAPH_INPUTS, None):
+            problems.append(f"graph_variant {raw['graph_variant']!r} is none of {', '.join(VISION_GRAPH_INPUTS)}")
+        if raw.get("dtype") not in (*DTYPE_NAMES, None):
+            problems.append(f"dtype {raw['dtype']!r} is none of {', '.join(DTYPE_NAMES)}")
         if problems:
             raise CheckpointError(
                 f"{path} is not a vision export sidecar this version reads ({'; '.join(problems)}); "
@@ -72,6 +88,24 @@ class VisionSidecar:
     @property
     def dtype(self) -> str:
         return str(self.raw["dtype"])
+
+    @property
+    def graph_variant(self) -> str:
+        return str(self.raw["graph_variant"])
+
+    def contract(self) -> dict[str, list[dict[str, object]]]:
+        """The graph's inputs and outputs as this version's contracts define them for this export."""
+        return vision_graph_contract(
+            self.graph_variant,
+            DTYPE_NAMES[self.dtype],
+            self.patch_dim,
+            int(self.raw["out_hidden_size"]),
+            int(self.raw["deepstack_count"]),
+        )
+
+    def contract_sha256(self) -> str:
+        contract = self.contract()
+        return contract_sha256(contract["inputs"] + contract["outputs"])
 
     def check_source(self, model_dir: Path, config_sha256: str, rebuild: str) -> None:
         """Refuses a model directory whose config.json (its sha256) is not the exported checkpoint's;
@@ -127,8 +161,22 @@ class VisionEncoder:
         options.enable_mem_pattern = False
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
+        providers = ["CPUExecutionProvider"]
+        if self.sidecar.graph_variant == PLUGIN and self.sidecar.dtype != "fp32":
+            raise Qwen3VLTrtError(
+                "ONNX Runtime runs the plugin vision export in fp32 only (its attention is a Python custom op), "
+                f"this one is {self.sidecar.dtype}: build a TensorRT engine from it "
+                "(`qwen3vl-trt build-vision-engine`), or export with --dtype fp32 to check it on ONNX Runtime"
+            )
         try:
-            self.session = ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+            if self.sidecar.graph_variant == PLUGIN:
+                from .ort_plugin import plugin_session
+
+                self.session = plugin_session(onnx_file, options, providers)
+            else:
+                self.session = ort.InferenceSession(str(onnx_file), options, providers=providers)
+        except Qwen3VLTrtError:
+            raise
         except Exception as e:  # ONNX Runtime's own error types: a corrupt graph or external data file
             raise CheckpointError(
                 f"ONNX Runtime cannot load {onnx_file} ({str(e).strip().splitlines()[0]}); "
@@ -154,7 +202,9 @@ class VisionEncoder:
         return feeds
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        image_embeds, deepstack_embeds = self.session.run([IMAGE_EMBEDS.name, DEEPSTACK_EMBEDS.name], feeds)
+        """Outputs for per-patch inputs (contracts.VISION_INPUTS), of one request or several concatenated."""
+        graph_inputs = graph_feeds(feeds, self.sidecar.graph_variant)
+        image_embeds, deepstack_embeds = self.session.run([IMAGE_EMBEDS.name, DEEPSTACK_EMBEDS.name], graph_inputs)
         return image_embeds, deepstack_embeds
 
     def encode(self, pixel_values: Any, grid_thw: Any) -> tuple[np.ndarray, np.ndarray]:
