@@ -63,8 +63,27 @@ def _inspect(args: argparse.Namespace) -> None:
 def _export_vision(args: argparse.Namespace) -> None:
     from .vision.export import export_vision
 
-    result = export_vision(args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force)
+    result = export_vision(
+        args.model, args.output, dtype=args.dtype, verify=args.verify, force=args.force, variant=args.variant
+    )
     print(f"wrote {result.output_dir}")
+
+
+def _build_vision_engine(args: argparse.Namespace) -> None:
+    from .vision.engine import VisionEngineProfile, build_vision_engine
+
+    profile = VisionEngineProfile(args.min_patches, args.opt_patches, args.max_patches, args.max_images)
+    path = build_vision_engine(
+        args.onnx,
+        args.output,
+        profile,
+        dtype=args.dtype,
+        arch=args.arch,
+        timing_cache=args.timing_cache,
+        optimization_level=args.optimization_level,
+        force=args.force,
+    )
+    print(f"wrote {path}")
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -81,6 +100,7 @@ def _build(args: argparse.Namespace) -> None:
         target=args.target,
         settings=_repository_settings(args),
         force=args.force,
+        vision_engine_dtype=args.vision_engine_dtype,
     )
 
 
@@ -285,8 +305,31 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="directory to create for the ONNX and its sidecar")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     s.add_argument("--verify", action="store_true", help="compare with transformers on random images (fp32)")
+    s.add_argument(
+        "--variant",
+        default="portable",
+        choices=["portable", "plugin"],
+        help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: varlen attention plugin nodes (TensorRT)",
+    )
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_export_vision)
+
+    from .vision.engine import DEFAULT_OPTIMIZATION_LEVEL, VisionEngineProfile
+
+    d = VisionEngineProfile()
+    s = sub.add_parser("build-vision-engine", help="build the vision TensorRT engine of an export (GPU host)")
+    s.add_argument("--onnx", required=True, help="directory written by export-vision (--variant plugin)")
+    s.add_argument("--output", required=True, help="engine directory to create")
+    s.add_argument("--min-patches", type=int, default=d.min_patches, help="fewest patches of one engine run")
+    s.add_argument("--opt-patches", type=int, default=d.opt_patches, help="patches TensorRT tunes for (one image)")
+    s.add_argument("--max-patches", type=int, default=d.max_patches, help="most patches of one run (all its images)")
+    s.add_argument("--max-images", type=int, default=d.max_images, help="most images of a run (video: per frame pair)")
+    s.add_argument("--dtype", choices=["fp16", "bf16"], help="require this export dtype (the ONNX sets the precision)")
+    s.add_argument("--arch", help="GPU target of the plugin kernel, e.g. sm_90 (default: this GPU)")
+    s.add_argument("--timing-cache", help="timing cache file to reuse and update (default: one in the output)")
+    s.add_argument("--optimization-level", type=int, default=DEFAULT_OPTIMIZATION_LEVEL, help="TensorRT builder, 0-5")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_build_vision_engine)
 
     s = sub.add_parser("preprocess", help="show what a request (text and images) becomes for the engines")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -303,6 +346,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="build directory to create")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="vision export dtype")
+    s.add_argument(
+        "--vision-engine-dtype", default="bf16", choices=["fp16", "bf16"], help="vision TensorRT engine (GPU hosts)"
+    )
     s.add_argument("--llm-dtype", choices=["bf16", "fp16", "fp32"], help="LLM checkpoint dtype (default: the model's)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the LLM")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of the LLM")

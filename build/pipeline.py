@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .contracts import BuildLayout
+from .contracts import PLUGIN, BuildLayout
 from .errors import CheckpointError, GpuStackMissingError
 from .fsutil import atomic_output_dir, read_json
 from .limits import EngineLimits
@@ -18,10 +18,11 @@ from .llm.checkpoint_format import read_trtllm_config
 from .llm.convert import convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
 from .serving.repository import RepositorySettings, Target, model_configs, write_model_files
+from .vision.engine import VisionEngineProfile, build_vision_engine, tensorrt_problem
 from .vision.export import export_vision
 
 VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE = "vision-onnx", "llm-checkpoint", "llm-engine"
-TRITON_REPO_STAGE = "triton-repo"
+VISION_ENGINE_STAGE, TRITON_REPO_STAGE = "vision-engine", "triton-repo"
 
 
 def build(
@@ -35,10 +36,12 @@ def build(
     target: Target | None = None,
     settings: RepositorySettings | None = None,
     force: bool = False,
+    vision_engine_dtype: str = "bf16",
     log=print,
 ) -> dict:
     """Runs the stages; the Triton repository (last) is written for `target` (default: gpu where the
-    GPU stack is present, else cpu). A gpu target needs the LLM engine, so it fails early elsewhere."""
+    GPU stack is present, else cpu). A gpu target needs the LLM engine, so it fails early elsewhere.
+    The vision engine (TensorRT and a GPU) is built from a plugin-variant export in vision_engine_dtype."""
     limits = limits or EngineLimits()
     problem = gpu_stack_problem()
     target = target or ("gpu" if problem is None else "cpu")
@@ -69,6 +72,7 @@ def build(
             stages.append(
                 {"stage": LLM_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
             )
+        stages.append(_vision_engine_stage(ckpt, tmp, out, limits, vision_engine_dtype, log))
         start = time.perf_counter()
         _, llm = read_trtllm_config(tmp.llm_checkpoint)
         model = Path(model_dir).absolute()
@@ -95,6 +99,25 @@ def build(
             where = out.root / stage["output"]
             log(f"stage {stage['stage']}: {stage['status']} ({stage['seconds']}s) -> {where}")
     return manifest
+
+
+def _vision_engine_stage(
+    ckpt: Checkpoint, tmp: BuildLayout, out: BuildLayout, limits: EngineLimits, dtype: str, log
+) -> dict:
+    """The plugin-variant export and its TensorRT engine where TensorRT and a GPU are; else a skip record."""
+    problem = tensorrt_problem()
+    if problem is not None:
+        rerun = (
+            f"qwen3vl-trt export-vision --model {ckpt.path.absolute()} --variant {PLUGIN} --dtype {dtype} "
+            f"--output {out.vision_plugin} && qwen3vl-trt build-vision-engine --onnx {out.vision_plugin} "
+            f"--output {out.vision_engine}"
+        )
+        return {"stage": VISION_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
+    start = time.perf_counter()
+    export_vision(ckpt, tmp.vision_plugin, dtype=dtype, variant=PLUGIN, log=log)
+    profile = VisionEngineProfile.for_visual_tokens(limits.max_visual_tokens, ckpt.info.vision.merge_unit)
+    build_vision_engine(tmp.vision_plugin, tmp.vision_engine, profile, log=log)
+    return {**_done(VISION_ENGINE_STAGE, BuildLayout.VISION_ENGINE, start), "onnx": BuildLayout.VISION_PLUGIN}
 
 
 def _done(stage: str, output: str, start: float) -> dict:

@@ -32,8 +32,10 @@ def test_build_writes_manifest(tiny_dense, tmp_path):
     built = run_cli("build", "--model", str(tiny_dense), "--output", str(tmp_path / "b"))
     assert built.returncode == 0, built.stderr
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert [s["stage"] for s in manifest["stages"]] == ["vision-onnx", "llm-checkpoint", "llm-engine", "triton-repo"]
-    assert manifest["target"] == "cpu" and manifest["stages"][3]["target"] == "cpu"
+    stages = ["vision-onnx", "llm-checkpoint", "llm-engine", "vision-engine", "triton-repo"]
+    assert [s["stage"] for s in manifest["stages"]] == stages
+    assert manifest["stages"][3]["status"] == "skipped" and "rerun_on_gpu_host" in manifest["stages"][3]
+    assert manifest["target"] == "cpu" and manifest["stages"][4]["target"] == "cpu"
     assert (tmp_path / "b" / "triton_repo" / "qwen3vl" / "config.pbtxt").is_file()
     assert manifest["stages"][0]["verification"] <= 1e-4
     assert (tmp_path / "b" / "llm_checkpoint" / "rank0.safetensors").is_file()

@@ -1,0 +1,369 @@
+"""build-vision-engine: a TensorRT engine of a vision export (GPU host), with a sidecar its runner checks.
+
+The network is strongly typed (what TensorRT 11 requires): the ONNX carries every precision, fp32
+islands included, so there are no precision flags. One optimization profile covers batches of
+min..max patches and up to max_images attention segments; the plugin variant's attention nodes
+resolve to the varlen attention plugin, registered (for the build GPU, or --arch) before parsing,
+whose ahead-of-time kernel the engine embeds. Tactic timings are kept in a timing cache, reused by the
+next build (a given file, or the one in the output being replaced). The output directory holds the
+plan, the export's vision_config.json, vision_engine.json (TensorRT version, GPU, profile, contract
+hash) and the timing cache, written atomically like every stage's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from ..contracts import (
+    CU_SEQLENS,
+    MAX_SEQLEN_CARRIER,
+    PIXEL_VALUES,
+    PLUGIN,
+    VISION_ENGINE_FILE,
+    VISION_ENGINE_SIDECAR_FILE,
+    VISION_SIDECAR_FILE,
+    VISION_TIMING_CACHE_FILE,
+    contract_sha256,
+)
+from ..errors import CheckpointError, GpuStackMissingError, LimitsError, Qwen3VLTrtError
+from ..fsutil import atomic_output_dir, json_entry, read_json
+from .runner import VisionSidecar
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+ENGINE_FORMAT_VERSION = 1
+DEFAULT_OPTIMIZATION_LEVEL = 3  # TensorRT's default; 0..5
+
+
+@dataclass(frozen=True)
+class VisionEngineProfile:
+    """The batch shapes an engine accepts: patches of all images of a run, and its attention segments
+    (images; a video counts once per temporal patch). TensorRT tunes for opt: one image of opt_patches."""
+
+    min_patches: int = 4
+    opt_patches: int = 4096
+    max_patches: int = 32768
+    max_images: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LimitsError(f"vision engine {name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not self.min_patches <= self.opt_patches <= self.max_patches:
+            raise LimitsError(
+                f"vision engine patches must satisfy min <= opt <= max, got {self.min_patches}, "
+                f"{self.opt_patches}, {self.max_patches}"
+            )
+
+    @classmethod
+    def for_visual_tokens(cls, max_visual_tokens: int, merge_unit: int) -> VisionEngineProfile:
+        """A profile whose largest run is one request with the most visual tokens the LLM engine takes."""
+        max_patches = max_visual_tokens * merge_unit
+        return cls(min_patches=merge_unit, opt_patches=min(cls.opt_patches, max_patches), max_patches=max_patches)
+
+    def check_merge_unit(self, merge_unit: int) -> None:
+        """Batches hold whole merge blocks, so every profile size must be a multiple of merge_unit."""
+        odd = {k: v for k, v in asdict(self).items() if k.endswith("_patches") and v % merge_unit}
+        if odd:
+            raise LimitsError(
+                f"vision engine patch counts must be multiples of {merge_unit} (one merge block): "
+                + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in odd.items())
+            )
+
+    def dim_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """(min, opt, max) of each dynamic dim of the vision contracts."""
+        return {
+            str(PIXEL_VALUES.shape[0]): (self.min_patches, self.opt_patches, self.max_patches),
+            str(CU_SEQLENS.shape[0]): (2, 2, self.max_images + 1),
+            # A segment can be as short as one merge block, whatever min_patches says.
+            str(MAX_SEQLEN_CARRIER.shape[0]): (1, self.opt_patches, self.max_patches),
+        }
+
+    def input_shapes(self, inputs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
+        """{input: {"min"|"opt"|"max": shape}} for resolved contract inputs (fixed dims as they are)."""
+        ranges = self.dim_ranges()
+        shapes: dict[str, dict[str, list[int]]] = {}
+        for spec in inputs:
+            by_point: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
+            for dim in spec["shape"]:
+                for i, point in enumerate(by_point):
+                    by_point[point].append(ranges[dim][i] if isinstance(dim, str) else int(dim))
+            shapes[str(spec["name"])] = by_point
+        return shapes
+
+
+def tensorrt_problem() -> str | None:
+    """Why a vision engine cannot be built or run here, or None."""
+    try:
+        import tensorrt as trt
+    except (ImportError, OSError) as e:  # OSError: bindings present, libnvinfer missing
+        return f"tensorrt is not importable ({e})"
+    if not hasattr(trt, "Builder"):  # a tensorrt directory without the bindings (stubs only)
+        return "the tensorrt package found has no TensorRT bindings"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (TensorRT builds and runs engines on a GPU)"
+    return None
+
+
+def require_gpu_stack(what: str) -> None:
+    problem = tensorrt_problem()
+    if problem is not None:
+        raise GpuStackMissingError(
+            f"cannot {what} here: {problem}. Run it on a GPU host with TensorRT 10.14 (pip install 'qwen3vl-trt[gpu]', "
+            "or the NGC Triton TRT-LLM container)"
+        )
+
+
+@dataclass(frozen=True)
+class VisionEngineSidecar:
+    """What vision_engine.json says about a built engine."""
+
+    raw: dict
+
+    @classmethod
+    def load(cls, engine_dir: str | os.PathLike[str]) -> VisionEngineSidecar:
+        path = Path(engine_dir) / VISION_ENGINE_SIDECAR_FILE
+        raw = read_json(path, f"{engine_dir} has no {VISION_ENGINE_SIDECAR_FILE}: is it a build-vision-engine output?")
+        fix = "build the engine again with `qwen3vl-trt build-vision-engine`"
+        if raw.get("format_version") != ENGINE_FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path} has format_version {raw.get('format_version')!r}, this version reads "
+                f"{ENGINE_FORMAT_VERSION}; {fix}"
+            )
+        for key, kind in _ENGINE_SIDECAR_ENTRIES.items():
+            json_entry(raw, key, kind, str(path), fix)
+        return cls(raw)
+
+    @property
+    def max_patches(self) -> int:
+        return int(self.raw["profile"]["max_patches"])
+
+    @property
+    def max_images(self) -> int:
+        return int(self.raw["profile"]["max_images"])
+
+    def check_runtime(self, export: VisionSidecar, tensorrt_version: str, compute_capability: tuple[int, int]) -> None:
+        """Refuses an engine that this code, this TensorRT or this GPU cannot run as built."""
+        rebuild = "rebuild it on this host with `qwen3vl-trt build-vision-engine` (or `qwen3vl-trt build`)"
+        if self.raw["contract_sha256"] != export.contract_sha256():
+            raise CheckpointError(
+                f"the vision engine was built for another input/output contract (sha256 "
+                f"{self.raw['contract_sha256'][:12]}) than this version's {export.graph_variant} graph "
+                f"({export.contract_sha256()[:12]}): export and build it again with this version"
+            )
+        if self.raw["tensorrt_version"] != tensorrt_version:
+            raise CheckpointError(
+                f"the vision engine was built with TensorRT {self.raw['tensorrt_version']}, this host has "
+                f"{tensorrt_version} (engines do not carry across versions); {rebuild}"
+            )
+        built_for = self.raw["gpu"]["compute_capability"]
+        here = f"{compute_capability[0]}.{compute_capability[1]}"
+        if built_for != here:
+            raise CheckpointError(
+                f"the vision engine was built for compute capability {built_for} ({self.raw['gpu']['name']}), "
+                f"this GPU is {here}; {rebuild}"
+            )
+
+
+# Entries the runner reads, with their types ("a.b" is entry b of object a).
+_ENGINE_SIDECAR_ENTRIES: dict[str, type] = {
+    "engine_file": str,
+    "graph_variant": str,
+    "tensorrt_version": str,
+    "contract_sha256": str,
+    "gpu.name": str,
+    "gpu.compute_capability": str,
+    "profile.max_patches": int,
+    "profile.max_images": int,
+}
+
+
+def build_vision_engine(
+    onnx_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    profile: VisionEngineProfile | None = None,
+    dtype: str | None = None,
+    arch: str | None = None,
+    timing_cache: str | os.PathLike[str] | None = None,
+    optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Builds the engine of an export-vision directory into `output_dir` (see module doc) and returns it.
+
+    dtype: the compute dtype the export must have (the network is strongly typed: the export decides);
+    arch: the GPU target of the plugin kernel (sm_XX, default the build GPU's)."""
+    profile = profile or VisionEngineProfile()
+    onnx_dir, output = Path(onnx_dir), Path(output_dir)
+    export = VisionSidecar.load(onnx_dir)
+    recorded = contract_sha256([*export.raw.get("inputs", []), *export.raw.get("outputs", [])])
+    if recorded != export.contract_sha256():
+        raise CheckpointError(
+            f"{onnx_dir / VISION_SIDECAR_FILE} records inputs/outputs other than this version's {export.graph_variant} "
+            "graph contract: export it again with `qwen3vl-trt export-vision`"
+        )
+    if dtype is not None and dtype != export.dtype:
+        raise Qwen3VLTrtError(
+            f"{onnx_dir} is a {export.dtype} export and the engine's network takes its precision from the ONNX: "
+            f"export with `qwen3vl-trt export-vision --variant {export.graph_variant} --dtype {dtype}` "
+            f"for a {dtype} engine"
+        )
+    profile.check_merge_unit(export.spatial_merge_size**2)
+    if not 0 <= optimization_level <= 5:
+        raise LimitsError(f"builder optimization level must be 0..5, got {optimization_level}")
+    capability = _plugin_capability(arch) if export.graph_variant == PLUGIN else None
+    require_gpu_stack("build the vision engine")
+
+    import tensorrt as trt
+    import torch
+
+    device_capability = torch.cuda.get_device_capability()
+    device_sm = device_capability[0] * 10 + device_capability[1]
+    if capability is not None and capability > device_sm:
+        raise Qwen3VLTrtError(
+            f"--arch sm_{capability} is newer than this GPU (sm_{device_sm}), which could not run the kernel "
+            f"TensorRT times while it builds: build on an sm_{capability} host"
+        )
+    plugin_sm = device_sm if capability is None else capability
+    shapes = profile.input_shapes(export.contract()["inputs"])
+    given_cache = Path(timing_cache).absolute() if timing_cache is not None else None
+    previous_cache = given_cache or output.absolute() / VISION_TIMING_CACHE_FILE
+    cache_bytes = previous_cache.read_bytes() if previous_cache.is_file() else b""
+    with atomic_output_dir(output, force=force, inputs=[onnx_dir]) as tmp:
+        start = time.perf_counter()
+        log(
+            f"building the {export.graph_variant} {export.dtype} vision engine on {torch.cuda.get_device_name()} "
+            f"(TensorRT {trt.__version__}, optimization level {optimization_level}, "
+            f"{'reusing' if cache_bytes else 'new'} timing cache {previous_cache})"
+        )
+        if export.graph_variant == PLUGIN:
+            from ..plugins.registration import register_plugins
+
+            register_plugins(plugin_sm)
+        onnx_file = onnx_dir / str(export.raw["onnx_file"])
+        plan, cache = _build_plan(onnx_file, export, shapes, optimization_level, cache_bytes)
+        (tmp / VISION_ENGINE_FILE).write_bytes(plan)
+        if given_cache is None:
+            (tmp / VISION_TIMING_CACHE_FILE).write_bytes(cache)
+        else:
+            _replace_file(given_cache, cache)
+        shutil.copyfile(onnx_dir / VISION_SIDECAR_FILE, tmp / VISION_SIDECAR_FILE)
+        sidecar = engine_sidecar(
+            export,
+            profile,
+            tensorrt_version=trt.__version__,
+            gpu_name=torch.cuda.get_device_name(),
+            compute_capability=device_capability,
+            plugin_capability=plugin_sm,
+            optimization_level=optimization_level,
+            timing_cache=str(given_cache) if given_cache else VISION_TIMING_CACHE_FILE,
+        )
+        (tmp / VISION_ENGINE_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+        log(f"built {len(plan) / 2**20:.1f} MiB engine in {time.perf_counter() - start:.1f}s")
+    return output
+
+
+def engine_sidecar(
+    export: VisionSidecar,
+    profile: VisionEngineProfile,
+    tensorrt_version: str,
+    gpu_name: str,
+    compute_capability: tuple[int, int],
+    plugin_capability: int,
+    optimization_level: int,
+    timing_cache: str,
+) -> dict:
+    """vision_engine.json of an engine built from `export` with these settings on this GPU."""
+    return {
+        "format_version": ENGINE_FORMAT_VERSION,
+        "engine_file": VISION_ENGINE_FILE,
+        "graph_variant": export.graph_variant,
+        "dtype": export.dtype,
+        "contract_sha256": export.contract_sha256(),
+        "tensorrt_version": tensorrt_version,
+        "gpu": {"name": gpu_name, "compute_capability": f"{compute_capability[0]}.{compute_capability[1]}"},
+        "plugin_arch": f"sm_{plugin_capability}" if export.graph_variant == PLUGIN else None,
+        "builder_optimization_level": optimization_level,
+        "strongly_typed": True,
+        "profile": {**asdict(profile), "shapes": profile.input_shapes(export.contract()["inputs"])},
+        "timing_cache": timing_cache,
+        "source_checkpoint": export.raw["source_checkpoint"],
+        "built_with": {"qwen3vl_trt": __version__},
+    }
+
+
+def _plugin_capability(arch: str | None) -> int | None:
+    """The compute capability of --arch (sm_XX), None for the build GPU's."""
+    if arch is None:
+        return None
+    from ..plugins.aot import parse_arch
+
+    try:
+        return int(parse_arch(arch))
+    except ValueError as e:
+        raise Qwen3VLTrtError(f"--arch: {e}") from None
+
+
+def _build_plan(
+    onnx_file: Path,
+    export: VisionSidecar,
+    shapes: Mapping[str, Mapping[str, list[int]]],
+    optimization_level: int,
+    cache_bytes: bytes,
+) -> tuple[bytes, bytes]:
+    """(serialized engine, serialized timing cache) of a strongly typed network parsed from onnx_file."""
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_file)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise Qwen3VLTrtError(f"TensorRT cannot parse {onnx_file}: {errors}")
+    _check_network_inputs(network, shapes)
+    config = builder.create_builder_config()
+    config.builder_optimization_level = optimization_level
+    if not config.set_timing_cache(config.create_timing_cache(cache_bytes), False):
+        raise Qwen3VLTrtError("TensorRT refused the timing cache; delete it or pass another --timing-cache")
+    profile = builder.create_optimization_profile()
+    for name, points in shapes.items():
+        profile.set_shape(name, trt.Dims(points["min"]), trt.Dims(points["opt"]), trt.Dims(points["max"]))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise Qwen3VLTrtError(f"TensorRT could not build the {export.graph_variant} vision engine; its log is above")
+    return bytes(plan), bytes(config.get_timing_cache().serialize())
+
+
+def _check_network_inputs(network: trt.INetworkDefinition, shapes: Mapping[str, object]) -> None:
+    names = [network.get_input(i).name for i in range(network.num_inputs)]
+    if names != list(shapes):
+        raise Qwen3VLTrtError(f"the parsed network's inputs {names} are not the contract's {list(shapes)}")
+
+
+def _replace_file(path: Path, content: bytes) -> None:
+    """Writes `content` to path through a temp file and a rename (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
