@@ -18,6 +18,7 @@ from qwen3vl_trt.serving import config as cfg
 from qwen3vl_trt.serving import interface as io
 from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.repository import REPOSITORY_FILE, model_configs
+from qwen3vl_trt.serving.vision_batching import plan_runs
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -52,6 +53,9 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
             list(theirs.dims),
             list(theirs.reshape.shape),
         ), tensor.name
+    engine_dir = {name: c[io.VISION_ENCODER].parameters["vision_engine_dir"].string_value for name, c in
+                  (("cpu", cpu), ("gpu", gpu))}  # fmt: skip
+    assert engine_dir == {"cpu": "", "gpu": str(layout.vision_engine)}
     pre = gpu[io.PREPROCESSING]
     assert pre.instance_group[0].kind == pre.instance_group[0].KIND_GPU
     assert pre.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
@@ -106,3 +110,11 @@ def test_stop_sequences_bad_sequences_and_min_tokens():
     assert _picks(SamplingParams(5, end_ids=[0], bad_sequences=[[2]]), rows) == [3, 3, 3, 0]
     assert _picks(SamplingParams(5, end_ids=[0], bad_sequences=[[2, 2]]), rows)[:2] == [2, 3]
     assert _picks(SamplingParams(5, end_ids=[0], min_new_tokens=5), rows) == [2, 2, 2, 2, 2]
+
+
+def test_vision_runs_are_cut_at_image_boundaries_to_what_fits():
+    def within(patches, images):
+        return patches <= 25 and images <= 2
+
+    assert plan_runs([10, 10, 30, 5, 5, 5], within) == [[0, 1], [2], [3, 4], [5]]
+    assert plan_runs([], within) == []

@@ -123,6 +123,8 @@ def model_configs(
         {
             **common,
             "vision_dir": build.vision,
+            # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
+            "vision_engine_dir": build.vision_engine if gpu else "",
             "llm_dtype": llm.dtype,
             "llm_hidden_size": llm.hidden_size,
             "attention_budget_bytes": settings.attention_budget_bytes,
@@ -223,11 +225,12 @@ def write_repository(
 ) -> Path:
     """Writes the repository for a `qwen3vl-trt build` directory (the checkpoint is the one the build
     was made from unless model_dir says otherwise)."""
-    from ..pipeline import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_STAGE, read_manifest
+    from ..pipeline import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, read_manifest
 
     build = BuildLayout(Path(build_dir).absolute())
     target = target or default_target()
-    required = (VISION_STAGE, LLM_CHECKPOINT_STAGE) + ((LLM_ENGINE_STAGE,) if target == "gpu" else ())
+    engines = (LLM_ENGINE_STAGE, VISION_ENGINE_STAGE) if target == "gpu" else ()
+    required = (VISION_STAGE, LLM_CHECKPOINT_STAGE, *engines)
     manifest = read_manifest(build.root, required_stages=required)
     model = Path(model_dir or manifest["model"]).absolute()
     read_config(model)  # the tokenizer and processor files must be there at serving time

@@ -53,6 +53,7 @@ class _Model:
         config = json.loads(args["model_config"])
         self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
+        self.device_id = int(args.get("model_instance_device_id", 0))
         self.load()
 
     def load(self) -> None:
@@ -132,6 +133,8 @@ class VisionEncoder(_BatchModel):
             getattr(torch, self.params["llm_dtype"]),
             int(self.params["llm_hidden_size"]),
             int(self.params["attention_budget_bytes"]),
+            engine_dir=self.params["vision_engine_dir"] or None,
+            device=self.device_id,
         )
         self.component.warm_up()
 

@@ -1,16 +1,19 @@
 """The `vision_encoder` model: the patches of every request in a batch run together, ragged (their
 patches concatenated, never padded), and the outputs go back to each request exactly.
 
-The portable graph attends densely over all patches of a run (a block-diagonal N x N mask), so its
-memory grows with the square of the run's patches: a batch is cut, at image boundaries, into runs
-whose attention scores fit `attention_budget_bytes`; a single image larger than that runs alone.
+With ONNX Runtime (the CPU target, and GPU hosts without a vision engine) the portable graph attends
+densely over all patches of a run (a block-diagonal N x N mask), so its memory grows with the square
+of the run's patches: a batch is cut, at image boundaries, into runs whose attention scores fit
+`attention_budget_bytes`; a single image larger than that runs alone. With the TensorRT vision engine
+(the GPU target; its attention is the varlen plugin) runs are cut to the engine's profile: at most its
+max patches and max images each, on the device, inputs and outputs never leaving it.
 Each request gets its prompt table (contracts.PROMPT_EMBEDDING_TABLE) in the LLM's dtype; a request
 without images gets one zero row, which no id addresses, so every request carries a table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,8 @@ import torch
 
 from ..errors import InputError
 from ..llm.inputs import interleave_prompt_table
-from ..vision.runner import VisionEncoder
+from ..vision.metadata import vision_metadata
+from ..vision.runner import VisionEncoder, VisionSidecar
 from . import interface as io
 
 # Tensors of a run's attention per layer and head: the scores, the mask and the softmax.
@@ -34,13 +38,13 @@ class _Image:
     tokens: int
 
 
-def plan_runs(patches_per_image: Sequence[int], heads: int, budget_bytes: int) -> list[list[int]]:
-    """Consecutive image indices per run: each run's fp32 attention (heads x N^2, a few copies) stays
-    within the budget unless it is a single image."""
+def plan_runs(patches_per_image: Sequence[int], fits: Callable[[int, int], bool]) -> list[list[int]]:
+    """Consecutive image indices per run: an image joins the run before it while fits(patches, images)
+    holds for the grown run; an image that fits nowhere runs alone."""
     runs: list[list[int]] = []
     size = 0
     for i, n in enumerate(patches_per_image):
-        if runs and _ATTENTION_COPIES * 4 * heads * (size + n) ** 2 <= budget_bytes:
+        if runs and fits(size + n, len(runs[-1]) + 1):
             runs[-1].append(i)
             size += n
         else:
@@ -49,22 +53,73 @@ def plan_runs(patches_per_image: Sequence[int], heads: int, budget_bytes: int) -
     return runs
 
 
-class VisionBatching:
-    def __init__(self, vision_dir: str | Path, llm_dtype: torch.dtype, hidden_size: int, attention_budget_bytes: int):
+class _OnnxRuntimeRuns:
+    """The exported graph in ONNX Runtime, on host arrays."""
+
+    def __init__(self, vision_dir: str | Path, attention_budget_bytes: int):
         self.encoder = VisionEncoder(vision_dir)
-        sidecar = self.encoder.sidecar
-        self.heads = int(sidecar.raw["num_heads"])
-        self.merge = sidecar.spatial_merge_size
-        self.llm_dtype, self.hidden_size = llm_dtype, hidden_size
+        self.heads = int(self.encoder.sidecar.raw["num_heads"])
         self.budget = attention_budget_bytes
-        self.runs = 0  # ONNX Runtime runs so far (the tests read it)
+
+    def fits(self, patches: int, _images: int) -> bool:
+        return _ATTENTION_COPIES * 4 * self.heads * patches**2 <= self.budget
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        host = {name: tensor.cpu().numpy() for name, tensor in feeds.items()}
+        host[io.VISION_PIXELS.name] = host[io.VISION_PIXELS.name].astype(np.float32, copy=False)
+        image_embeds, deepstack_embeds = self.encoder.run(host)
+        return torch.from_numpy(image_embeds), torch.from_numpy(deepstack_embeds)
+
+
+class _EngineRuns:
+    """The TensorRT vision engine (GPU hosts), on the model's current CUDA stream."""
+
+    def __init__(self, engine_dir: str | Path, device: int):
+        from ..vision.engine_runner import VisionEngine
+
+        self.engine = VisionEngine(engine_dir, device)
+
+    def fits(self, patches: int, images: int) -> bool:
+        return patches <= self.engine.sidecar.max_patches and images <= self.engine.sidecar.max_images
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        patches = int(feeds[io.VISION_SEGMENT_START.name].shape[0])
+        if patches > self.engine.sidecar.max_patches:
+            raise InputError(
+                f"an image of {patches} patches is over the vision engine's profile ({self.engine.sidecar.max_patches} "
+                "patches): build the engine with a larger --max-patches, or lower the preprocessing pixel limits"
+            )
+        return self.engine.run(feeds)
+
+
+class VisionBatching:
+    def __init__(
+        self,
+        vision_dir: str | Path,
+        llm_dtype: torch.dtype,
+        hidden_size: int,
+        attention_budget_bytes: int,
+        engine_dir: str | Path | None = None,
+        device: int = 0,
+    ):
+        """engine_dir: a build-vision-engine output to run instead of the ONNX export (GPU hosts)."""
+        self.backend: _OnnxRuntimeRuns | _EngineRuns = (
+            _EngineRuns(engine_dir, device) if engine_dir else _OnnxRuntimeRuns(vision_dir, attention_budget_bytes)
+        )
+        sidecar = VisionSidecar.load(vision_dir)
+        self.merge = sidecar.spatial_merge_size
+        self.patch_dim = sidecar.patch_dim
+        self.num_grid_per_side = sidecar.num_grid_per_side
+        self.llm_dtype, self.hidden_size = llm_dtype, hidden_size
+        self.runs = 0  # encoder runs so far (the tests read it)
 
     def warm_up(self) -> None:
-        """One small run, so the first request does not pay ONNX Runtime's initialization."""
+        """One small run, so the first request does not pay the encoder's initialization."""
         side = 2 * self.merge
         grid = np.array([[1, side, side]])
-        pixels = np.zeros((side * side, self.encoder.sidecar.patch_dim), np.float32)
-        self.encoder.run(self.encoder.inputs_for(pixels, grid))
+        feeds = vision_metadata(grid, self.merge, self.num_grid_per_side)
+        feeds[io.VISION_PIXELS.name] = np.zeros((side * side, self.patch_dim), np.float32)
+        self.backend.run({name: torch.as_tensor(value) for name, value in feeds.items()})
 
     def execute(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         images: list[_Image] = []
@@ -74,20 +129,19 @@ class VisionBatching:
                 n = int(t * h * w)
                 images.append(_Image(r, slice(start, start + n), n // self.merge**2))
                 start += n
-        embeds: list[np.ndarray] = []
-        deepstack: list[np.ndarray] = []
-        for run in plan_runs([im.patches.stop - im.patches.start for im in images], self.heads, self.budget):
+        embeds: list[torch.Tensor] = []
+        deepstack: list[torch.Tensor] = []
+        for run in plan_runs([im.patches.stop - im.patches.start for im in images], self.backend.fits):
             feeds = {
-                name: np.concatenate([_host(requests[images[i].request][name])[images[i].patches] for i in run])
+                name: torch.cat([torch.as_tensor(requests[images[i].request][name])[images[i].patches] for i in run])
                 for name in _PER_PATCH
             }
-            feeds[io.VISION_PIXELS.name] = feeds[io.VISION_PIXELS.name].astype(np.float32, copy=False)
-            image_embeds, deepstack_embeds = self.encoder.run(feeds)
+            image_embeds, deepstack_embeds = self.backend.run(feeds)
             self.runs += 1
             embeds.append(image_embeds)
             deepstack.append(deepstack_embeds)
-        all_embeds = torch.from_numpy(np.concatenate(embeds)) if embeds else None
-        all_deepstack = torch.from_numpy(np.concatenate(deepstack, axis=1)) if deepstack else None
+        all_embeds = torch.cat(embeds) if embeds else None
+        all_deepstack = torch.cat(deepstack, dim=1) if deepstack else None
         outputs = []
         first = 0
         for r, inputs in enumerate(requests):
@@ -99,15 +153,11 @@ class VisionBatching:
                 span = slice(first, first + tokens)
                 table = interleave_prompt_table(all_embeds[span], all_deepstack[:, span]).to(self.llm_dtype)
             else:
-                table = torch.zeros((1, self.hidden_size), dtype=self.llm_dtype)
+                device = all_embeds.device if all_embeds is not None else None
+                table = torch.zeros((1, self.hidden_size), dtype=self.llm_dtype, device=device)
             first += tokens
             outputs.append({io.PROMPT_TABLE.name: table.contiguous()})
         return outputs
-
-
-def _host(x: Any) -> np.ndarray:
-    """ONNX Runtime's CPU provider reads host arrays (pixels arrive in device memory on the GPU target)."""
-    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 _PER_PATCH = (
