@@ -106,7 +106,10 @@ def compile_varlen_attention(
             f"sm_{compute_capability}, over the {SHARED_MEMORY_LIMIT} a TensorRT launch gets"
         )
     ptx = strip_scratch_parameters(
-        compiled.asm["ptx"], metadata.name, len(TENSOR_ARGUMENTS), metadata.global_scratch_size,
+        compiled.asm["ptx"],
+        metadata.name,
+        len(TENSOR_ARGUMENTS),
+        metadata.global_scratch_size,
         metadata.profile_scratch_size,
     )
     target = re.search(r"^\.target (\S+)", ptx, re.MULTILINE)
@@ -149,12 +152,12 @@ def strip_scratch_parameters(
     hidden_names = [parameter.split()[-1] for parameter in hidden]
     if not all(".u64 .ptr" in parameter for parameter in hidden):
         raise ValueError(f"the trailing PTX parameters of {kernel_name} are not pointers: {hidden}")
-    body = ptx[entry.end():]
+    body = ptx[entry.end() :]
     for name in hidden_names:
         if re.search(rf"\b{name}\b", body):
             raise ValueError(f"{kernel_name} reads its scratch parameter {name}")
     kept = ",\n".join(parameters[:num_arguments])
-    return ptx[: entry.start(1)] + kept + ptx[entry.end(1):]
+    return ptx[: entry.start(1)] + kept + ptx[entry.end(1) :]
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,10 @@ def assemble(ptx: str, ptx_target: str) -> PtxasReport:
     ptxas = get_ptxas(parse_arch(ptx_target)).path
     result = subprocess.run(
         [ptxas, "-v", f"--gpu-name={ptx_target}", "-", "-o", "/dev/null"],
-        input=ptx, capture_output=True, text=True, check=False,
+        input=ptx,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise RuntimeError(f"ptxas failed for {ptx_target}:\n{result.stderr}")

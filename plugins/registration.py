@@ -88,8 +88,9 @@ def _declare(trt: Any, trtp: Any, capability: int) -> None:
         max_seqlen_carrier: trtp.TensorDesc,
     ) -> trtp.TensorDesc:
         if not (q.dtype == k.dtype == v.dtype) or q.dtype not in triton_dtypes:
-            raise ValueError(f"{PLUGIN_ID}: q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, "
-                             f"{k.dtype}, {v.dtype}")
+            raise ValueError(
+                f"{PLUGIN_ID}: q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
         if cu_seqlens.dtype != trt.int32:
             raise ValueError(f"{PLUGIN_ID}: cu_seqlens must be int32, got {cu_seqlens.dtype}")
         return q.like()

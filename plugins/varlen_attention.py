@@ -98,8 +98,9 @@ def kernel_constexprs(
 
 
 @triton.jit
-def _load_rows(base_ptr, rows, row_mask, col_start, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
-               ROW_STRIDE: tl.constexpr):
+def _load_rows(
+    base_ptr, rows, row_mask, col_start, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr
+):
     """Loads rows x [col_start, col_start + WIDTH) of one head, zero past the segment and past head_dim."""
     cols = col_start + tl.arange(0, WIDTH)
     mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
@@ -107,8 +108,9 @@ def _load_rows(base_ptr, rows, row_mask, col_start, WIDTH: tl.constexpr, HEAD_DI
 
 
 @triton.jit
-def _store_rows(base_ptr, values, rows, row_mask, col_start, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
-                ROW_STRIDE: tl.constexpr):
+def _store_rows(
+    base_ptr, values, rows, row_mask, col_start, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr
+):
     cols = col_start + tl.arange(0, WIDTH)
     mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
     tl.store(base_ptr + rows[:, None] * ROW_STRIDE + cols[None, :], values, mask=mask)
@@ -173,8 +175,9 @@ def varlen_attention_kernel(
         k_rows = key_start + tl.arange(0, BLOCK_N)
         k_mask = k_rows < seq_len
         k_main = _load_rows(k_base, k_rows, k_mask, 0, D_MAIN, HEAD_DIM, ROW_STRIDE)
-        scores = _dot(q_main, tl.trans(k_main), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION,
-                      UPCAST_DOTS)
+        scores = _dot(
+            q_main, tl.trans(k_main), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION, UPCAST_DOTS
+        )
         if D_TAIL > 0:
             k_tail = _load_rows(k_base, k_rows, k_mask, D_MAIN, D_TAIL, HEAD_DIM, ROW_STRIDE)
             scores = _dot(q_tail, tl.trans(k_tail), scores, DOT_PRECISION, UPCAST_DOTS)
@@ -238,10 +241,14 @@ def varlen_attention(
     interpreted = not isinstance(varlen_attention_kernel, JITFunction)
     # cu_seqlens stands in for the shape carrier: the kernel never reads that argument.
     varlen_attention_kernel[grid](
-        q, k, v, cu_seqlens, cu_seqlens, out,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        out,
         **kernel_constexprs(heads, head_dim, config, upcast_dots=interpreted and q.dtype == torch.bfloat16),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out
-

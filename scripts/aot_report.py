@@ -78,12 +78,30 @@ def report_rows(archs: list[str], heads: int) -> list[ReportRow]:
 
 
 def format_table(rows: list[ReportRow]) -> str:
-    header = ("target", "PTX", "dtype", "head_dim", "tile MxN", "warps", "stages", "regs", "spill st/ld B", "stack B",
-              "smem B")
+    header = (
+        "target",
+        "PTX",
+        "dtype",
+        "head_dim",
+        "tile MxN",
+        "warps",
+        "stages",
+        "regs",
+        "spill st/ld B",
+        "stack B",
+        "smem B",
+    )
     lines = [
         (
-            row.ptx_target, row.ptx_isa, row.dtype, str(row.head_dim), f"{row.block_m}x{row.block_n}",
-            str(row.num_warps), str(row.num_stages), str(row.registers), f"{row.spill_stores}/{row.spill_loads}",
+            row.ptx_target,
+            row.ptx_isa,
+            row.dtype,
+            str(row.head_dim),
+            f"{row.block_m}x{row.block_n}",
+            str(row.num_warps),
+            str(row.num_stages),
+            str(row.registers),
+            f"{row.spill_stores}/{row.spill_loads}",
             str(row.stack_frame),
             str(row.shared_memory) + ("" if row.ok else "  <-- FAIL"),
         )
@@ -103,8 +121,12 @@ def main() -> int:
     args = parser.parse_args()
     rows = report_rows([arch for arch in args.arch.split(",") if arch.strip()], args.heads)
     if args.json:
-        print(json.dumps({"shared_memory_limit": SHARED_MEMORY_LIMIT,
-                          "kernels": [asdict(row) | {"ok": row.ok} for row in rows]}, indent=2))
+        print(
+            json.dumps(
+                {"shared_memory_limit": SHARED_MEMORY_LIMIT, "kernels": [asdict(row) | {"ok": row.ok} for row in rows]},
+                indent=2,
+            )
+        )
     else:
         print(f"varlen attention, {args.heads} heads, shared memory limit {SHARED_MEMORY_LIMIT} B")
         print(format_table(rows))

@@ -60,8 +60,13 @@ def flash_varlen() -> Callable[..., torch.Tensor] | None:
 
 
 def measure(
-    batch: str, lengths: list[int], dtype_name: str, args: argparse.Namespace, device: torch.device,
-    flash: Callable[..., torch.Tensor] | None, generator: torch.Generator,
+    batch: str,
+    lengths: list[int],
+    dtype_name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    flash: Callable[..., torch.Tensor] | None,
+    generator: torch.Generator,
 ) -> dict:
     """Errors and median times of every method on one random batch."""
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -86,8 +91,14 @@ def measure(
     times = time_interleaved([synced(fn) for fn in methods.values()], args.warmup, args.repeats)
     ms = {name: 1e3 * statistics.median(t) for name, t in zip(methods, times, strict=True)}
     return {
-        "batch": batch, "patches": n, "segments": len(lengths), "longest": longest, "dtype": dtype_name,
-        "relative_error": errors, "median_ms": ms, "sdpa_loop_over_kernel": ms["sdpa_loop"] / ms["kernel"],
+        "batch": batch,
+        "patches": n,
+        "segments": len(lengths),
+        "longest": longest,
+        "dtype": dtype_name,
+        "relative_error": errors,
+        "median_ms": ms,
+        "sdpa_loop_over_kernel": ms["sdpa_loop"] / ms["kernel"],
         "kernel_vs_flash": ms["flash_varlen"] / ms["kernel"] if "flash_varlen" in ms else None,
     }
 
@@ -106,8 +117,10 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     flash = flash_varlen() if device.type == "cuda" else None
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET)"
-    print(f"device: {where}; flash-attn varlen: {'yes' if flash else 'not importable'}; "
-          f"heads {args.heads}, head_dim {args.head_dim}")
+    print(
+        f"device: {where}; flash-attn varlen: {'yes' if flash else 'not importable'}; "
+        f"heads {args.heads}, head_dim {args.head_dim}"
+    )
     generator = torch.Generator().manual_seed(0)
     rows = []
     for batch in args.batches:
@@ -117,20 +130,30 @@ def main() -> int:
     _print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    missed = [r for r in rows if r["sdpa_loop_over_kernel"] <= SDPA_LOOP_AIM
-              or (r["kernel_vs_flash"] is not None and r["kernel_vs_flash"] < FLASH_AIM)]
-    print(f"aims (faster than the SDPA loop, >= {FLASH_AIM}x flash-attn's speed): "
-          + ("met in every row" if not missed else f"missed in {len(missed)} of {len(rows)} rows"))
+    missed = [
+        r
+        for r in rows
+        if r["sdpa_loop_over_kernel"] <= SDPA_LOOP_AIM
+        or (r["kernel_vs_flash"] is not None and r["kernel_vs_flash"] < FLASH_AIM)
+    ]
+    print(
+        f"aims (faster than the SDPA loop, >= {FLASH_AIM}x flash-attn's speed): "
+        + ("met in every row" if not missed else f"missed in {len(missed)} of {len(rows)} rows")
+    )
     wrong = [r for r in rows if r["relative_error"]["kernel"] > TOLERANCE[r["dtype"]]]
     for r in wrong:
-        print(f"FAIL: kernel error {r['relative_error']['kernel']:.2e} on {r['batch']} {r['dtype']} exceeds "
-              f"{TOLERANCE[r['dtype']]:.1e}")
+        print(
+            f"FAIL: kernel error {r['relative_error']['kernel']:.2e} on {r['batch']} {r['dtype']} exceeds "
+            f"{TOLERANCE[r['dtype']]:.1e}"
+        )
     return 1 if wrong else 0
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = (f"{'batch':>10} {'N':>6} {'S':>3} {'dtype':>5} | {'kernel ms':>9} {'sdpa ms':>8} {'flash ms':>8} | "
-              f"{'sdpa/kernel':>11} {'flash/kernel':>12} | {'rel err kernel':>14} {'sdpa':>9} {'flash':>9}")
+    header = (
+        f"{'batch':>10} {'N':>6} {'S':>3} {'dtype':>5} | {'kernel ms':>9} {'sdpa ms':>8} {'flash ms':>8} | "
+        f"{'sdpa/kernel':>11} {'flash/kernel':>12} | {'rel err kernel':>14} {'sdpa':>9} {'flash':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -138,9 +161,11 @@ def _print_table(rows: list[dict]) -> None:
         flash_ms = f"{ms['flash_varlen']:8.3f}" if "flash_varlen" in ms else f"{'-':>8}"
         flash_err = f"{err['flash_varlen']:9.2e}" if "flash_varlen" in err else f"{'-':>9}"
         ratio = f"{r['kernel_vs_flash']:12.2f}" if r["kernel_vs_flash"] is not None else f"{'-':>12}"
-        print(f"{r['batch']:>10} {r['patches']:>6} {r['segments']:>3} {r['dtype']:>5} | {ms['kernel']:9.3f} "
-              f"{ms['sdpa_loop']:8.3f} {flash_ms} | {r['sdpa_loop_over_kernel']:11.2f} {ratio} | "
-              f"{err['kernel']:14.2e} {err['sdpa_loop']:9.2e} {flash_err}")
+        print(
+            f"{r['batch']:>10} {r['patches']:>6} {r['segments']:>3} {r['dtype']:>5} | {ms['kernel']:9.3f} "
+            f"{ms['sdpa_loop']:8.3f} {flash_ms} | {r['sdpa_loop_over_kernel']:11.2f} {ratio} | "
+            f"{err['kernel']:14.2e} {err['sdpa_loop']:9.2e} {flash_err}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,9 +72,17 @@ def check_tower(name: str, overrides: dict | None, dtypes: list[str], work: Path
             engine.run(batch, stream)
             stream.synchronize()
             times.append(time.perf_counter() - start)
-        rows.append({"tower": name, "dtype": dtype, "max_rel_error": max(errors), "tolerance": TOLERANCE[dtype],
-                     "patches": int(batch["segment_start"].shape[0]), "engine_ms": 1e3 * statistics.median(times),
-                     "build_s": seconds})
+        rows.append(
+            {
+                "tower": name,
+                "dtype": dtype,
+                "max_rel_error": max(errors),
+                "tolerance": TOLERANCE[dtype],
+                "patches": int(batch["segment_start"].shape[0]),
+                "engine_ms": 1e3 * statistics.median(times),
+                "build_s": seconds,
+            }
+        )
     return rows
 
 
@@ -90,8 +98,10 @@ def main() -> int:
     print(f"{'tower':>6} {'dtype':>5} {'patches':>7} | {'rel error':>9} {'tolerance':>9} | {'engine ms':>9} | builds s")
     for r in rows:
         builds = " then ".join(f"{s:.1f}" for s in r["build_s"])
-        print(f"{r['tower']:>6} {r['dtype']:>5} {r['patches']:>7} | {r['max_rel_error']:9.2e} {r['tolerance']:9.0e} | "
-              f"{r['engine_ms']:9.3f} | {builds} (timing cache reused)")
+        print(
+            f"{r['tower']:>6} {r['dtype']:>5} {r['patches']:>7} | {r['max_rel_error']:9.2e} {r['tolerance']:9.0e} | "
+            f"{r['engine_ms']:9.3f} | {builds} (timing cache reused)"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     failed = [r for r in rows if r["max_rel_error"] > r["tolerance"]]

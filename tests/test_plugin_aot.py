@@ -35,6 +35,8 @@ from qwen3vl_trt.plugins.aot import (
 from qwen3vl_trt.plugins.varlen_attention import launch_grid, shipped_config
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.once
+
 HEADS = 16
 
 
@@ -102,7 +104,10 @@ def test_aot_report_every_shipped_config() -> None:
     """scripts/aot_report.py: every shipped configuration on sm_80/86/89/90 without spills, within 48 KB."""
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "aot_report.py"), "--json"],
-        capture_output=True, text=True, check=False, timeout=900,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     report = json.loads(result.stdout)
@@ -182,8 +187,14 @@ def _native_tensorrt() -> _NativeModule:
             return self.creators[(name, version, namespace)]
 
     registry = PluginRegistry()
-    members = {"Dims": Dims, "DimsExprs": DimsExprs, "IDimensionExpr": IDimensionExpr, "Logger": Logger,
-               "get_plugin_registry": lambda: registry, "__version__": "10.14.1.48.post1"}
+    members = {
+        "Dims": Dims,
+        "DimsExprs": DimsExprs,
+        "IDimensionExpr": IDimensionExpr,
+        "Logger": Logger,
+        "get_plugin_registry": lambda: registry,
+        "__version__": "10.14.1.48.post1",
+    }
     for name, member in members.items():
         setattr(trt, name, member)
     return trt
@@ -228,8 +239,10 @@ def _load_tensorrt_plugin(trt: Any) -> types.ModuleType:
     """The wheel's plugin package imported as tensorrt.plugin, as the tensorrt package does."""
     plugin_dir = _tensorrt_plugin_sources()
     if plugin_dir is None:
-        pytest.skip("no tensorrt.plugin sources: pip install --no-deps tensorrt-cu12-bindings==10.14.1.48.post1, "
-                    "or run scripts/tensorrt_stubs.sh")
+        pytest.skip(
+            "no tensorrt.plugin sources: pip install --no-deps tensorrt-cu12-bindings==10.14.1.48.post1, "
+            "or run scripts/tensorrt_stubs.sh"
+        )
     spec = importlib.util.spec_from_file_location(
         "tensorrt.plugin", plugin_dir / "__init__.py", submodule_search_locations=[str(plugin_dir)]
     )
@@ -306,8 +319,14 @@ def test_registered_plugin_through_the_builder_calls(
 
     plugin.set_tactic(0)
     qkv_desc = _dynamic_desc(trt, dtype, (-1, HEADS, head_dim))
-    in_out = [qkv_desc, qkv_desc, qkv_desc, _dynamic_desc(trt, trt.int32, (-1,)),
-              _dynamic_desc(trt, trt.int32, (-1,)), qkv_desc]
+    in_out = [
+        qkv_desc,
+        qkv_desc,
+        qkv_desc,
+        _dynamic_desc(trt, trt.int32, (-1,)),
+        _dynamic_desc(trt, trt.int32, (-1,)),
+        qkv_desc,
+    ]
     launch = types.SimpleNamespace()
     extra_args = types.SimpleNamespace(nbSymExprs=None)
     plugin.get_launch_params(inputs, in_out, 5, launch, extra_args, builder)

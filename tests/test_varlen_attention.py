@@ -21,6 +21,8 @@ import pytest
 import torch
 from qwen3vl_trt.plugins.reference import varlen_attention_reference
 
+pytestmark = pytest.mark.once
+
 HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +86,9 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(directory / "inputs.pt"), str(directory / "outputs.pt")],
-        env=env, check=True, timeout=300,
+        env=env,
+        check=True,
+        timeout=300,
     )
     return cases, torch.load(directory / "outputs.pt")
 

@@ -89,8 +89,14 @@ def test_profile_limits(values, message):
 def test_profile_shapes_cover_patches_segments_and_the_longest_segment(plugin_export):
     inputs = VisionSidecar.load(plugin_export).contract()["inputs"]
     shapes = VisionEngineProfile(min_patches=8, opt_patches=1024, max_patches=16384, max_images=16).input_shapes(inputs)
-    assert list(shapes) == ["pixel_values", "pos_embed_idx", "pos_embed_w", "rotary_pos", "cu_seqlens",
-                            "max_seqlen_carrier"]
+    assert list(shapes) == [
+        "pixel_values",
+        "pos_embed_idx",
+        "pos_embed_w",
+        "rotary_pos",
+        "cu_seqlens",
+        "max_seqlen_carrier",
+    ]
     assert shapes["pixel_values"] == {"min": [8, 1536], "opt": [1024, 1536], "max": [16384, 1536]}
     assert shapes["pos_embed_idx"]["max"] == [16384, 4] and shapes["rotary_pos"]["min"] == [8, 2]
     assert shapes["cu_seqlens"] == {"min": [2], "opt": [2], "max": [17]}
@@ -110,8 +116,14 @@ def _engine_dir(plugin_export, tmp_path, **changes):
     shutil.copyfile(plugin_export / "vision_config.json", engine / "vision_config.json")
     export = VisionSidecar.load(engine)
     sidecar = engine_sidecar(
-        export, VisionEngineProfile(), tensorrt_version="10.14.1.48", gpu_name="NVIDIA H100 80GB HBM3",
-        compute_capability=(9, 0), plugin_capability=90, optimization_level=3, timing_cache="timing.cache",
+        export,
+        VisionEngineProfile(),
+        tensorrt_version="10.14.1.48",
+        gpu_name="NVIDIA H100 80GB HBM3",
+        compute_capability=(9, 0),
+        plugin_capability=90,
+        optimization_level=3,
+        timing_cache="timing.cache",
     )
     sidecar.update(changes)
     (engine / "vision_engine.json").write_text(json.dumps(sidecar))
@@ -182,9 +194,10 @@ def test_build_records_the_vision_engine_stage_as_skipped(tiny_dense, tmp_path):
     assert stage["status"] == "skipped" and "tensorrt is not importable" in stage["reason"]
     layout = BuildLayout(tmp_path / "b")
     assert f"--variant plugin --dtype bf16 --output {layout.vision_plugin}" in stage["rerun_on_gpu_host"]
-    assert f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}" in stage[
-        "rerun_on_gpu_host"
-    ]
+    assert (
+        f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}"
+        in stage["rerun_on_gpu_host"]
+    )
     assert not layout.vision_plugin.exists() and not layout.vision_engine.exists()
     assert any(line.startswith(f"stage {VISION_ENGINE_STAGE}: SKIPPED") for line in lines)
     assert json.loads(layout.manifest.read_text())["stages"] == manifest["stages"]

@@ -77,13 +77,17 @@ def test_attention_nodes_are_what_tensorrts_parser_resolves_to_the_plugin(tower,
         assert [types[i] for i in node.input[:3]] == [onnx.TensorProto.FLOAT] * 3
         assert list(node.input[3:]) == [CU_SEQLENS.name, MAX_SEQLEN_CARRIER.name]
     assert sidecar["graph_variant"] == "plugin"
-    assert sidecar["attention_plugin"]["attributes"] == {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": "1",
-                                                         "aot": 1}
+    assert sidecar["attention_plugin"]["attributes"] == {
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "plugin_version": "1",
+        "aot": 1,
+    }
     assert [i["name"] for i in sidecar["inputs"]] == graph_inputs
     assert sidecar["inputs"][4]["shape"] == ["S+1"] and sidecar["inputs"][5]["shape"] == ["L"]
-    assert contract_sha256(sidecar["inputs"] + sidecar["outputs"]) == VisionSidecar.load(
-        plugin_exports[tower]
-    ).contract_sha256()
+    assert (
+        contract_sha256(sidecar["inputs"] + sidecar["outputs"])
+        == VisionSidecar.load(plugin_exports[tower]).contract_sha256()
+    )
 
 
 def _has_n_by_n_tensor(model: onnx.ModelProto) -> bool:
