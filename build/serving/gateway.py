@@ -14,6 +14,7 @@ away mid-stream, cancels the request on the server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import time
@@ -50,6 +51,9 @@ from .server import gateway_options, host_port
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 DEFAULT_PORT = 9000
+# Each request in flight waits for its next response on a worker thread (the gRPC client blocks); anyio's
+# default of 40 would queue the 41st concurrent stream's tokens behind the others.
+WORKER_THREADS = 512
 
 
 @dataclass(frozen=True)
@@ -497,7 +501,15 @@ def _event(payload: dict[str, Any]) -> str:
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     gateway = Gateway(settings)
-    app = FastAPI(title="qwen3vl-trt", summary="OpenAI-compatible chat completions over a Triton deployment")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+        yield
+
+    app = FastAPI(
+        title="qwen3vl-trt", summary="OpenAI-compatible chat completions over a Triton deployment", lifespan=lifespan
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
