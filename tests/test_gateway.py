@@ -299,3 +299,16 @@ def test_triton_unreachable_is_503(served, tmp_path):
         assert error["type"] == "server_error" and dead in error["message"]
     finally:
         gateway.stop()
+
+
+def test_the_gateway_alone_reads_the_deployment_from_the_server(served):
+    port = _free_port()
+    args = ["openai", "--triton-url", served.grpc_url, "--port", str(port), "--served-model-name", "qwen3-vl"]
+    gateway = Gateway(args, port, served.log.parent / "openai-alone.log", timeout_s=120)
+    try:
+        alone = gateway.client().chat.completions.create(model="qwen3-vl", messages=_user(PROMPT, PHOTO), max_tokens=8)
+        beside = served.client().chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=8)
+        assert alone.choices[0].message.content == beside.choices[0].message.content
+        assert alone.usage == beside.usage
+    finally:
+        gateway.stop()

@@ -133,7 +133,7 @@ class VisionEncoder(_BatchModel):
             getattr(torch, self.params["llm_dtype"]),
             int(self.params["llm_hidden_size"]),
             int(self.params["attention_budget_bytes"]),
-            engine_dir=self.params["vision_engine_dir"] or None,
+            engine_dir=self.params.get("vision_engine_dir") or None,  # repositories of earlier versions have none
             device=self.device_id,
         )
         self.component.warm_up()
