@@ -118,3 +118,4 @@ def test_vision_runs_are_cut_at_image_boundaries_to_what_fits():
 
     assert plan_runs([10, 10, 30, 5, 5, 5], within) == [[0, 1], [2], [3, 4], [5]]
     assert plan_runs([], within) == []
+    assert plan_runs([10, 10], within, segments_per_image=[2, 1]) == [[0], [1]]  # a video's frame pairs count each

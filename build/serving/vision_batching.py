@@ -36,20 +36,25 @@ class _Image:
     request: int
     patches: slice  # of the request's patch rows
     tokens: int
+    segments: int  # attention segments: one per temporal patch
 
 
-def plan_runs(patches_per_image: Sequence[int], fits: Callable[[int, int], bool]) -> list[list[int]]:
-    """Consecutive image indices per run: an image joins the run before it while fits(patches, images)
-    holds for the grown run; an image that fits nowhere runs alone."""
+def plan_runs(
+    patches_per_image: Sequence[int], fits: Callable[[int, int], bool], segments_per_image: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Consecutive image indices per run: an image joins the run before it while fits(patches, segments)
+    holds for the grown run; an image that fits nowhere runs alone. Segments are the attention segments
+    (one per temporal patch, so a video frame pair each; default one per image)."""
+    segments_per_image = segments_per_image or [1] * len(patches_per_image)
     runs: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(patches_per_image):
-        if runs and fits(size + n, len(runs[-1]) + 1):
+    size = segments = 0
+    for i, (n, k) in enumerate(zip(patches_per_image, segments_per_image, strict=True)):
+        if runs and fits(size + n, segments + k):
             runs[-1].append(i)
-            size += n
+            size, segments = size + n, segments + k
         else:
             runs.append([i])
-            size = n
+            size, segments = n, k
     return runs
 
 
@@ -61,7 +66,7 @@ class _OnnxRuntimeRuns:
         self.heads = int(self.encoder.sidecar.raw["num_heads"])
         self.budget = attention_budget_bytes
 
-    def fits(self, patches: int, _images: int) -> bool:
+    def fits(self, patches: int, _segments: int) -> bool:
         return _ATTENTION_COPIES * 4 * self.heads * patches**2 <= self.budget
 
     def run(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,17 +84,11 @@ class _EngineRuns:
 
         self.engine = VisionEngine(engine_dir, device)
 
-    def fits(self, patches: int, images: int) -> bool:
-        return patches <= self.engine.sidecar.max_patches and images <= self.engine.sidecar.max_images
+    def fits(self, patches: int, segments: int) -> bool:
+        return patches <= self.engine.sidecar.max_patches and segments <= self.engine.sidecar.max_images
 
     def run(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        patches = int(feeds[io.VISION_SEGMENT_START.name].shape[0])
-        if patches > self.engine.sidecar.max_patches:
-            raise InputError(
-                f"an image of {patches} patches is over the vision engine's profile ({self.engine.sidecar.max_patches} "
-                "patches): build the engine with a larger --max-patches, or lower the preprocessing pixel limits"
-            )
-        return self.engine.run(feeds)
+        return self.engine.run(feeds)  # refuses a run over the profile (a single image too large for it)
 
 
 class VisionBatching:
@@ -127,11 +126,12 @@ class VisionBatching:
             start = 0
             for t, h, w in np.asarray(inputs[io.IMAGE_GRID_THW.name]).reshape(-1, 3):
                 n = int(t * h * w)
-                images.append(_Image(r, slice(start, start + n), n // self.merge**2))
+                images.append(_Image(r, slice(start, start + n), n // self.merge**2, int(t)))
                 start += n
         embeds: list[torch.Tensor] = []
         deepstack: list[torch.Tensor] = []
-        for run in plan_runs([im.patches.stop - im.patches.start for im in images], self.backend.fits):
+        patches = [im.patches.stop - im.patches.start for im in images]
+        for run in plan_runs(patches, self.backend.fits, [im.segments for im in images]):
             feeds = {
                 name: torch.cat([torch.as_tensor(requests[images[i].request][name])[images[i].patches] for i in run])
                 for name in _PER_PATCH

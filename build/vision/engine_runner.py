@@ -88,7 +88,8 @@ class VisionEngine:
         if patches > self.sidecar.max_patches or num_segments > self.sidecar.max_images:
             raise InputError(
                 f"a vision engine run takes at most {self.sidecar.max_patches} patches in "
-                f"{self.sidecar.max_images} segments, got {patches} in {num_segments}: split the batch"
+                f"{self.sidecar.max_images} segments, got {patches} in {num_segments}: split the batch, or build "
+                "the engine with larger --max-patches / --max-images"
             )
         with torch.cuda.stream(stream):
             feeds = {spec.name: self._device_tensor(spec.name, per_patch[spec.name]) for spec in VISION_INPUTS}
