@@ -6,3 +6,13 @@ Importing this package never needs TensorRT or a GPU."""
 PLUGIN_NAMESPACE = "qwen3vl_trt"
 PLUGIN_NAME = "varlen_attention"
 PLUGIN_VERSION = "1"
+
+
+def __getattr__(name: str) -> object:
+    # The entry point is imported on first use: it needs torch and the Triton language, which the ONNX export (a user
+    # of the names above) does not.
+    if name == "varlen_attention":
+        from .varlen_kernel import varlen_attention
+
+        return varlen_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

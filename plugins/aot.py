@@ -10,9 +10,11 @@ AOT plugin launch, which passes exactly the plugin's tensors (and int32 extra ar
 - dynamic shared memory must stay within 48 KB, what a launch gets without opting in to more.
 """
 
+import inspect
 import re
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -20,7 +22,7 @@ from triton.backends.nvidia.compiler import get_ptxas, ptx_get_version
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from .varlen_attention import TileConfig, kernel_constexprs, shipped_config, varlen_attention_kernel
+from .varlen_kernel import TileConfig, kernel_constexprs, shipped_config, varlen_attention_kernel
 
 # CUDA 13.0 accepts PTX ISA 9.0 at most.
 MAX_PTX_VERSION = 90
@@ -64,9 +66,20 @@ def parse_arch(arch: str) -> int:
     return int(match.group(1))
 
 
+def ptxas_for(compute_capability: int) -> Any:
+    """The ptxas tool (`.path`, `.version`) that Triton compiles this target with.
+
+    The GPU image's Triton 3.5.1 has `get_ptxas()` without a parameter (triton/backends/nvidia/compiler.py, v3.5.1:
+    `def get_ptxas() -> knobs.NvidiaTool`); newer versions take the compute capability, to pick a separate ptxas for
+    Blackwell. Both are called as their signature says.
+    """
+    arguments: tuple[int, ...] = (compute_capability,) if inspect.signature(get_ptxas).parameters else ()
+    return get_ptxas(*arguments)
+
+
 def ptx_version(compute_capability: int) -> int:
     """The PTX ISA of the kernels for a target: 9.0 or the newest its bundled ptxas takes, whichever is older."""
-    return min(MAX_PTX_VERSION, ptx_get_version(get_ptxas(compute_capability).version))
+    return min(MAX_PTX_VERSION, ptx_get_version(ptxas_for(compute_capability).version))
 
 
 def compile_varlen_attention(
@@ -176,7 +189,7 @@ def assemble(ptx: str, ptx_target: str) -> PtxasReport:
 
     ptx_target is the PTX's .target (sm_90a); raises on assembly errors.
     """
-    ptxas = get_ptxas(parse_arch(ptx_target)).path
+    ptxas = ptxas_for(parse_arch(ptx_target)).path
     result = subprocess.run(
         [ptxas, "-v", f"--gpu-name={ptx_target}", "-", "-o", "/dev/null"],
         input=ptx,

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import GpuStackMissingError
 from . import PLUGIN_NAME, PLUGIN_NAMESPACE
 from .aot import AotKernel, compile_varlen_attention
-from .varlen_attention import shipped_config
+from .varlen_kernel import shipped_config
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
 INPUT_NAMES = ("q", "k", "v", "cu_seqlens", "max_seqlen_carrier")
@@ -110,7 +110,7 @@ def _declare(trt: Any, trtp: Any, capability: int) -> None:
         kernel = compiled(dtype, heads, head_dim)
         config = shipped_config(head_dim, dtype)
         launch = trtp.KernelLaunchParams()
-        # The grid of varlen_attention.launch_grid, from shapes only: (query blocks of the longest segment, S, heads).
+        # The grid of varlen_kernel.launch_grid, from shapes only: (query blocks of the longest segment, S, heads).
         launch.grid_x = trtp.cdiv(max_seqlen_carrier.shape_expr[0], config.block_m)
         launch.grid_y = cu_seqlens.shape_expr[0] - 1
         launch.grid_z = heads

@@ -19,7 +19,7 @@ from qwen3vl_trt.plugins.aot import (
     compile_varlen_attention,
     parse_arch,
 )
-from qwen3vl_trt.plugins.varlen_attention import SHIPPED_CONFIGS
+from qwen3vl_trt.plugins.varlen_kernel import SHIPPED_CONFIGS
 
 DEFAULT_ARCHS = "sm_80,sm_86,sm_89,sm_90"
 # Both Qwen3-VL vision towers have 16 heads; the head count only changes the compiled row stride.

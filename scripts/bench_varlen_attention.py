@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from benchutil import time_interleaved
 from qwen3vl_trt.plugins.reference import varlen_attention_reference
-from qwen3vl_trt.plugins.varlen_attention import varlen_attention
+from qwen3vl_trt.plugins.varlen_kernel import varlen_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Images per batch x patches per image; "mixed" draws each image's patch count from 1024..4096.

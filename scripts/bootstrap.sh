@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) .venv with qwen3vl-trt, its dev tools, and an overlay holding
-# transformers 4.57.3 (what the GPU image pins) so the tests run against both 4.57 and 5.x.
+# Creates (or refreshes) .venv with qwen3vl-trt, its dev tools, and two overlays of the GPU image's versions:
+# transformers 4.57.3 (the tests run against both 4.57 and 5.x), and the GPU-side packages whose wheels install on a
+# CPU machine (the Triton language, tritonclient/protobuf, nvImageCodec: build/gpu_image.py says which and why).
 # Idempotent: does nothing when pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ venv=${QWEN3VL_VENV:-.venv}
 torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 
 stamp="$venv/.bootstrap-stamp"
-want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $torch_spec"
+want="$(cat pyproject.toml scripts/bootstrap.sh build/gpu_image.py | sha256sum | cut -d' ' -f1) $torch_spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -29,5 +30,9 @@ PYTHON="$venv/bin/python" scripts/tensorrt_stubs.sh "$venv/typing-tensorrt" >> "
 rm -rf "$venv/overlay-tf457"
 "${pip[@]}" install --no-deps --target "$venv/overlay-tf457" \
     "transformers==4.57.3" "huggingface-hub>=0.34,<1.0" "tokenizers>=0.22,<=0.23.0" >> "$log" 2>&1
+rm -rf "$venv/overlay-gpu-image"
+# shellcheck disable=SC2046
+"${pip[@]}" install --no-deps --target "$venv/overlay-gpu-image" \
+    $("$venv/bin/python" build/gpu_image.py overlay) >> "$log" 2>&1
 echo "$want" > "$stamp"
 echo "bootstrap: $venv ready" >&2

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: lint, then pytest under transformers 5.x and again under 4.57.3 (the GPU image's pin).
+# The test suite: lint, then pytest under transformers 5.x, again under 4.57.3 (the GPU image's pin), and the
+# GPU-side checks once more at the GPU image's versions (build/gpu_image.py): the Triton language 3.5.1 (kernel in
+# the interpreter, AOT compile and ptxas report), tritonclient/protobuf (config generation), nvImageCodec.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +15,8 @@ echo "== tests with transformers 5.x"
 # (marker once).
 echo "== tests with transformers 4.57.3"
 PYTHONPATH=.venv/overlay-tf457 .venv/bin/python -m pytest -m "not server and not once" "$@"
+echo "== GPU-side checks at the GPU image's versions (build/gpu_image.py)"
+image=(env PYTHONPATH=.venv/overlay-gpu-image QWEN3VL_GPU_IMAGE_PASS=1)
+# Among them tests/test_plugin_aot.py runs scripts/aot_report.py: zero spills for every shipped configuration, here
+# under Triton 3.5.1 as in the first pass under the development version.
+"${image[@]}" .venv/bin/python -m pytest -m gpu_image "$@"

@@ -32,10 +32,10 @@ from qwen3vl_trt.plugins.aot import (
     parse_arch,
     strip_scratch_parameters,
 )
-from qwen3vl_trt.plugins.varlen_attention import launch_grid, shipped_config
+from qwen3vl_trt.plugins.varlen_kernel import launch_grid, shipped_config
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.once, pytest.mark.gpu_image]
 
 HEADS = 16
 

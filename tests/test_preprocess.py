@@ -296,6 +296,7 @@ def test_serving_pixel_cap_equals_processor_with_those_bounds(name, tiny_dense, 
     assert (request.pixel_values - out["pixel_values"]).abs().max().item() <= PIXEL_TOLERANCE
 
 
+@pytest.mark.gpu_image
 def test_nvimgcodec_cpu_decoder_equals_pillow(tiny_dense):
     """The GPU path's decoder code, run on nvImageCodec's CPU backend: same frames as Pillow."""
     pytest.importorskip("nvidia.nvimgcodec")

@@ -20,6 +20,9 @@ from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.repository import REPOSITORY_FILE, model_configs
 from qwen3vl_trt.serving.vision_batching import plan_runs
 
+# Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
+pytestmark = pytest.mark.gpu_image
+
 
 def _quiet(*_args, **_kwargs) -> None:
     pass

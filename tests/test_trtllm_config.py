@@ -17,6 +17,9 @@ from qwen3vl_trt.serving.config import parse, to_text
 from qwen3vl_trt.serving.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config
 from tritonclient.grpc import model_config_pb2 as mc
 
+# Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
+pytestmark = pytest.mark.gpu_image
+
 INSTANCE = "triton_backend/inflight_batcher_llm/src/model_instance_state.cc"
 CONFIG = "triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt"
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from qwen3vl_trt.plugins.reference import varlen_attention_reference
 
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.once, pytest.mark.gpu_image]
 
 HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
@@ -156,8 +156,20 @@ def test_reference_is_per_segment_sdpa() -> None:
     assert half.dtype == torch.float16
 
 
+def test_package_exports_the_entry_point_not_the_module() -> None:
+    import types
+
+    from qwen3vl_trt import plugins
+    from qwen3vl_trt.plugins import varlen_attention
+    from qwen3vl_trt.plugins.varlen_kernel import varlen_attention as kernel_entry
+
+    assert not isinstance(varlen_attention, types.ModuleType) and varlen_attention is kernel_entry
+    with pytest.raises(AttributeError):
+        plugins.no_such_name  # noqa: B018
+
+
 def test_entry_point_rejects_bad_inputs() -> None:
-    from qwen3vl_trt.plugins.varlen_attention import varlen_attention
+    from qwen3vl_trt.plugins import varlen_attention
 
     case = _inputs([4, 4], 72, torch.float16, seed=4)
     q, k, v, cu_seqlens = case["q"], case["k"], case["v"], case["cu_seqlens"]
@@ -173,7 +185,7 @@ def test_entry_point_rejects_bad_inputs() -> None:
 
 def _run_cases(inputs_path: str, outputs_path: str) -> None:
     """Child process (TRITON_INTERPRET=1): the kernel on every case, at its shipped tile configuration."""
-    from qwen3vl_trt.plugins.varlen_attention import varlen_attention
+    from qwen3vl_trt.plugins.varlen_kernel import varlen_attention
 
     cases = torch.load(inputs_path)
     outputs = {}

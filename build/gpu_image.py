@@ -1,0 +1,170 @@
+"""The GPU image's own versions: what the GPU-side code runs with, recorded once, with where each was read.
+
+The GPU code path (the plugin's AOT compile, the TensorRT-LLM launcher, the tensorrtllm config, nvImageCodec decoding)
+must be checked at these versions, not at the development environment's: the tests run the parts whose wheels install
+on a CPU machine again in an environment of these versions (scripts/test.sh, `python -m qwen3vl_trt.gpu_image
+overlay`), and the Dockerfile stops when the image it builds on has others (`python3 gpu_image.py check`).
+
+Standard library only: the Dockerfile runs this file by path before the package is installed.
+
+Image: nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 (TensorRT-LLM 1.2.1; 26.05-26.07 have the same row in
+Triton's compatibility matrix, 26.03 ships 1.2.0).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+TRITON_TAG = "26.04"
+
+_MATRIX = "triton-inference-server/server r26.04 docs/introduction/compatibility.md (trtllm-python-py3 table)"
+_BACKEND_DOCKERFILE = "triton-inference-server/tensorrtllm_backend r26.04 dockerfile/Dockerfile.triton.trt_llm_backend"
+
+
+@dataclass(frozen=True)
+class ImagePackage:
+    """One Python distribution of the GPU image. provider "image": the base image installs it and the Dockerfile
+    keeps it (pip constraints); "qwen3vl-trt": our Dockerfile installs it at this version; "resolved": neither pins
+    it, pip resolves it within its dependents' bounds, and the tests take the bound recorded here."""
+
+    distribution: str
+    version: str
+    source: str
+    provider: str = "image"
+    # Other names the same code is installed under (the image copies PyTorch's Triton as pytorch-triton).
+    aliases: tuple[str, ...] = ()
+    # Whether the CPU test environment of these versions installs it (a wheel that works without a GPU).
+    tested_here: bool = False
+
+    @property
+    def pip_spec(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+
+IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
+    ImagePackage("tensorrt_llm", "1.2.1", f"{_MATRIX}; {_BACKEND_DOCKERFILE}: TENSORRTLLM_VER=1.2.1"),
+    ImagePackage("tensorrt", "10.14.1.48", f"{_MATRIX}; {_BACKEND_DOCKERFILE}: TRT_VER=10.14.1.48 (CUDA 13.0 tarball)"),
+    ImagePackage(
+        "triton",
+        "3.5.1",
+        f"{_BACKEND_DOCKERFILE}: PIP_WHL_VER_PYTORCH_TRITON=3.5.1+gitbfeb0668.nv25.12 (copied from pytorch:25.12-py3)",
+        aliases=("pytorch-triton",),
+        tested_here=True,
+    ),
+    ImagePackage(
+        "torch", "2.10.0a0", f"{_MATRIX}; {_BACKEND_DOCKERFILE}: PIP_WHL_VER_TORCH=2.10.0a0+b4e4ee81d3.nv25.12"
+    ),
+    ImagePackage("transformers", "4.57.3", "TensorRT-LLM 1.2.1 requirements.txt (transformers==4.57.3)"),
+    # Not pinned by the image (neither its Dockerfile nor Triton's build.py installs it): ours, matching the server.
+    ImagePackage(
+        "tritonclient",
+        "2.68.0",
+        "Triton 2.68.0 is the 26.04 server (triton-inference-server/server r26.04 build.py release_version)",
+        provider="qwen3vl-trt",
+        tested_here=True,
+    ),
+    # Not pinned by the image either. tritonclient 2.68.0's grpc extra takes protobuf >=6.30.0,<7, and onnx's generated
+    # code (onnx 1.19 and later, which the image's TensorRT-LLM and our export import in the same process) refuses a
+    # runtime older than 6.31.1: the oldest protobuf the image can run both with is tested.
+    ImagePackage(
+        "protobuf",
+        "6.31.1",
+        "tritonclient 2.68.0 METADATA: protobuf <7.0,>=6.30.0; onnx_ml_pb2 gencode 6.31.1 needs runtime >= 6.31.1",
+        provider="resolved",
+        tested_here=True,
+    ),
+    ImagePackage(
+        "grpcio",
+        "1.67.1",
+        "tritonclient 2.68.0 METADATA: grpcio <1.68,>=1.63.0 (grpc extra); the newest it allows",
+        provider="resolved",
+        tested_here=True,
+    ),
+    # Not a TensorRT-LLM dependency: our gpu extra installs it.
+    ImagePackage(
+        "nvidia-nvimgcodec-cu13",
+        "0.9.0.20",
+        "pyproject.toml gpu extra (CUDA 13 build; the image's CUDA is 13.1)",
+        provider="qwen3vl-trt",
+        tested_here=True,
+    ),
+)
+PYTHON_VERSION = "3.12"  # the image's /opt/venv-tritonserver (python3.12 -m venv): _BACKEND_DOCKERFILE
+TRITONSERVER_VERSION = "2.68.0"
+CUDA_VERSION = "13.1"  # _MATRIX: CUDA 13.1.0.036; TensorRT's tarball is built for 13.0, so PTX ISA 9.0 at most
+
+
+def package(distribution: str) -> ImagePackage:
+    for entry in IMAGE_PACKAGES:
+        if entry.distribution == distribution:
+            return entry
+    raise KeyError(distribution)
+
+
+def base_version(version: str) -> str:
+    """'3.5.1+gitbfeb0668.nv25.12' -> '3.5.1': local labels name the build, not the release."""
+    return version.split("+", 1)[0]
+
+
+def installed_version(entry: ImagePackage) -> str | None:
+    for name in (entry.distribution, *entry.aliases):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def mismatches(entries: tuple[ImagePackage, ...] = IMAGE_PACKAGES) -> list[str]:
+    """What is installed here at another version than the image's (missing packages included)."""
+    problems = []
+    for entry in entries:
+        found = installed_version(entry)
+        if found is None:
+            problems.append(f"{entry.distribution} is not installed (the GPU image has {entry.version})")
+        elif base_version(found) != entry.version:
+            problems.append(f"{entry.distribution} is {found}, the GPU image's is {entry.version} ({entry.source})")
+    return problems
+
+
+def _main(argv: list[str]) -> int:
+    usage = (
+        "usage: gpu_image.py check [image|all] | constraints | overlay\n"
+        "  check image: the base image's packages are the recorded ones (before qwen3vl-trt is installed)\n"
+        "  check all: every recorded package, ours included (after)\n"
+        "  constraints: pip constraints for the packages qwen3vl-trt installs into the image\n"
+        "  overlay: pip requirements of the CPU test environment at the image's versions"
+    )
+    if not argv or argv[0] not in ("check", "constraints", "overlay"):
+        print(usage, file=sys.stderr)
+        return 2
+    if argv[0] == "constraints":
+        print("\n".join(e.pip_spec for e in IMAGE_PACKAGES if e.provider == "qwen3vl-trt"))
+        return 0
+    if argv[0] == "overlay":
+        print("\n".join(e.pip_spec for e in IMAGE_PACKAGES if e.tested_here))
+        return 0
+    scope = argv[1] if len(argv) > 1 else "all"
+    pinned = ("image", "qwen3vl-trt") if scope == "all" else ("image",)
+    entries = tuple(e for e in IMAGE_PACKAGES if e.provider in pinned)
+    problems = mismatches(entries)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if python != PYTHON_VERSION:
+        problems.append(f"Python is {python}, the GPU image's is {PYTHON_VERSION}")
+    for problem in problems:
+        print(f"gpu_image: {problem}", file=sys.stderr)
+    if problems:
+        print(
+            f"gpu_image: this is not the image qwen3vl-trt is built for (tritonserver:{TRITON_TAG}-trtllm-python-py3); "
+            "choose another TRITON_TAG or update build/gpu_image.py after checking the code against the new versions",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"gpu_image: {len(entries)} packages at the recorded versions")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
