@@ -94,7 +94,9 @@ def test_parameters_the_backend_cannot_load_without(tmp_path):
 def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
     params = _params(_config(tmp_path, kv_cache_free_gpu_mem_fraction=0.85))
     assert params["enable_kv_cache_reuse"] in TRUE  # safe: one extra id per prompt token (test_extra_ids.py)
-    assert params["exclude_input_in_output"] in TRUE
+    # The request input overrides this parameter whenever sent (utils.cc), and preprocessing always sends it.
+    assert "exclude_input_in_output" not in params
+    assert io.EXCLUDE_INPUT in io.LLM_REQUEST
     assert params["batch_scheduler_policy"] in BATCH_SCHEDULER_POLICIES
     assert float(params["kv_cache_free_gpu_mem_fraction"]) == 0.85
     assert int(params["max_beam_width"]) == 1

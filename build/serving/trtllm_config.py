@@ -21,6 +21,9 @@ belongs to (read at NVIDIA/TensorRT-LLM commit 0c8de69a, tensorrt_llm/version.py
 - all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: input names, types, dims, the
   `reshape: { shape: [ ] }` of per-request scalars and allow_ragged_batch; instance_group KIND_CPU
   count 1 (the backend places the engine on its devices itself, gpu_device_ids).
+- exclude_input_in_output: the request input of that name overrides the parameter whenever it is sent
+  (utils.cc: "If specified in request, set from request"), and preprocessing always sends it (the client's
+  value, default false), so no parameter is written.
 - Outputs: fillTritonResponse throws unless output_ids and sequence_length are both requested, so a
   caller (the ensemble) must ask for both.
 - utils.cc getMropeConfigFromTensors uses mrope inputs only when both are sent, and reads the INT64
@@ -117,7 +120,6 @@ def tensorrt_llm_model_config(
         "enable_kv_cache_reuse": True,
         "batch_scheduler_policy": batch_scheduler_policy,
         "max_beam_width": 1,
-        "exclude_input_in_output": True,  # output ids carry fake visual ids; postprocessing echoes the real prompt
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
     }
     if gpus:
