@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from qwen3vl_trt.checkpoint import Checkpoint
@@ -76,6 +79,24 @@ def parity(checkpoints, vision_exports):
 def random_pixels(grid_thw, patch_dim: int = 1536, seed: int = 0) -> np.ndarray:
     n = num_patches(np.asarray(grid_thw))
     return np.random.default_rng(seed).uniform(-1, 1, size=(n, patch_dim)).astype(np.float32)
+
+
+# The stand-in for TensorRT-LLM 1.2.1 (tests/trtllm_standin/README.md): a package named tensorrt_llm.
+TRTLLM_STANDIN = Path(__file__).parent / "trtllm_standin"
+
+
+@pytest.fixture
+def trtllm_standin(monkeypatch):
+    """The TensorRT-LLM stand-in importable as `tensorrt_llm` for one test; its path (for subprocesses).
+
+    The package's engine_model is imported first, so it keeps seeing TensorRT-LLM absent (tests load private copies
+    of it over the stand-in); the stand-in's modules leave sys.modules with the test."""
+    import qwen3vl_trt.llm.engine_model  # noqa: F401
+
+    monkeypatch.syspath_prepend(str(TRTLLM_STANDIN))
+    yield TRTLLM_STANDIN
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
 
 
 def pytest_report_header(config):

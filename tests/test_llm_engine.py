@@ -1,18 +1,17 @@
-"""build-llm-engine: trtllm-build flags from the EngineLimits, the GPU-host command, what the launcher
-hands TensorRT-LLM's parallel build (over a stand-in for tensorrt_llm's builder API, which cannot be
-installed here), and the DeepStack index arithmetic shared by the engine model and the runtime."""
+"""build-llm-engine: trtllm-build flags from the EngineLimits, the GPU-host command, the launcher over
+the TensorRT-LLM 1.2.1 stand-in (tests/trtllm_standin: config loading through MODEL_MAP, pydantic
+BuildConfig/PluginConfig, parallel_build's spawned workers, as upstream), and the DeepStack index
+arithmetic shared by the engine model and the runtime."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -135,86 +134,104 @@ def test_pipeline_splits_without_the_deepstack_layers_first_are_refused_at_build
     assert not (tmp_path / "e").exists()
 
 
-def _plugin_flags(group: argparse._ArgumentGroup) -> None:
-    """The plugin flags of trtllm-build that the launcher is given (tensorrt_llm/plugin/plugin.py adds all)."""
-    for name in ("gpt_attention_plugin", "gemm_plugin", "moe_plugin"):
-        group.add_argument(f"--{name}", default="auto")
-    for name in ("context_fmha", "use_paged_context_fmha", "remove_input_padding"):
-        group.add_argument(f"--{name}", choices=["enable", "disable"], default="enable")
-    group.add_argument("--tokens_per_block", type=int, default=32)
+# The launcher as the GPU host runs it, in a process of its own over the stand-in; afterwards it says whether anything
+# registered our architecture in TensorRT-LLM's MODEL_MAP.
+_LAUNCH = """
+import sys, torch
+torch.cuda.device_count = lambda: int(sys.argv[1])  # CUDA: what the stand-in cannot provide
+from qwen3vl_trt.llm.engine_build import launch
+code = launch(sys.argv[2:])
+from tensorrt_llm.models import MODEL_MAP
+assert "Qwen3VLForCausalLM" not in MODEL_MAP, "registered"
+sys.exit(code)
+"""
 
 
-@pytest.fixture
-def trtllm_builder(monkeypatch):
-    """Stand-ins for the tensorrt_llm builder API the launcher calls; records what it is given."""
-    calls: dict = {}
-    modules = {
-        name: types.ModuleType(name)
-        for name in (
-            "tensorrt_llm",
-            "tensorrt_llm.builder",
-            "tensorrt_llm.commands",
-            "tensorrt_llm.commands.build",
-            "tensorrt_llm.models",
-            "tensorrt_llm.plugin",
-        )
-    }
-    modules["tensorrt_llm.builder"].BuildConfig = SimpleNamespace(
-        from_dict=lambda config, plugin_config=None: SimpleNamespace(**config, plugin_config=plugin_config)
+def _launch(argv: list[str], standin: Path, gpus: int = 1) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([str(standin), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, "-c", _LAUNCH, str(gpus), *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
     )
 
-    def parallel_build(model_config, ckpt_dir, build_config, output_dir, workers=1, log_level="info", model_cls=None):
-        calls.update(locals())  # tensorrt_llm/commands/build.py's signature
 
-    modules["tensorrt_llm.commands.build"].parallel_build = parallel_build
-    modules["tensorrt_llm.models"].MODEL_MAP = {}
-    modules["tensorrt_llm.models"].PretrainedConfig = SimpleNamespace(
-        from_json_file=lambda path: SimpleNamespace(**json.loads(Path(path).read_text()))
-    )
-    modules["tensorrt_llm.plugin"].add_plugin_argument = _plugin_flags
-    modules["tensorrt_llm.plugin"].PluginConfig = SimpleNamespace(
-        from_arguments=lambda args: SimpleNamespace(**vars(args), validate=lambda: None)
-    )
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    model_cls = type("Qwen3VLForCausalLM", (), {})
-    monkeypatch.setattr(trtllm_model, "Qwen3VLForCausalLM", model_cls, raising=False)
-    return SimpleNamespace(calls=calls, model_cls=model_cls, model_map=modules["tensorrt_llm.models"].MODEL_MAP)
+def _engine(output: Path) -> tuple[dict, dict[int, dict]]:
+    """The stand-in engine directory: config.json, and each rank's record of the model it was built from."""
+    config = json.loads((output / "config.json").read_text())
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in output.glob("rank*.engine")}
+    return config, ranks
 
 
-def test_launcher_sets_mrope_and_engine_positions_before_the_build(bf16_checkpoints, trtllm_builder):
+def test_tensorrt_llm_cannot_load_our_architecture_by_name(bf16_checkpoints, trtllm_standin):
+    """What trtllm-build's main() does (PretrainedConfig.from_json_file -> from_dict -> MODEL_MAP) fails for our
+    checkpoints: the launcher must not go through it, in any process."""
+    from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
+
+    with pytest.raises(KeyError, match=trtllm_model.ARCHITECTURE):
+        PretrainedConfig.from_json_file(str(bf16_checkpoints["dense"] / "config.json"))
+    assert trtllm_model.ARCHITECTURE not in MODEL_MAP
+
+
+def test_launcher_sets_mrope_and_engine_positions_before_the_build(bf16_checkpoints, trtllm_standin, tmp_path):
+    """One worker: upstream's parallel_build builds every rank in the launcher's process."""
     ckpt = bf16_checkpoints["moe"]
     _, config = read_trtllm_config(ckpt)
-    command = launcher_command(str(ckpt), "/engine", config, LIMITS)
+    command = launcher_command(str(ckpt), str(tmp_path / "engine"), config, LIMITS)
     assert command[1:3] == ["-m", engine_build.LAUNCHER]
-    assert engine_build.launch(command[3:]) == 0
-    calls = trtllm_builder.calls
-    assert calls["model_cls"] is trtllm_builder.model_cls and trtllm_builder.model_map == {}  # passed, not registered
-    assert calls["ckpt_dir"] == str(ckpt) and calls["output_dir"] == "/engine"
-    assert calls["workers"] <= config.mapping.world_size  # capped at the GPUs torch sees
-    build = calls["build_config"]
-    assert build.use_mrope is True  # trtllm-build sets it for qwen2_vl only
-    assert (build.max_batch_size, build.max_input_len, build.max_seq_len, build.max_num_tokens) == (4, 2048, 4096, 8192)
-    assert build.max_prompt_embedding_table_size == LIMITS.prompt_table_rows(config.deepstack_count)
-    assert build.kv_cache_type == "paged" and build.max_beam_width == 1
-    plugins = build.plugin_config
-    assert (plugins.gpt_attention_plugin, plugins.moe_plugin, plugins.context_fmha) == (
-        "bfloat16",
-        "bfloat16",
-        "enable",
+    result = _launch(command[3:], trtllm_standin)
+    assert result.returncode == 0, result.stderr[-3000:]  # and MODEL_MAP untouched: passed, never registered
+    engine, ranks = _engine(tmp_path / "engine")
+    assert list(ranks) == [0] and ranks[0]["model_class"].endswith("engine_model.Qwen3VLForCausalLM")
+    build = engine["build_config"]
+    assert build["use_mrope"] is True  # trtllm-build sets it for qwen2_vl only
+    assert (build["max_batch_size"], build["max_input_len"], build["max_seq_len"], build["max_num_tokens"]) == (
+        4,
+        2048,
+        4096,
+        8192,
     )
-    model = calls["model_config"]
-    assert model.max_position_embeddings == LIMITS.max_seq_len  # the engine's mrope table length
+    assert build["max_prompt_embedding_table_size"] == LIMITS.prompt_table_rows(config.deepstack_count)
+    assert build["kv_cache_type"] == "paged" and build["max_beam_width"] == 1
+    plugins = build["plugin_config"]
+    assert (plugins["gpt_attention_plugin"], plugins["moe_plugin"], plugins["context_fmha"]) == (
+        "bfloat16",
+        "bfloat16",
+        True,
+    )
+    model = engine["pretrained_config"]
+    assert model["max_position_embeddings"] == LIMITS.max_seq_len  # the engine's mrope table length
     # As QWenConfig.from_hugging_face writes it for qwen2_vl: the attention layers take the MRoPE path.
-    assert model.position_embedding_type == "mrope" and model.rotary_scaling == {"type": "mrope"}
+    assert model["position_embedding_type"] == "mrope" and model["rotary_scaling"] == {"type": "mrope"}
+    # The engine declares the prompt table and the mrope table of max_seq_len positions.
+    inputs = ranks[0]["inputs"]
+    assert inputs["prompt_embedding_table"] == "prompt_embedding_table"
+    assert inputs["mrope_rotary_cos_sin_size"] == LIMITS.max_seq_len * model["rotary_embedding_dim"]
 
 
-def test_launcher_refuses_flags_it_does_not_apply(bf16_checkpoints, trtllm_builder):
+def test_parallel_build_workers_build_each_rank_from_our_class(bf16_checkpoints, trtllm_standin, tmp_path):
+    """--workers 2 over a tp=2 checkpoint: upstream's spawn pool, whose fresh processes import TensorRT-LLM (MODEL_MAP
+    without our architecture), unpickle the config and import the model class; each builds its rank."""
+    ckpt = bf16_checkpoints["dense-fp32-tp2"]
+    _, config = read_trtllm_config(ckpt)
+    argv = launcher_command(str(ckpt), str(tmp_path / "engine"), config, LIMITS)[3:]
+    assert argv[argv.index("--workers") + 1] == "2"
+    result = _launch(argv, trtllm_standin, gpus=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    engine, ranks = _engine(tmp_path / "engine")
+    assert sorted(ranks) == [0, 1] and {r["gpu_id"] for r in ranks.values()} == {0, 1}
+    assert all(r["model_class"].endswith("engine_model.Qwen3VLForCausalLM") for r in ranks.values())
+    assert engine["pretrained_config"]["mapping"]["world_size"] == 2
+    assert engine["pretrained_config"]["architecture"] == trtllm_model.ARCHITECTURE
+
+
+def test_launcher_refuses_flags_it_does_not_apply(bf16_checkpoints, trtllm_standin, tmp_path):
     _, config = read_trtllm_config(bf16_checkpoints["dense"])
-    argv = launcher_command(str(bf16_checkpoints["dense"]), "/engine", config, LIMITS)[3:]
-    with pytest.raises(SystemExit):
-        engine_build.launch([*argv, "--gather_context_logits"])
-    assert not trtllm_builder.calls
+    argv = launcher_command(str(bf16_checkpoints["dense"]), str(tmp_path / "engine"), config, LIMITS)[3:]
+    result = _launch([*argv, "--gather_context_logits"], trtllm_standin)
+    assert result.returncode == 2 and "unrecognized arguments: --gather_context_logits" in result.stderr
+    assert not (tmp_path / "engine").exists()
 
 
 def test_deepstack_index_is_one_function():

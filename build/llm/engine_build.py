@@ -3,12 +3,21 @@
 trtllm-build finds a model class by the checkpoint's `architecture`, and Qwen3VLForCausalLM is ours
 (engine_model.py), so the build runs through this module's launcher, `python -m
 qwen3vl_trt.llm.engine_build`, with trtllm-build's flag names for the limits and plugins derived
-here from the EngineLimits. The launcher does what trtllm-build's main() does
-(`tensorrt_llm/commands/build.py`) with three differences, all set before the build:
+here from the EngineLimits. The launcher does what trtllm-build's main() does on the 1.2 line
+(`tensorrt_llm/commands/build.py` after PR #8330: BuildConfig and PluginConfig are pydantic models,
+built with keyword arguments) with these differences, all made before the build:
 
-- it passes Qwen3VLForCausalLM to TensorRT-LLM's parallel_build as its model class (TensorRT-LLM's
-  MODEL_MAP stays as it is), so `--workers N` builds the TP x PP ranks in N processes, each of
-  which imports the class from this package;
+- the model config is Qwen3VLForCausalLM.config_class (QWenConfig) built from config.json directly.
+  trtllm-build's `PretrainedConfig.from_json_file` -> `from_dict` looks `config["architecture"]` up
+  in TensorRT-LLM's MODEL_MAP (`tensorrt_llm/models/modeling_utils.py`: `model_cls =
+  MODEL_MAP[config['architecture']]; config_cls = getattr(model_cls, 'config_class', cls);
+  return config_cls(**config)`), where our architecture is not (KeyError); this is that body
+  without the lookup. MODEL_MAP stays as it is;
+- it passes Qwen3VLForCausalLM to parallel_build as its model class, so `--workers N` builds the
+  TP x PP ranks in N spawned processes, each of which unpickles the config object and imports the
+  class from this package; build_model uses the class it is given (`model_cls or
+  MODEL_MAP[architecture]`) and `from_checkpoint(ckpt_dir, config=rank_config)` does not read
+  config.json again, so no worker looks our architecture up either;
 - its BuildConfig has `use_mrope` on, as trtllm-build sets it for qwen_type qwen2_vl only: it tells
   the C++ runtime to feed the engine's two mrope inputs;
 - the model config's max_position_embeddings is max_seq_len: the engine's per-request mrope table
@@ -17,7 +26,7 @@ here from the EngineLimits. The launcher does what trtllm-build's main() does
   config.json records the value for the host.
 
 The checkpoint's rotary scaling type is mrope already (checkpoint_format.trtllm_config), as
-QWenConfig writes it for qwen2_vl.
+QWenConfig writes it for qwen2_vl. tests/trtllm_standin models each of these upstream behaviours.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from pathlib import Path
 from ..errors import GpuStackMissingError, Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
-from .checkpoint_format import CONFIG_FILE, LLMConfig, check_deepstack_stage, read_trtllm_config
+from .checkpoint_format import LLMConfig, check_deepstack_stage, read_trtllm_config
 
 LAUNCHER = "qwen3vl_trt.llm.engine_build"
 # BuildConfig fields that the launcher reads from the trtllm-build flags of the same names.
@@ -165,22 +174,21 @@ def launch(argv: Sequence[str] | None) -> int:
     import torch
     from tensorrt_llm.builder import BuildConfig
     from tensorrt_llm.commands.build import parallel_build
-    from tensorrt_llm.models import PretrainedConfig
+    from tensorrt_llm.llmapi.kv_cache_type import KVCacheType
     from tensorrt_llm.plugin import PluginConfig, add_plugin_argument
 
     from .engine_model import Qwen3VLForCausalLM
 
     args = launcher_arguments(argv, add_plugin_argument)
-    model_config = PretrainedConfig.from_json_file(str(Path(args.checkpoint_dir) / CONFIG_FILE))
+    checkpoint_config, _ = read_trtllm_config(args.checkpoint_dir)  # ours, checked: no mixed-precision quant_cfg
+    model_config = Qwen3VLForCausalLM.config_class(**checkpoint_config)
     model_config.max_position_embeddings = args.max_seq_len
     plugin_config = PluginConfig.from_arguments(args)
     plugin_config.validate()
-    build_config = BuildConfig.from_dict(
-        {
-            **{name: getattr(args, name) for name in BUILD_LIMIT_FIELDS},
-            "kv_cache_type": args.kv_cache_type,
-            "use_mrope": True,
-        },
+    build_config = BuildConfig(
+        **{name: getattr(args, name) for name in BUILD_LIMIT_FIELDS},
+        kv_cache_type=KVCacheType(args.kv_cache_type),
+        use_mrope=True,
         plugin_config=plugin_config,
     )
     parallel_build(

@@ -1,0 +1,95 @@
+"""tensorrt_llm/models/qwen/model.py: QWenDecoderLayer (Attention built without an eps), QWenModel, QWenForCausalLM
+(config_class QWenConfig) and its per-rank inputs (models/generation_mixin.py, prepare_basic_inputs). Decoder layers
+double their input, so outputs say after which layer something arrived."""
+
+from types import SimpleNamespace
+
+from ... import functional
+from ...layers import Attention, Embedding, KeyValueCacheParams, Module
+from ..modeling_utils import DecoderLayerList, PretrainedModel
+from .config import QWenConfig
+
+
+class Declared(str):
+    """An engine input as prepare_inputs declares it: the runtime binds a tensor to the name."""
+
+
+class QWenDecoderLayer(Module):
+    def __init__(self, config, layer_idx):
+        self.layer_idx = layer_idx
+        qk_layernorm = config.qwen_type in ("qwen3", "qwen3_moe")
+        self.attention = Attention(attention_head_size=config.head_size, qk_layernorm=qk_layernorm)
+        self.seen_mrope_params = None
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        use_cache=False,
+        spec_decoding_params=None,
+        kv_cache_params=None,
+        attention_params=None,
+        lora_layer_params=None,
+        mrope_params=None,
+    ):
+        assert len(kv_cache_params.past_key_value) == 1  # this layer's own past
+        self.seen_mrope_params = mrope_params
+        out = 2 * hidden_states
+        return (out, f"kv{self.layer_idx}") if use_cache else out
+
+
+class QWenModel:
+    def __init__(self, config):
+        self.mapping = config.mapping
+        if self.mapping.is_first_pp_rank():
+            self.vocab_embedding = Embedding(config)
+        self.layers = DecoderLayerList(QWenDecoderLayer, config)
+        if self.mapping.is_last_pp_rank():
+            self.ln_f = lambda hidden_states: hidden_states
+
+    def forward(
+        self, input_ids, position_ids=None, use_cache=False, kv_cache_params=None, hidden_states=None, **kwargs
+    ):
+        ptuning = [kwargs.pop(k, None) for k in ("prompt_embedding_table", "prompt_tasks", "prompt_vocab_size")]
+        if self.mapping.is_first_pp_rank():
+            hidden_states = self.vocab_embedding(input_ids, *ptuning)
+        else:
+            hidden_states = functional.recv(hidden_states, self.mapping.prev_pp_rank())
+        out = self.layers.forward(hidden_states, use_cache=use_cache, kv_cache_params=kv_cache_params, **kwargs)
+        hidden_states, presents = out if use_cache else (out, None)
+        if self.mapping.is_last_pp_rank():
+            hidden_states = self.ln_f(hidden_states)
+        else:
+            hidden_states = functional.send(hidden_states, self.mapping.next_pp_rank())
+        return (hidden_states, tuple(presents)) if use_cache else hidden_states
+
+
+class QWenForCausalLM(PretrainedModel):
+    config_class = QWenConfig
+
+    def __init__(self, config):
+        self.config = config
+        self.transformer = QWenModel(config)
+
+    def prepare_inputs(self, use_cache=True, prompt_embedding_table_size=0, mrope_rotary_cos_sin_size=None, **_):
+        first = self.config.mapping.is_first_pp_rank()
+        inputs = {
+            "input_ids": Declared("input_ids") if first else None,
+            "use_cache": use_cache,
+            "kv_cache_params": KeyValueCacheParams(),
+            "attention_params": SimpleNamespace(),
+        }
+        if not first:
+            inputs["hidden_states"] = Declared("hidden_states_input")
+        if prompt_embedding_table_size > 0:
+            inputs |= {
+                "prompt_embedding_table": Declared("prompt_embedding_table"),
+                "prompt_tasks": Declared("tasks"),
+                "prompt_vocab_size": Declared("prompt_vocab_size"),
+            }
+        if mrope_rotary_cos_sin_size is not None:
+            inputs["mrope_params"] = SimpleNamespace(size=mrope_rotary_cos_sin_size)
+        return inputs
+
+    def forward(self, input_ids, last_token_ids=None, position_ids=None, **kwargs):  # DecoderModelForCausalLM
+        return self.transformer.forward(input_ids, position_ids=position_ids, **kwargs)
