@@ -80,7 +80,12 @@ class _Model:
 
 def _tensor(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.dtype != torch.bfloat16:
+        if value.device.type != "cpu":
+            # The tensor itself, not a capsule: python_backend calls its __dlpack__(stream) and synchronizes that
+            # stream before the tensor leaves the model (r26.04 src/pb_tensor.cc, FromDLPack); a capsule is taken as
+            # it is, with the work that produced it maybe still in flight on another stream.
+            return pb_utils.Tensor.from_dlpack(name, value[None].contiguous())
+        if value.dtype != torch.bfloat16:
             return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()[None]))
         return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value[None].contiguous()))
     return pb_utils.Tensor(name, np.ascontiguousarray(np.asarray(value)[None]))
@@ -109,18 +114,23 @@ class _BatchModel(_Model):
         try:
             return _respond(self.component.execute(inputs))
         except Qwen3VLTrtError as e:
-            return [error_response(e)] * len(requests)
+            # One response object per request: python_backend rebuilds each returned response's shared memory and
+            # frees the block a repeated object had (r26.04 src/pb_stub.cc ProcessReturnedResponses).
+            return [error_response(e) for _ in requests]
 
 
 class Preprocessing(_BatchModel):
     def load(self) -> None:
         from .preprocessing import Preprocessing as Component
 
+        # The backend passes the instance's GPU as model_instance_device_id and sets no current device
+        # (python_backend r26.04 src/stub_launcher.cc): "cuda" alone would put every instance on GPU 0.
+        device = f"cuda:{self.device_id}" if self.params["device"] == "cuda" else self.params["device"]
         self.component = Component(
             self.param_path("model_dir"),
             self.limits(),
             mrope_positions=int(self.params["mrope_positions"]),
-            device=self.params["device"],
+            device=device,
         )
 
 

@@ -253,7 +253,11 @@ def build_vision_engine(
 
             register_plugins(plugin_sm)
         onnx_file = onnx_dir / str(export.raw["onnx_file"])
-        plan, cache = _build_plan(onnx_file, export, shapes, optimization_level, cache_bytes)
+        # A cache of an earlier output may come from another TensorRT or GPU (the rebuild check_runtime asks for):
+        # then the build starts a new one; a cache the user named must be usable.
+        plan, cache = _build_plan(
+            onnx_file, export, shapes, optimization_level, cache_bytes, may_restart_cache=given_cache is None, log=log
+        )
         (tmp / VISION_ENGINE_FILE).write_bytes(plan)
         if given_cache is None:
             (tmp / VISION_TIMING_CACHE_FILE).write_bytes(cache)
@@ -322,8 +326,13 @@ def _build_plan(
     shapes: Mapping[str, Mapping[str, list[int]]],
     optimization_level: int,
     cache_bytes: bytes,
+    may_restart_cache: bool,
+    log: Callable[[str], None],
 ) -> tuple[bytes, bytes]:
-    """(serialized engine, serialized timing cache) of a strongly typed network parsed from onnx_file."""
+    """(serialized engine, serialized timing cache) of a strongly typed network parsed from onnx_file.
+
+    TensorRT 10.14 refuses a timing cache of another device environment (IBuilderConfig.set_timing_cache returns
+    False); with may_restart_cache the build then starts from an empty cache instead of failing."""
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -336,8 +345,10 @@ def _build_plan(
     _check_network_inputs(network, shapes)
     config = builder.create_builder_config()
     config.builder_optimization_level = optimization_level
-    if not config.set_timing_cache(config.create_timing_cache(cache_bytes), False):
-        raise Qwen3VLTrtError("TensorRT refused the timing cache; delete it or pass another --timing-cache")
+    if not _use_timing_cache(config, cache_bytes):
+        if not (may_restart_cache and cache_bytes and _use_timing_cache(config, b"")):
+            raise Qwen3VLTrtError("TensorRT refused the timing cache; delete it or pass another --timing-cache")
+        log("the previous output's timing cache is of another TensorRT or GPU: starting a new one")
     profile = builder.create_optimization_profile()
     for name, points in shapes.items():
         profile.set_shape(name, trt.Dims(points["min"]), trt.Dims(points["opt"]), trt.Dims(points["max"]))
@@ -346,6 +357,11 @@ def _build_plan(
     if plan is None:
         raise Qwen3VLTrtError(f"TensorRT could not build the {export.graph_variant} vision engine; its log is above")
     return bytes(plan), bytes(config.get_timing_cache().serialize())
+
+
+def _use_timing_cache(config: trt.IBuilderConfig, cache_bytes: bytes) -> bool:
+    cache = config.create_timing_cache(cache_bytes)
+    return cache is not None and bool(config.set_timing_cache(cache, False))
 
 
 def _check_network_inputs(network: trt.INetworkDefinition, shapes: Mapping[str, object]) -> None:

@@ -4,7 +4,11 @@ One VisionEngine per Triton model instance: one execution context, whose input s
 batch. Inputs are the per-patch contract (contracts.VISION_INPUTS) as torch tensors, host or device
 (a Triton python backend tensor becomes one through DLPack: torch.utils.dlpack.from_dlpack); the
 requests of a batch are concatenated, never padded, and the outputs are split back per request.
-Everything is enqueued on the given CUDA stream; outputs are device tensors allocated on it.
+
+The engine is enqueued on a stream of its own: TensorRT 10.14's execute_async_v3 on the default
+stream (what the python backend's models run on) adds device-wide synchronizations. The caller's
+stream (default: the current one) orders it: the engine waits for the caller's work on its inputs,
+and the caller's stream waits for the engine before it touches the outputs.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class VisionEngine:
                 )
             self.engine = engine
             self.context = engine.create_execution_context()
+            self._stream = torch.cuda.Stream(self.device)
             # The carrier's data is never read: one zero buffer, sliced to each batch's longest segment.
             self._carrier = torch.zeros(self.sidecar.max_patches, dtype=torch.int32, device=self.device)
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
@@ -77,9 +82,11 @@ class VisionEngine:
     def run(
         self, per_patch: Mapping[str, torch.Tensor | np.ndarray], stream: torch.cuda.Stream | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(image_embeds [M, D], deepstack_embeds [K, M, D]) on the device for one batch's per-patch inputs
-        (device inputs must be ready on `stream`, default the device's current stream)."""
-        stream = stream or torch.cuda.current_stream(self.device)
+        """(image_embeds [M, D], deepstack_embeds [K, M, D]) on the device for one batch's per-patch inputs.
+
+        stream (default the device's current one) is the caller's: device inputs must be ready on it, and the
+        outputs are ready on it."""
+        caller = stream or torch.cuda.current_stream(self.device)
         segment_start = per_patch[SEGMENT_START.name]
         host_flags = segment_start.cpu().numpy() if isinstance(segment_start, torch.Tensor) else segment_start
         segments = attention_segments(np.asarray(host_flags))
@@ -91,34 +98,52 @@ class VisionEngine:
                 f"{self.sidecar.max_images} segments, got {patches} in {num_segments}: split the batch, or build "
                 "the engine with larger --max-patches / --max-images"
             )
-        with torch.cuda.stream(stream):
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
             feeds = {spec.name: self._device_tensor(spec.name, per_patch[spec.name]) for spec in VISION_INPUTS}
             if self.variant == PLUGIN:
                 del feeds[SEGMENT_START.name]
                 feeds[CU_SEQLENS.name] = self._device_tensor(CU_SEQLENS.name, segments[CU_SEQLENS.name])
                 feeds[MAX_SEQLEN_CARRIER.name] = self._carrier[: segments[MAX_SEQLEN_CARRIER.name].shape[0]]
             for name, tensor in feeds.items():
-                self.context.set_input_shape(name, tuple(tensor.shape))
-                self.context.set_tensor_address(name, tensor.data_ptr())
+                # Both return False (and log why) where TensorRT refuses: a shape outside the profile, say.
+                if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                    shape = tuple(tensor.shape)
+                    raise InputError(f"the vision engine refuses {name} of shape {shape} (its log is above)")
+                self._bind(name, tensor)
             outputs = {}
             for name, dtype in self._output_dtypes.items():
                 dims = self.context.get_tensor_shape(name)
                 shape = [dims[i] for i in range(len(dims))]
                 outputs[name] = torch.empty(shape, dtype=dtype, device=self.device)
-                self.context.set_tensor_address(name, outputs[name].data_ptr())
-            if not self.context.execute_async_v3(stream.cuda_stream):
+                self._bind(name, outputs[name])
+            if not self.context.execute_async_v3(self._stream.cuda_stream):
                 raise RuntimeError("TensorRT could not enqueue the vision engine (its log is above)")
+        # Inputs made on the caller's stream are in use on the engine's until it is done; outputs are read on the
+        # caller's: the caching allocator must not hand either out again before then.
+        for tensor in (*feeds.values(), *outputs.values()):
+            tensor.record_stream(self._stream)
+        caller.wait_stream(self._stream)
+        for tensor in outputs.values():
+            tensor.record_stream(caller)
         return outputs[IMAGE_EMBEDS.name], outputs[DEEPSTACK_EMBEDS.name]
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.context.set_tensor_address(name, tensor.data_ptr()):
+            raise RuntimeError(f"TensorRT refused the address of the vision engine's {name} (its log is above)")
 
     def encode_requests(
         self, requests: Sequence[Mapping[str, torch.Tensor | np.ndarray]], stream: torch.cuda.Stream | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One run over the requests' concatenated patches; (image_embeds, deepstack_embeds) per request."""
-        batch = {
-            spec.name: torch.cat([torch.as_tensor(r[spec.name]).to(self.device) for r in requests])
-            for spec in VISION_INPUTS
-        }
-        image_embeds, deepstack_embeds = self.run(batch, stream)
+        """One run over the requests' concatenated patches; (image_embeds, deepstack_embeds) per request, ready on
+        `stream` (default the current one), where the batch is assembled too."""
+        caller = stream or torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(caller):
+            batch = {
+                spec.name: torch.cat([torch.as_tensor(r[spec.name]).to(self.device) for r in requests])
+                for spec in VISION_INPUTS
+            }
+        image_embeds, deepstack_embeds = self.run(batch, caller)
         tokens = [int(r[SEGMENT_START.name].shape[0]) // self.merge_unit for r in requests]
         return list(zip(image_embeds.split(tokens), deepstack_embeds.split(tokens, dim=1), strict=True))
 
