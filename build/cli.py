@@ -112,6 +112,8 @@ def _repository_settings(args: argparse.Namespace):
         dynamic_batching=not args.no_dynamic_batching,
         attention_budget_bytes=args.vision_attention_mib * 2**20,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
+        python_models_gpu=args.python_models_gpu,
+        gpu_memory_bytes=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30),
     )
 
 
@@ -133,7 +135,19 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
         "--kv-cache-free-gpu-mem-fraction",
         type=float,
         default=d.kv_cache_free_gpu_mem_fraction,
-        help="GPU target: share of free GPU memory for the KV cache",
+        help="GPU target: share of free GPU memory for the KV cache (default: from the GPU memory plan, "
+        "which leaves room for the python models; docs/gpu-hosts.md)",
+    )
+    g.add_argument(
+        "--python-models-gpu",
+        type=int,
+        default=d.python_models_gpu,
+        help="GPU target: the GPU of the preprocessing and vision_encoder instances",
+    )
+    g.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="GPU target: that GPU's memory, for the plan (default: read from the GPU, where one is visible)",
     )
 
 

@@ -17,7 +17,7 @@ from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
 from .llm.convert import convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
-from .serving.repository import RepositorySettings, Target, model_configs, write_model_files
+from .serving.repository import RepositorySettings, Target, gpu_memory_plan, model_configs, write_model_files
 from .vision.engine import VisionEngineProfile, build_vision_engine, tensorrt_problem
 from .vision.export import export_vision
 
@@ -76,10 +76,12 @@ def build(
         start = time.perf_counter()
         _, llm = read_trtllm_config(tmp.llm_checkpoint)
         model = Path(model_dir).absolute()
+        settings = settings or RepositorySettings()
+        memory = gpu_memory_plan(tmp, limits, llm, settings) if target == "gpu" else None
+        if memory is not None:
+            log(memory.describe())
         # The repository records the build's final paths, where its models will find the files.
-        configs = model_configs(
-            BuildLayout(out.root.absolute()), model, target, limits, llm, settings or RepositorySettings()
-        )
+        configs = model_configs(BuildLayout(out.root.absolute()), model, target, limits, llm, settings, memory)
         write_model_files(tmp.triton_repo, configs)
         stages.append({**_done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start), "target": target})
         manifest = {

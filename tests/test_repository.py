@@ -9,16 +9,18 @@ import pytest
 import torch
 from qwen3vl_trt.cli import main
 from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.errors import CheckpointError
+from qwen3vl_trt.errors import CheckpointError, LimitsError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import config as cfg
 from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER, GpuMemoryPlan
 from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
-from qwen3vl_trt.serving.repository import REPOSITORY_FILE, model_configs
+from qwen3vl_trt.serving.repository import REPOSITORY_FILE, RepositorySettings, model_configs
 from qwen3vl_trt.serving.vision_batching import plan_runs
+from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
 pytestmark = pytest.mark.gpu_image
@@ -44,7 +46,7 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
     _, llm = read_trtllm_config(layout.llm_checkpoint)
     limits = EngineLimits()
     cpu = model_configs(layout, tiny_dense, "cpu", limits, llm)
-    gpu = model_configs(layout, tiny_dense, "gpu", limits, llm)
+    gpu = model_configs(layout, tiny_dense, "gpu", limits, llm, memory=MEMORY)
     assert _steps(cpu[io.ENSEMBLE]) == _steps(gpu[io.ENSEMBLE])
     assert gpu[io.LLM].backend == "tensorrtllm" and cpu[io.LLM].backend == "python"
     # Every tensor the ensemble hands the llm is declared by both llms, with the same type and shape.
@@ -70,6 +72,53 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
             assert cfg.parse(cfg.to_text(config)) == config
             if config.name != io.ENSEMBLE:
                 assert config.max_batch_size == limits.max_batch_size
+
+
+MEMORY = GpuMemoryPlan(
+    gpu=0,
+    gpu_bytes=80 << 30,
+    llm_engine_bytes=16 << 30,
+    vision_engine_bytes=1 << 30,
+    vision_activation_bytes=2 << 30,
+    decode_bytes=3 << 30,
+    transfer_pool_bytes=4 << 30,
+)
+
+
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built, tiny_dense, gpu):
+    """Without `gpus`, a KIND_GPU group puts an instance on every visible GPU; the KV cache share leaves room for the
+    python models (serving.gpu_memory), and the CUDA memory pool size travels to `serve` in a parameter."""
+    layout = BuildLayout(built)
+    _, llm = read_trtllm_config(layout.llm_checkpoint)
+    settings = RepositorySettings(python_models_gpu=gpu)
+    configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, settings, memory=MEMORY)
+    for name in (io.PREPROCESSING, io.VISION_ENCODER):
+        (group,) = configs[name].instance_group
+        assert group.kind == group.KIND_GPU and list(group.gpus) == [gpu] and group.count == 1
+    assert configs[io.POSTPROCESSING].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    llm_params = configs[io.LLM].parameters
+    assert float(llm_params["kv_cache_free_gpu_mem_fraction"].string_value) == MEMORY.kv_cache_fraction() < 0.9
+    pool = configs[io.PREPROCESSING].parameters[CUDA_POOL_PARAMETER].string_value
+    assert int(pool) == MEMORY.transfer_pool_bytes
+    given = RepositorySettings(kv_cache_free_gpu_mem_fraction=0.5)
+    configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, given, memory=MEMORY)
+    assert configs[io.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"
+    with pytest.raises(ValueError, match="GPU memory plan"):
+        model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(python_models_gpu=-1), "GPU index"),
+        (dict(gpu_memory_bytes=0), "must be positive"),
+        (dict(kv_cache_free_gpu_mem_fraction=1.5), r"in \(0, 1\]"),
+    ],
+)
+def test_bad_repository_settings_are_refused(settings, message):
+    with pytest.raises(LimitsError, match=message):
+        RepositorySettings(**settings)
 
 
 def test_write_repo_writes_every_model_and_refuses_a_gpu_target_without_engine(built, tmp_path, capsys):

@@ -24,12 +24,14 @@ import tritonclient.grpc as grpcclient
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving import server
-from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, TEXT_INPUT, TEXT_OUTPUT
+from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
+from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
 from qwen3vl_trt.serving.server import (
     ServerPorts,
     TritonInstall,
     TritonServer,
     add_serve_arguments,
+    cuda_pool_flags,
     find_tritonserver,
     free_ports,
     launch_command,
@@ -183,6 +185,34 @@ def _llm_repo(root: Path, backend: str, engine: Path | None = None, mapping: dic
     (root / LLM).mkdir(parents=True)
     serving_config.write(root / LLM, config)
     return root
+
+
+def _pool_repo(repo: Path, gpus: list[int], pool: str) -> Path:
+    """A GPU-target preprocessing config as write-repo makes it: instances on stated GPUs, the pool's size."""
+    config = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
+    config.instance_group.append(serving_config.instance_group("gpu", gpus=gpus))
+    serving_config.parameters(config, {CUDA_POOL_PARAMETER: pool})
+    (repo / PREPROCESSING).mkdir(parents=True)
+    serving_config.write(repo / PREPROCESSING, config)
+    return repo
+
+
+def test_cuda_memory_pool_of_the_python_models_gpu_on_rank_0_only(tmp_path):
+    """Triton's 64 MB default pool makes python_backend pass device tensors by CUDA IPC: `serve` sizes the pool of
+    the python models' GPU as write-repo planned it, on the rank that runs them."""
+    ports = ServerPorts(grpc=9001, http=9000, metrics=9002)
+    assert cuda_pool_flags(tmp_path / "none") == []
+    single = _pool_repo(tmp_path / "single", [1], "123456")
+    assert cuda_pool_flags(single) == ["--cuda-memory-pool-byte-size=1:123456"]
+    assert launch_command(INSTALL, single, ports)[-1] == "--cuda-memory-pool-byte-size=1:123456"
+    mapping = {"world_size": 2, "tp_size": 2, "pp_size": 1, "cp_size": 1}
+    repo = _pool_repo(_llm_repo(tmp_path / "mpi", "tensorrtllm", tmp_path / "engine", mapping), [0], "4096")
+    command = launch_command(INSTALL, repo, ports)
+    separator = command.index(":")
+    assert command[4:separator].count("--cuda-memory-pool-byte-size=0:4096") == 1
+    assert not [arg for arg in command[separator:] if arg.startswith("--cuda-memory-pool")]
+    with pytest.raises(ServingError, match="one GPU and a byte count"):
+        cuda_pool_flags(_pool_repo(tmp_path / "bad", [0, 1], "4096"))
 
 
 def test_world_size_and_mpi_command(tmp_path):

@@ -124,6 +124,7 @@ def _engine_dir(plugin_export, tmp_path, **changes):
         plugin_capability=90,
         optimization_level=3,
         timing_cache="timing.cache",
+        device_memory_bytes=3 << 30,
     )
     sidecar.update(changes)
     (engine / "vision_engine.json").write_text(json.dumps(sidecar))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -22,13 +23,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import __version__
 from ..checkpoint import read_config
-from ..contracts import BuildLayout
-from ..errors import CheckpointError
+from ..contracts import VISION_ENGINE_FILE, BuildLayout
+from ..errors import CheckpointError, LimitsError
 from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
 from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
 from . import config as cfg
+from . import gpu_memory
 from . import interface as io
+from .gpu_memory import GpuMemoryPlan
 
 Target = Literal["gpu", "cpu"]
 REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
@@ -39,12 +42,28 @@ MODEL_FILE = "model.py"
 class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
     waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
-    attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching)."""
+    attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
+    GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
+    kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
+    reads the GPU's memory where torch sees it."""
 
     max_queue_delay_us: int = 2000
     dynamic_batching: bool = True
     attention_budget_bytes: int = 1 << 30
-    kv_cache_free_gpu_mem_fraction: float = 0.9
+    kv_cache_free_gpu_mem_fraction: float | None = None
+    python_models_gpu: int = 0
+    gpu_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.python_models_gpu, bool) or not isinstance(self.python_models_gpu, int):
+            raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
+        if self.python_models_gpu < 0:
+            raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
+            raise LimitsError(f"the GPU's memory must be positive, got {self.gpu_memory_bytes!r} bytes")
+        fraction = self.kv_cache_free_gpu_mem_fraction
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
 
 
 def _internal(producer: str, tensor: io.Tensor) -> str:
@@ -65,7 +84,8 @@ def _python_model(
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
     config.input.extend(inputs)
     config.output.extend(outputs)
-    config.instance_group.append(cfg.instance_group(kind))
+    # A KIND_GPU group without gpus puts an instance on every visible GPU: the python models stay on one.
+    config.instance_group.append(cfg.instance_group(kind, gpus=[settings.python_models_gpu] if kind == "gpu" else []))
     if settings.dynamic_batching:
         config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
     if decoupled:
@@ -92,17 +112,24 @@ def model_configs(
     limits: EngineLimits,
     llm: LLMConfig,
     settings: RepositorySettings = RepositorySettings(),
+    memory: GpuMemoryPlan | None = None,
 ) -> dict[str, mc.ModelConfig]:
     """The configuration of every model, for a build whose final location is `build.root` and whose
-    LLM checkpoint has the configuration `llm`."""
+    LLM checkpoint has the configuration `llm`; the gpu target needs the GPU memory plan."""
     model_type = cfg.MODEL_DATA_TYPES.get(llm.dtype)
     if model_type is None:
         raise CheckpointError(f"{build.llm_checkpoint}: dtype {llm.dtype!r} cannot be served")
     gpu = target == "gpu"
+    if gpu and memory is None:
+        raise ValueError("a gpu-target repository needs the GPU memory plan")
     kind = "gpu" if gpu else "cpu"
     common = {"model_dir": model_dir, "limits": json.dumps(asdict(limits))}
     if gpu:
         common["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"  # pixels stay in device memory between models
+    preprocessing = {**common, "device": "cuda" if gpu else "cpu", "mrope_positions": limits.max_seq_len if gpu else 0}
+    if memory is not None and gpu:
+        # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (server.cuda_pool_flags).
+        preprocessing[gpu_memory.CUDA_POOL_PARAMETER] = memory.transfer_pool_bytes
     configs = {}
     configs[io.PREPROCESSING] = _python_model(
         io.PREPROCESSING,
@@ -111,7 +138,7 @@ def model_configs(
         [_ragged(t, optional=True) for t in io.REQUEST_INPUTS],
         [cfg.model_output(t) for t in io.PREPROCESSING_OUTPUTS],
         kind,
-        {**common, "device": "cuda" if gpu else "cpu", "mrope_positions": limits.max_seq_len if gpu else 0},
+        preprocessing,
     )
     configs[io.VISION_ENCODER] = _python_model(
         io.VISION_ENCODER,
@@ -130,16 +157,17 @@ def model_configs(
             "attention_budget_bytes": settings.attention_budget_bytes,
         },
     )
-    if gpu:
+    if memory is not None and gpu:
         from .trtllm_config import tensorrt_llm_model_config
 
+        fraction = settings.kv_cache_free_gpu_mem_fraction
         configs[io.LLM] = tensorrt_llm_model_config(
             engine_dir=build.llm_engine,
             limits=limits,
             model_data_type=model_type,
             tokenizer_dir=model_dir,
             max_queue_delay_us=settings.max_queue_delay_us,
-            kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
+            kv_cache_free_gpu_mem_fraction=memory.kv_cache_fraction() if fraction is None else fraction,
         )
     else:
         configs[io.LLM] = _python_model(
@@ -209,6 +237,37 @@ def build_limits(manifest: dict) -> EngineLimits:
     return EngineLimits(**manifest.get("limits", {}))
 
 
+def gpu_memory_plan(
+    files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings
+) -> GpuMemoryPlan:
+    """The GPU memory plan of a build's engines (read from `files`, the build as it is on disk now)."""
+    from ..vision.engine import VisionEngineSidecar
+    from ..vision.runner import VisionSidecar
+
+    gpu = settings.python_models_gpu
+    total = settings.gpu_memory_bytes or gpu_memory.device_memory_bytes(gpu)
+    if total is None:
+        raise LimitsError(
+            f"no GPU {gpu} is visible here to size the KV cache beside the python models: give the GPU's memory "
+            "(--gpu-memory-gib) or --kv-cache-free-gpu-mem-fraction"
+        )
+    vision = VisionSidecar.load(files.vision)
+    engine = VisionEngineSidecar.load(files.vision_engine)
+    return gpu_memory.plan(
+        gpu=gpu,
+        gpu_bytes=total,
+        limits=limits,
+        llm_engine_dir=files.llm_engine,
+        vision_engine_file=files.vision_engine / VISION_ENGINE_FILE,
+        vision_activation_bytes=engine.device_memory_bytes,
+        patch_dim=vision.patch_dim,
+        merge_unit=vision.spatial_merge_size**2,
+        llm_dtype=llm.dtype,
+        hidden_size=llm.hidden_size,
+        deepstack_count=llm.deepstack_count,
+    )
+
+
 def default_target() -> Target:
     from ..llm.engine_build import gpu_stack_problem
 
@@ -222,6 +281,7 @@ def write_repository(
     model_dir: str | os.PathLike[str] | None = None,
     settings: RepositorySettings = RepositorySettings(),
     force: bool = False,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Writes the repository for a `qwen3vl-trt build` directory (the checkpoint is the one the build
     was made from unless model_dir says otherwise)."""
@@ -235,9 +295,20 @@ def write_repository(
     model = Path(model_dir or manifest["model"]).absolute()
     read_config(model)  # the tokenizer and processor files must be there at serving time
     _, llm = read_trtllm_config(build.llm_checkpoint)
-    configs = model_configs(build, model, target, build_limits(manifest), llm, settings)
+    limits = build_limits(manifest)
+    memory = gpu_memory_plan(build, limits, llm, settings) if target == "gpu" else None
+    if memory is not None:
+        log(memory.describe())
+    configs = model_configs(build, model, target, limits, llm, settings, memory)
     with atomic_output_dir(output, force=force, inputs=[build.root, model]) as tmp:
         write_model_files(tmp, configs)
-        record = {"qwen3vl_trt": __version__, "target": target, "build_dir": str(build.root), "model_dir": str(model)}
+        record: dict[str, object] = {
+            "qwen3vl_trt": __version__,
+            "target": target,
+            "build_dir": str(build.root),
+            "model_dir": str(model),
+        }
+        if memory is not None:
+            record["gpu_memory"] = memory.as_record()
         (tmp / REPOSITORY_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return Path(output)

@@ -32,7 +32,8 @@ from typing import IO, TYPE_CHECKING
 from ..errors import ServingError
 from ..fsutil import json_entry, read_json
 from . import config as serving_config
-from .interface import ENSEMBLE, LLM
+from .gpu_memory import CUDA_POOL_PARAMETER
+from .interface import ENSEMBLE, LLM, PREPROCESSING
 
 if TYPE_CHECKING:
     from .gateway import GatewayServer
@@ -257,13 +258,14 @@ def mpi_command(
     world: int,
     address: str = "127.0.0.1",
     log_verbose: int = 0,
-    extra: Sequence[str] = (),
+    rank0_extra: Sequence[str] = (),
 ) -> list[str]:
     """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
     triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
     the others load only `llm`, whose backend keeps them in its worker loop (leader mode), so they never get
     to open the ports they are given. Every rank gets its own python-backend shared-memory prefix and no
-    config auto-completion."""
+    config auto-completion; rank0_extra (the CUDA memory pool of the python models) goes to rank 0 only, as
+    launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes."""
     command = ["mpirun", "--allow-run-as-root"]
     for rank in range(world):
         own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
@@ -271,8 +273,28 @@ def mpi_command(
             own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
         verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
         command += [":", "-n", "1"] if rank else ["-n", "1"]
-        command += server_command(install, repo, ports, address, verbose, [*own, *extra])
+        command += server_command(install, repo, ports, address, verbose, [*own, *(rank0_extra if rank == 0 else ())])
     return command
+
+
+def cuda_pool_flags(repo: Path) -> list[str]:
+    """`--cuda-memory-pool-byte-size=<gpu>:<bytes>` for the GPU of the repository's python models, sized by
+    write-repo (serving.gpu_memory); none for the CPU target. Triton's default pool is 64 MB per GPU
+    (command_line_parser.cc), below which python_backend passes device tensors by CUDA IPC."""
+    path = Path(repo) / PREPROCESSING
+    if not (path / serving_config.CONFIG_FILE).is_file():
+        return []
+    config = serving_config.read(path)
+    if CUDA_POOL_PARAMETER not in config.parameters:
+        return []
+    gpus = [gpu for group in config.instance_group for gpu in group.gpus]
+    pool = config.parameters[CUDA_POOL_PARAMETER].string_value
+    if len(set(gpus)) != 1 or not pool.isdigit():
+        raise ServingError(
+            f"{path / serving_config.CONFIG_FILE}: expected one GPU and a byte count for the CUDA memory pool, "
+            f"got gpus {gpus} and {pool!r}; write the repository again with `qwen3vl-trt write-repo`"
+        )
+    return [f"--cuda-memory-pool-byte-size={gpus[0]}:{int(pool)}"]
 
 
 def launch_command(
@@ -280,9 +302,10 @@ def launch_command(
 ) -> list[str]:
     """One server, or one per rank under MPI when the engine is split over several GPUs."""
     world = world_size(repo)
+    pool = cuda_pool_flags(repo)
     if world == 1:
-        return server_command(install, repo, ports, address, log_verbose)
-    return mpi_command(install, repo, ports, world, address, log_verbose)
+        return server_command(install, repo, ports, address, log_verbose, pool)
+    return mpi_command(install, repo, ports, world, address, log_verbose, pool)
 
 
 def host_port(host: str, port: int) -> str:

@@ -154,6 +154,11 @@ class VisionEngineSidecar:
     def max_images(self) -> int:
         return int(self.raw["profile"]["max_images"])
 
+    @property
+    def device_memory_bytes(self) -> int:
+        """Activation memory of one execution context at the profile's largest run (device_memory_size_v2)."""
+        return int(self.raw["device_memory_bytes"])
+
     def check_runtime(self, export: VisionSidecar, tensorrt_version: str, compute_capability: tuple[int, int]) -> None:
         """Refuses an engine that this code, this TensorRT or this GPU cannot run as built."""
         rebuild = "rebuild it on this host with `qwen3vl-trt build-vision-engine` (or `qwen3vl-trt build`)"
@@ -187,6 +192,7 @@ _ENGINE_SIDECAR_ENTRIES: dict[str, type] = {
     "gpu.compute_capability": str,
     "profile.max_patches": int,
     "profile.max_images": int,
+    "device_memory_bytes": int,
 }
 
 
@@ -259,6 +265,7 @@ def build_vision_engine(
             onnx_file, export, shapes, optimization_level, cache_bytes, may_restart_cache=given_cache is None, log=log
         )
         (tmp / VISION_ENGINE_FILE).write_bytes(plan)
+        device_memory = _device_memory_bytes(plan)
         if given_cache is None:
             (tmp / VISION_TIMING_CACHE_FILE).write_bytes(cache)
         else:
@@ -273,6 +280,7 @@ def build_vision_engine(
             plugin_capability=plugin_sm,
             optimization_level=optimization_level,
             timing_cache=str(given_cache) if given_cache else VISION_TIMING_CACHE_FILE,
+            device_memory_bytes=device_memory,
         )
         (tmp / VISION_ENGINE_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
         log(f"built {len(plan) / 2**20:.1f} MiB engine in {time.perf_counter() - start:.1f}s")
@@ -288,8 +296,10 @@ def engine_sidecar(
     plugin_capability: int,
     optimization_level: int,
     timing_cache: str,
+    device_memory_bytes: int,
 ) -> dict:
-    """vision_engine.json of an engine built from `export` with these settings on this GPU."""
+    """vision_engine.json of an engine built from `export` with these settings on this GPU; device_memory_bytes is
+    what one execution context allocates for activations (the GPU memory plan of the deployment counts it)."""
     return {
         "format_version": ENGINE_FORMAT_VERSION,
         "engine_file": VISION_ENGINE_FILE,
@@ -303,6 +313,7 @@ def engine_sidecar(
         "strongly_typed": True,
         "profile": {**asdict(profile), "shapes": profile.input_shapes(export.contract()["inputs"])},
         "timing_cache": timing_cache,
+        "device_memory_bytes": device_memory_bytes,
         "source_checkpoint": export.raw["source_checkpoint"],
         "built_with": {"qwen3vl_trt": __version__},
     }
@@ -357,6 +368,17 @@ def _build_plan(
     if plan is None:
         raise Qwen3VLTrtError(f"TensorRT could not build the {export.graph_variant} vision engine; its log is above")
     return bytes(plan), bytes(config.get_timing_cache().serialize())
+
+
+def _device_memory_bytes(plan: bytes) -> int:
+    """ICudaEngine.device_memory_size_v2 of a serialized engine: the activation memory an execution context takes
+    (TensorRT 10.14; without weight streaming, the largest over the profile's shapes)."""
+    import tensorrt as trt
+
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan)
+    if engine is None:
+        raise Qwen3VLTrtError("TensorRT cannot load the vision engine it has just built (its log is above)")
+    return int(engine.device_memory_size_v2)
 
 
 def _use_timing_cache(config: trt.IBuilderConfig, cache_bytes: bytes) -> bool:

@@ -1,0 +1,167 @@
+"""GPU memory of the GPU target on the GPU its python models run on: placement, the KV cache budget and Triton's
+CUDA memory pool, from the build's limits and engines.
+
+Placement. A KIND_GPU instance group without `gpus` gets one instance on every visible GPU (Triton's
+model_configuration.md; under the MPI launch rank 0 sees every GPU), so the python models' groups name one GPU
+(default 0, where the LLM's rank 0 runs too), and each model uses its `model_instance_device_id`.
+
+The KV cache. Each TensorRT-LLM rank gives its KV cache `kv_cache_free_gpu_mem_fraction` of the memory free when it
+loads (tensorrtllm backend docs/model_config.md: "fraction of GPU memory (after loading the model)"). Triton loads
+models concurrently, so on the python models' GPU the LLM may load before or after them. Planned for the worse case,
+the LLM first:
+
+    free   = total - CUDA contexts - LLM engine (rank 0's weights)
+    python = vision engine (weights + its activations at the profile's largest run)
+             + decoding and resizing a full batch of the largest images + the CUDA memory pool
+    fraction = min(0.9, (free - python - margin) / free)
+
+(margin: 5% of the GPU for allocator fragmentation and cuBLAS/cuDNN workspaces). Were the python models first, the
+LLM's share of what is then free is smaller still, so the plan holds both ways.
+
+The CUDA memory pool. Device tensors that pass between models (pixels and their metadata from preprocessing to
+vision_encoder, prompt tables from vision_encoder to llm) come from Triton's CUDA memory pool of that GPU; when it is
+too small python_backend falls back to CUDA IPC for every transfer (r26.04 src/infer_response.cc). The pool holds one
+full batch of both: `serve` passes `--cuda-memory-pool-byte-size=<gpu>:<bytes>` to the server (rank 0 under MPI, as
+TensorRT-LLM's launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import LimitsError
+from ..limits import EngineLimits, ImageLimits
+
+# The preprocessing parameter that carries the pool's size (`serve` reads it: server.cuda_pool_flags).
+CUDA_POOL_PARAMETER = "cuda_memory_pool_bytes"
+KV_CACHE_FRACTION_CEILING = 0.9  # the tensorrtllm backend's default
+MARGIN_FRACTION = 0.05
+# A CUDA context with cuBLAS/cuDNN handles (measured 500-600 MiB on Hopper with CUDA 12-13); one per process using the
+# GPU: tritonserver (the tensorrtllm backend's rank 0 runs in it) and the python stubs of preprocessing and
+# vision_encoder.
+CUDA_CONTEXT_BYTES = 600 * 2**20
+GPU_PROCESSES = 3
+PATCH_PIXELS = 16 * 16  # released Qwen3-VL: patch 16, so one patch is 16 x 16 pixels (x 2 temporal copies)
+# Per patch on the way from preprocessing to vision_encoder (serving.interface.VISION_REQUEST): fp32 pixels
+# [patch_dim], int32 pos_embed_idx [4], fp32 pos_embed_w [4], int32 rotary_pos [2], int32 segment_start.
+_METADATA_BYTES_PER_PATCH = 4 * 4 + 4 * 4 + 2 * 4 + 4
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Decoding and resizing on the GPU, per request of a full batch: one decoded RGB uint8 frame of the largest size
+# decoding accepts, and the request's resized pixels in float32 twice (resize output and normalized copy).
+_RESIZED_COPIES_BYTES_PER_PIXEL = 3 * 4 * 2
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    gpu: int
+    gpu_bytes: int
+    llm_engine_bytes: int
+    vision_engine_bytes: int
+    vision_activation_bytes: int
+    decode_bytes: int
+    transfer_pool_bytes: int
+    contexts_bytes: int = GPU_PROCESSES * CUDA_CONTEXT_BYTES
+
+    @property
+    def python_models_bytes(self) -> int:
+        return self.vision_engine_bytes + self.vision_activation_bytes + self.decode_bytes + self.transfer_pool_bytes
+
+    @property
+    def free_at_llm_load(self) -> int:
+        return self.gpu_bytes - self.contexts_bytes - self.llm_engine_bytes
+
+    def _fraction(self) -> float:
+        room = self.free_at_llm_load - self.python_models_bytes - int(MARGIN_FRACTION * self.gpu_bytes)
+        return round(min(KV_CACHE_FRACTION_CEILING, room / max(self.free_at_llm_load, 1)), 3)
+
+    def kv_cache_fraction(self) -> float:
+        """The share of free memory the LLM's KV cache may take beside the python models (at most 0.9)."""
+        if self._fraction() < 0.05:
+            raise LimitsError(
+                f"GPU {self.gpu} ({_gib(self.gpu_bytes)}) has no room for a KV cache beside the LLM engine and the "
+                f"python models:\n{self.describe()}\nlower --max-batch-size or --max-visual-tokens, or use a larger GPU"
+            )
+        return self._fraction()
+
+    def describe(self) -> str:
+        """The arithmetic, line by line, as write-repo prints it."""
+        lines = [
+            f"GPU {self.gpu}: {_gib(self.gpu_bytes)}",
+            f"  - CUDA contexts ({GPU_PROCESSES} processes): {_gib(self.contexts_bytes)}",
+            f"  - LLM engine, rank 0: {_gib(self.llm_engine_bytes)}",
+            f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
+            f"  python models: {_gib(self.python_models_bytes)}",
+            f"    vision engine {_gib(self.vision_engine_bytes)}"
+            f" + its activations {_gib(self.vision_activation_bytes)}",
+            f"    decoding a full batch {_gib(self.decode_bytes)}",
+            f"    CUDA memory pool (tensors between models, one full batch) {_gib(self.transfer_pool_bytes)}",
+            f"  margin {MARGIN_FRACTION:.0%} of the GPU",
+        ]
+        fraction = self._fraction()
+        enough = fraction >= 0.05
+        lines.append(f"  kv_cache_free_gpu_mem_fraction = {fraction}" if enough else "  no room for a KV cache")
+        return "\n".join(lines)
+
+    def as_record(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def transfer_pool_bytes(limits: EngineLimits, patch_dim: int, merge_unit: int, prompt_table_row_bytes: int) -> int:
+    """Device bytes between the models for one full batch of requests with the most visual tokens each: per-patch
+    inputs of the vision encoder, and prompt tables ((K+1) rows per visual token)."""
+    patches = limits.max_visual_tokens * merge_unit
+    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + limits.max_visual_tokens * (
+        prompt_table_row_bytes
+    )
+    return limits.max_batch_size * per_request
+
+
+def decode_bytes(limits: EngineLimits, images: ImageLimits | None = None) -> int:
+    """Working memory of decoding and resizing a full batch on the GPU."""
+    images = images or ImageLimits()
+    resized_pixels = limits.max_visual_tokens * 4 * PATCH_PIXELS  # 4 patches per visual token (2 x 2 merge)
+    per_request = images.max_decode_pixels * 3 + resized_pixels * _RESIZED_COPIES_BYTES_PER_PIXEL
+    return limits.max_batch_size * per_request
+
+
+def plan(
+    gpu: int,
+    gpu_bytes: int,
+    limits: EngineLimits,
+    llm_engine_dir: Path,
+    vision_engine_file: Path,
+    vision_activation_bytes: int,
+    patch_dim: int,
+    merge_unit: int,
+    llm_dtype: str,
+    hidden_size: int,
+    deepstack_count: int,
+) -> GpuMemoryPlan:
+    """The plan for a build's engines (rank 0's LLM engine file, the vision plan) on a GPU of gpu_bytes."""
+    rank0 = llm_engine_dir / "rank0.engine"
+    if not rank0.is_file():
+        raise LimitsError(f"{rank0} does not exist: build the LLM engine first")
+    row_bytes = (deepstack_count + 1) * hidden_size * _DTYPE_BYTES[llm_dtype]
+    return GpuMemoryPlan(
+        gpu=gpu,
+        gpu_bytes=gpu_bytes,
+        llm_engine_bytes=rank0.stat().st_size,
+        vision_engine_bytes=vision_engine_file.stat().st_size,
+        vision_activation_bytes=vision_activation_bytes,
+        decode_bytes=decode_bytes(limits),
+        transfer_pool_bytes=transfer_pool_bytes(limits, patch_dim, merge_unit, row_bytes),
+    )
+
+
+def device_memory_bytes(gpu: int) -> int | None:
+    """The total memory of a visible GPU, or None where torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available() or gpu >= torch.cuda.device_count():
+        return None
+    return int(torch.cuda.get_device_properties(gpu).total_memory)
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
