@@ -438,7 +438,32 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--print-command", action="store_true", help="print the build command instead of running it")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_build_llm_engine)
+
+    s = sub.add_parser(
+        "gpu-acceptance",
+        help="what a GPU host runs first: build every stage from tiny checkpoints, serve, check the numbers",
+        description="Builds tiny dense and MoE checkpoints through every stage (plugin vision engine, trtllm-build, "
+        "GPU repository), serves them and checks kernel, decoding, vision engine and served tokens; prints one "
+        "table, writes acceptance.json. Exit 0: every row passed; 1: a row failed; 3: none failed, some skipped "
+        "(the GPU stack is incomplete). Nothing is downloaded.",
+    )
+    s.add_argument("--output", default="acceptance", help="directory for acceptance.json (default: ./acceptance)")
+    s.add_argument("--work", help="keeps checkpoints, builds and server logs here (default: a temporary directory)")
+    s.set_defaults(func=_gpu_acceptance)
     return p
+
+
+def _gpu_acceptance(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .acceptance import run_acceptance, write_report
+
+    with tempfile.TemporaryDirectory(prefix="qwen3vl-trt-acceptance-") as scratch:
+        report = run_acceptance(pathlib.Path(args.work or scratch))
+    print(report.table())
+    path = write_report(report, pathlib.Path(args.output))
+    print(f"\n{path}: exit code {report.exit_code} (0 passed, 1 a row failed, 3 some rows skipped)")
+    return report.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,476 @@
+"""GPU-host acceptance: the one run a user makes first on a GPU host, and sends back.
+
+From tiny random-weight Qwen3-VL checkpoints made on the spot (dense and MoE; nothing is downloaded) it runs every
+stage of `qwen3vl-trt build` (plugin vision engine, trtllm-build LLM engine, GPU repository), serves the repository,
+and checks numbers, one row each:
+
+- the varlen attention kernel against per-segment SDPA (error and time) and flash-attn's varlen kernel (time);
+- nvImageCodec decoding and GPU resizing against Pillow and the CPU path;
+- the vision engine against the transformers tower;
+- tokens of the served deployment (nvImageCodec decoding, vision engine, tensorrtllm backend), text only and with an
+  image, against transformers: every served token must be transformers' greedy choice at its position, up to a
+  small logit gap (teacher-forced: transformers scores the served sequence), so near-ties of a random model cannot
+  fail the row and a wrong token always does.
+
+A row whose needs are missing is SKIPPED with the reason (a GPU machine without TensorRT runs the kernel and decoding
+rows; a CPU machine runs none). The table and a JSON file say PASS, FAIL or SKIPPED with each row's figure.
+Exit code: 0 every row passed; 1 a row failed; 3 none failed but some were skipped (the GPU stack is incomplete).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+
+PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
+EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
+RESULT_FILE = "acceptance.json"
+
+# The kernel rows: Qwen3-VL 8B-and-up tower shapes (16 heads, head_dim 72), images of 1024-4096 patches.
+KERNEL_HEADS, KERNEL_HEAD_DIM = 16, 72
+KERNEL_SEGMENTS = (1024, 4096, 2304, 1024, 3136, 1600, 4096, 2048)
+KERNEL_TOLERANCE = 1.6e-2  # bf16: two bf16 steps of the largest output (tests/test_varlen_attention.py)
+FLASH_ATTN_RATIO = 0.7  # the kernel's speed at least 0.7x flash-attn's varlen kernel
+# Pixels: nvJPEG rounds its IDCT differently from libjpeg-turbo, and GPU resizing is float32 where the CPU's is
+# fixed-point; a fraction of a level on average, far below nearest-neighbour chroma (tests/test_preprocess_cuda.py).
+LEVEL = 2 / 255
+PIXEL_MEAN_LEVELS, PIXEL_MAX_LEVELS = 1.0, 24.0
+VISION_TOLERANCE = 4e-2  # a bf16 engine against the fp32 tower (scripts/vision_engine_check.py)
+# A served token is transformers' greedy choice when its logit is within this share of the step's logit spread
+# (max - median) of the maximum: bf16 engines round differently from transformers' fp32.
+LOGIT_GAP = 0.05
+NEW_TOKENS = 8
+
+
+@dataclass
+class Row:
+    check: str
+    status: str
+    figure: str = ""
+    limit: str = ""
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        statuses = {row.status for row in self.rows}
+        if FAIL in statuses:
+            return EXIT_FAILED
+        return EXIT_SKIPPED if SKIPPED in statuses else EXIT_PASSED
+
+    def table(self) -> str:
+        header = ("check", "status", "figure", "limit")
+        cells = [header, *[(r.check, r.status, r.figure, r.limit) for r in self.rows]]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+        lines = [" | ".join(c[i].ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]
+        lines.insert(1, "-+-".join("-" * w for w in widths))
+        notes = [f"  {r.check}: {r.detail}" for r in self.rows if r.detail]
+        return "\n".join([*lines, *(["", "notes:", *notes] if notes else [])])
+
+    def to_json(self) -> str:
+        counts = {status: sum(r.status == status for r in self.rows) for status in (PASS, FAIL, SKIPPED)}
+        body = {"exit_code": self.exit_code, "counts": counts, "environment": self.environment}
+        return json.dumps({**body, "rows": [asdict(r) for r in self.rows]}, indent=2) + "\n"
+
+
+# -- what each row needs: None when present, else why not ------------------------------------------------------
+
+
+def _cuda() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device is visible to torch"
+
+
+def _importable(module: str, what: str) -> Callable[[], str | None]:
+    def need() -> str | None:
+        try:
+            __import__(module)
+        except Exception as e:  # noqa: BLE001 (a broken install says why, whatever it raises)
+            return f"{what} is not importable ({type(e).__name__}: {e})"
+        return None
+
+    return need
+
+
+def _tensorrt() -> str | None:
+    from .vision.engine import tensorrt_problem
+
+    return tensorrt_problem()
+
+
+def _tensorrt_llm() -> str | None:
+    from .llm.engine_build import gpu_stack_problem
+
+    return gpu_stack_problem()
+
+
+def _tritonserver() -> str | None:
+    from .errors import ServingError
+    from .serving.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except ServingError as e:
+        return str(e)
+    return None
+
+
+_TRITON_LANGUAGE = _importable("triton", "the Triton language (triton)")
+_NVIMGCODEC = _importable("nvidia.nvimgcodec", "nvImageCodec (nvidia-nvimgcodec-cu13)")
+_FLASH_ATTN = _importable("flash_attn", "flash-attn")
+
+
+class Acceptance:
+    """Runs the rows in order; a row's exception is its FAIL, never the end of the run."""
+
+    def __init__(self, work: Path, log: Callable[[str], None] = print):
+        self.work, self.log = work, log
+        self.report = Report(environment=_environment())
+        self._builds: dict[str, Path] = {}
+
+    def row(
+        self, check: str, limit: str, needs: Sequence[Callable[[], str | None]], run: Callable[[], tuple[bool, str]]
+    ) -> Row:
+        missing = [reason for need in needs if (reason := need()) is not None]
+        if missing:
+            row = Row(check, SKIPPED, limit=limit, detail="; ".join(dict.fromkeys(missing)))
+        else:
+            self.log(f"== {check}")
+            start = time.perf_counter()
+            try:
+                ok, figure = run()
+                row = Row(check, PASS if ok else FAIL, figure, limit)
+            except Exception as e:  # noqa: BLE001 (reported as the row's failure)
+                row = Row(check, FAIL, limit=limit, detail=f"{type(e).__name__}: {e}")
+            row.seconds = round(time.perf_counter() - start, 1)
+        self.report.rows.append(row)
+        self.log(f"   {row.status} {row.figure} {row.detail}".rstrip())
+        return row
+
+    # -- rows ---------------------------------------------------------------------------------------------------
+
+    def kernel_rows(self) -> None:
+        timings: dict[str, float] = {}
+
+        def against_sdpa() -> tuple[bool, str]:
+            error, timings["kernel"], timings["sdpa"] = _kernel_against_sdpa()
+            ratio = timings["kernel"] / timings["sdpa"]
+            figure = f"error {error:.1e}; {timings['kernel']:.3f} ms vs SDPA {timings['sdpa']:.3f} ms ({ratio:.2f}x)"
+            return error <= KERNEL_TOLERANCE and ratio < 1.0, figure
+
+        shape = f"bf16, {KERNEL_HEADS} heads, head_dim {KERNEL_HEAD_DIM}, {len(KERNEL_SEGMENTS)} images"
+        self.row(
+            f"varlen kernel vs per-segment SDPA ({shape})",
+            f"error <= {KERNEL_TOLERANCE:g}, faster than SDPA",
+            [_cuda, _TRITON_LANGUAGE],
+            against_sdpa,
+        )
+
+        def against_flash() -> tuple[bool, str]:
+            if "kernel" not in timings:
+                raise RuntimeError("the SDPA row did not time the kernel")
+            flash = _flash_attn_ms()
+            speed = flash / timings["kernel"]
+            return speed >= FLASH_ATTN_RATIO, f"{timings['kernel']:.3f} ms vs flash-attn {flash:.3f} ms ({speed:.2f}x)"
+
+        self.row(
+            "varlen kernel vs flash-attn varlen (same shapes)",
+            f"speed >= {FLASH_ATTN_RATIO}x flash-attn",
+            [_cuda, _TRITON_LANGUAGE, _FLASH_ATTN],
+            against_flash,
+        )
+
+    def decode_row(self, model: Path) -> None:
+        def run() -> tuple[bool, str]:
+            mean, peak = _gpu_pixels_against_pillow(model)
+            figure = f"mean {mean / LEVEL:.3f} levels, max {peak / LEVEL:.1f} levels"
+            return mean <= PIXEL_MEAN_LEVELS * LEVEL and peak <= PIXEL_MAX_LEVELS * LEVEL, figure
+
+        self.row(
+            "nvImageCodec decode + GPU resize vs Pillow + CPU resize (4:2:0 JPEG)",
+            f"mean <= {PIXEL_MEAN_LEVELS:g} level, max <= {PIXEL_MAX_LEVELS:g}",
+            [_cuda, _NVIMGCODEC],
+            run,
+        )
+
+    def build_row(self, name: str, model: Path) -> None:
+        def run() -> tuple[bool, str]:
+            from .pipeline import build
+
+            output = self.work / f"build-{name}"
+            manifest = build(model, output, target="gpu", force=True, log=self.log)
+            self._builds[name] = output
+            stages = [s["stage"] for s in manifest["stages"] if s["status"] == "done"]
+            return True, f"{len(stages)} stages: {', '.join(stages)}"
+
+        self.row(
+            f"qwen3vl-trt build, every stage ({name})",
+            "all stages done",
+            [_cuda, _tensorrt, _tensorrt_llm],
+            run,
+        )
+
+    def vision_engine_row(self, name: str, model: Path) -> None:
+        def run() -> tuple[bool, str]:
+            error = _vision_engine_against_transformers(model, self._built(name))
+            return error <= VISION_TOLERANCE, f"max rel error {error:.1e}"
+
+        self.row(
+            f"vision engine (plugin, bf16) vs transformers tower fp32 ({name})",
+            f"<= {VISION_TOLERANCE:g}",
+            [_cuda, _tensorrt],
+            run,
+        )
+
+    def served_rows(self, name: str, model: Path) -> None:
+        from .testing.tiny import synthetic_jpeg
+
+        requests = {
+            "text only": ("Describe a sunset in three words.", []),
+            "one JPEG": ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)]),
+        }
+        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
+        served: dict[str, list[int]] = {}
+
+        def serve_and_send() -> tuple[bool, str]:
+            served.update(_served_tokens(self._built(name), requests, self.work / f"server-{name}.log"))
+            return True, ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
+
+        limit = f"gap <= {LOGIT_GAP:g}"
+        if self.row(f"serve the GPU repository ({name})", "ready, answers", needs, serve_and_send).status != PASS:
+            for kind in requests:
+                check = f"served tokens vs transformers greedy, {kind} ({name})"
+                self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
+            return
+        reference = _TransformersGreedy(model)
+        for kind, (prompt, images) in requests.items():
+
+            def compare(prompt: str = prompt, images: list[bytes] = images, kind: str = kind) -> tuple[bool, str]:
+                equal, gaps = reference.score(prompt, images, served[kind])
+                worst = max(gaps, default=0.0)
+                figure = f"{equal}/{len(served[kind])} tokens equal, largest gap {worst:.3f} of the logit spread"
+                return bool(served[kind]) and worst <= LOGIT_GAP, figure
+
+            self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs, compare)
+
+    def _built(self, name: str) -> Path:
+        if name not in self._builds:
+            raise RuntimeError(f"the {name} build did not finish (see its row)")
+        return self._builds[name]
+
+
+def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
+    """Every row, in a working directory that keeps the checkpoints, builds and server logs."""
+    from .testing.tiny import make_tiny_checkpoint
+
+    work.mkdir(parents=True, exist_ok=True)
+    acceptance = Acceptance(work, log)
+    acceptance.kernel_rows()
+    models = {"dense": make_tiny_checkpoint(work / "tiny-dense", seed=0, force=True)}
+    models["moe"] = make_tiny_checkpoint(work / "tiny-moe", moe=True, seed=1, force=True)
+    acceptance.decode_row(models["dense"])
+    for name, model in models.items():
+        acceptance.build_row(name, model)
+        acceptance.vision_engine_row(name, model)
+        acceptance.served_rows(name, model)
+    return acceptance.report
+
+
+# -- the measurements (GPU hosts) --------------------------------------------------------------------------------
+
+
+# The packages the rows use, by distribution: versions are read from their metadata, not by importing them.
+_DISTRIBUTIONS = ("triton", "tensorrt", "tensorrt_llm", "nvidia-nvimgcodec-cu13", "flash-attn", "tritonclient")
+
+
+def _environment() -> dict[str, str]:
+    from importlib import metadata
+
+    import torch
+
+    env = {"qwen3vl_trt": __version__, "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env |= {"gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+    for distribution in _DISTRIBUTIONS:
+        try:
+            env[distribution] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            env[distribution] = "absent"
+    return env
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_inputs() -> tuple[Any, Any, Any, Any, int]:
+    import torch
+
+    total = sum(KERNEL_SEGMENTS)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(total, KERNEL_HEADS, KERNEL_HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for _ in range(3)
+    )
+    cu_seqlens = torch.tensor([0, *KERNEL_SEGMENTS], device="cuda").cumsum(0).to(torch.int32)
+    return q, k, v, cu_seqlens, max(KERNEL_SEGMENTS)
+
+
+def _kernel_against_sdpa() -> tuple[float, float, float]:
+    """(relative error, kernel ms, per-segment SDPA ms)."""
+    from .plugins import varlen_attention
+    from .plugins.reference import varlen_attention_reference
+
+    q, k, v, cu_seqlens, longest = _kernel_inputs()
+    ours = varlen_attention(q, k, v, cu_seqlens, longest)
+    reference = varlen_attention_reference(q.float(), k.float(), v.float(), cu_seqlens)
+    error = float((ours.float() - reference).abs().max() / reference.abs().max())
+    kernel_ms = _median_ms(lambda: varlen_attention(q, k, v, cu_seqlens, longest))
+    sdpa_ms = _median_ms(lambda: varlen_attention_reference(q, k, v, cu_seqlens))
+    return error, kernel_ms, sdpa_ms
+
+
+def _flash_attn_ms() -> float:
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v, cu_seqlens, longest = _kernel_inputs()
+    return _median_ms(lambda: flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest))
+
+
+def _gpu_pixels_against_pillow(model: Path) -> tuple[float, float]:
+    """(mean, max) |GPU pixels - CPU pixels| of one 4:2:0 JPEG request, nvImageCodec + GPU resize vs Pillow."""
+    from .preprocess import Preprocessor
+    from .testing.tiny import synthetic_jpeg
+
+    image = synthetic_jpeg(720, 1280, seed=3, subsampling=2)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "?"}]}]
+    gpu = Preprocessor.from_pretrained(model, device="cuda", decoder="nvimgcodec")(messages).pixel_values
+    cpu = Preprocessor.from_pretrained(model, device="cpu", decoder="pillow")(messages).pixel_values
+    diff = (gpu.cpu() - cpu).abs()
+    return float(diff.mean()), float(diff.max())
+
+
+def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
+    """Largest relative error of the build's vision engine against the transformers tower over mixed batches."""
+    import numpy as np
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .contracts import BuildLayout
+    from .testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+    from .vision import VisionEncoder
+    from .vision.engine_runner import VisionEngine
+    from .vision.export import parity_errors
+
+    layout = BuildLayout(build_dir)
+    inputs_from = VisionEncoder(layout.vision)  # the host metadata of the export (grid-dependent inputs)
+    engine = VisionEngine(layout.vision_engine)
+    tower = load_hf_vision_tower(Checkpoint(model))
+    rng = np.random.default_rng(0)
+    errors = []
+    for grids in ([[1, 16, 24]], [[1, 2, 2], [1, 32, 16]], [[2, 8, 8], [1, 12, 6]]):
+        grid = np.array(grids)
+        pixels = rng.uniform(-1, 1, (int(np.prod(grid, axis=1).sum()), 1536)).astype(np.float32)
+        feeds = {name: torch.from_numpy(value) for name, value in inputs_from.inputs_for(pixels, grid).items()}
+        stream = torch.cuda.Stream()
+        image, deepstack = engine.run(feeds, stream)
+        stream.synchronize()
+        ref_image, ref_deepstack = run_hf_vision_tower(tower, pixels, grid)
+        errors.append(parity_errors(image.float().cpu().numpy(), ref_image)[1])
+        errors.append(parity_errors(deepstack.float().cpu().numpy(), ref_deepstack)[1])
+    return max(errors)
+
+
+def _served_tokens(
+    build_dir: Path, requests: dict[str, tuple[str, list[bytes]]], log_path: Path
+) -> dict[str, list[int]]:
+    """Greedy token ids of each request through the build's GPU repository on a real tritonserver."""
+    from .contracts import BuildLayout
+    from .serving.client import Client
+    from .serving.server import TritonServer, free_ports
+
+    server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path)
+    server.start()
+    try:
+        server.wait_ready()
+        client = Client(server.url, timeout_s=120)
+        try:
+            return {
+                kind: client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
+                for kind, (prompt, images) in requests.items()
+            }
+        finally:
+            client.close()
+    finally:
+        server.stop()
+
+
+class _TransformersGreedy:
+    """transformers (fp32) scoring a served sequence, teacher-forced: how many served tokens equal its greedy
+    choices from the start, and how far each is from the step's best logit (a share of max - median)."""
+
+    def __init__(self, model: Path):
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        from .preprocess import Preprocessor
+
+        self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+        self.pre = Preprocessor.from_pretrained(model)
+
+    def score(self, prompt: str, images: list[bytes], served: list[int]) -> tuple[int, list[float]]:
+        import numpy as np
+        import torch
+
+        from .testing.hf_reference import hf_model_inputs
+
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        request = self.pre([{"role": "user", "content": parts}])
+        ids = np.concatenate([request.input_ids, np.asarray(served, dtype=request.input_ids.dtype)])
+        inputs = hf_model_inputs(
+            self.model, ids, self.pre.info.image_token_id, request.pixel_values, request.image_grid_thw
+        )
+        with torch.no_grad():
+            logits = self.model(**inputs).logits[0].float()
+        # Row i scores the token after position i: the served tokens are scored by the rows from the prompt's last.
+        start = len(request.input_ids) - 1
+        steps = logits[start : start + len(served)]
+        greedy = steps.argmax(-1).tolist()
+        equal = next((i for i, (a, b) in enumerate(zip(served, greedy, strict=True)) if a != b), len(served))
+        gaps = [
+            float(row.max() - row[token]) / (float(row.max() - row.median()) or 1.0)
+            for row, token in zip(steps, served, strict=True)
+        ]
+        return equal, gaps
+
+
+def write_report(report: Report, output: Path) -> Path:
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / RESULT_FILE
+    path.write_text(report.to_json())
+    return path
