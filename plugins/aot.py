@@ -97,6 +97,8 @@ def compile_varlen_attention(
     # The carrier's data is never read: any pointer type gives the same PTX parameter.
     pointer_types["max_seqlen_carrier_ptr"] = "*i32"
     constexprs = kernel_constexprs(heads, head_dim, config)
+    # In the kernel's argument order: Triton 3.5.1's code generator matches constexprs to the signature by position
+    # (triton/compiler/code_generator.py, ast_to_ttir).
     signature = {**pointer_types, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (varlen_attention_kernel.arg_names.index(name),): [["tt.divisibility", POINTER_ALIGNMENT]]

@@ -9,6 +9,11 @@ Fancy chroma upsampling is requested explicitly: 0.6-0.8 defaulted to nearest-ne
 which differs from libjpeg/Pillow (what transformers decodes with) by up to 48 levels on 4:2:0.
 Frames come back as stored: the caller applies the header's orientation, which Pillow read from
 EXIF or XMP (nvImageCodec reads EXIF only), so every path turns images the same way.
+
+Calls as nvImageCodec 0.9.0.20 (the version build/gpu_image.py pins) defines them, read from the wheel's own
+signatures: Decoder(device_id, max_num_cpu_threads, backends, options), Backend(BackendKind), DecodeParams(
+apply_exif_orientation, color_spec, allow_any_depth), decode(code_streams, *, params, cuda_stream) returning None
+in place of an image it could not decode.
 """
 
 from __future__ import annotations
