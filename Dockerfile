@@ -23,14 +23,15 @@ COPY build ./build
 COPY plugins ./plugins
 COPY triton_models ./triton_models
 
-# The image's own packages (torch, tensorrt, tensorrt_llm, transformers, ...) become constraints, so pip adds what
-# qwen3vl-trt needs around them and never replaces one; the packages qwen3vl-trt brings (tritonclient,
-# nvImageCodec) are pinned at the versions the tests check. A version conflict fails the build.
+# The image's own packages (torch, tensorrt, tensorrt_llm, transformers, grpcio, ...) become constraints, so pip
+# adds what qwen3vl-trt needs around them and never replaces one; nvImageCodec comes at the version the tests check,
+# tritonclient at the release that fits the image's grpcio. Not ".[gpu]": TensorRT-LLM is installed already, and
+# asking for it again makes pip prepare its direct-URL dependencies anew. A version conflict fails the build.
 RUN python3 -m pip list --format=freeze | grep -viE '^(pip|setuptools|wheel)==' > /tmp/image-constraints.txt \
- && python3 /tmp/gpu_image.py constraints >> /tmp/image-constraints.txt \
- && python3 -m pip install --no-cache-dir -c /tmp/image-constraints.txt ".[gpu]" \
+ && python3 /tmp/gpu_image.py requirements > /tmp/qwen3vl-trt-requirements.txt \
+ && python3 -m pip install --no-cache-dir -c /tmp/image-constraints.txt -r /tmp/qwen3vl-trt-requirements.txt . \
  && python3 /tmp/gpu_image.py check all \
- && rm /tmp/image-constraints.txt /tmp/gpu_image.py
+ && rm /tmp/image-constraints.txt /tmp/qwen3vl-trt-requirements.txt /tmp/gpu_image.py
 
 # HTTP, gRPC, metrics (serve binds loopback unless given --address 0.0.0.0).
 EXPOSE 8000 8001 8002

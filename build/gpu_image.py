@@ -37,10 +37,12 @@ class ImagePackage:
     aliases: tuple[str, ...] = ()
     # Whether the CPU test environment of these versions installs it (a wheel that works without a GPU).
     tested_here: bool = False
+    # The extras the image installs it with (nvImageCodec's [nvjpeg] brings the CUDA JPEG decoder).
+    extras: str = ""
 
     @property
     def pip_spec(self) -> str:
-        return f"{self.distribution}=={self.version}"
+        return f"{self.distribution}{self.extras}=={self.version}"
 
 
 IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
@@ -57,12 +59,14 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         "torch", "2.10.0a0", f"{_MATRIX}; {_BACKEND_DOCKERFILE}: PIP_WHL_VER_TORCH=2.10.0a0+b4e4ee81d3.nv25.12"
     ),
     ImagePackage("transformers", "4.57.3", "TensorRT-LLM 1.2.1 requirements.txt (transformers==4.57.3)"),
-    # Not pinned by the image (neither its Dockerfile nor Triton's build.py installs it): ours, matching the server.
+    # Not pinned by the image (neither its Dockerfile nor Triton's build.py installs it), nor by us: each tritonclient
+    # release pins a grpcio range (2.68.0: <1.68; 2.73.0: >=1.81.1), so the image build lets pip take the one that
+    # fits the image's grpcio. Tested here: the release of the 26.04 server.
     ImagePackage(
         "tritonclient",
         "2.68.0",
         "Triton 2.68.0 is the 26.04 server (triton-inference-server/server r26.04 build.py release_version)",
-        provider="qwen3vl-trt",
+        provider="resolved",
         tested_here=True,
     ),
     # Not pinned by the image either. tritonclient 2.68.0's grpc extra takes protobuf >=6.30.0,<7, and onnx's generated
@@ -89,6 +93,7 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         "pyproject.toml gpu extra (CUDA 13 build; the image's CUDA is 13.1)",
         provider="qwen3vl-trt",
         tested_here=True,
+        extras="[nvjpeg]",
     ),
 )
 PYTHON_VERSION = "3.12"  # the image's /opt/venv-tritonserver (python3.12 -m venv): _BACKEND_DOCKERFILE
@@ -131,16 +136,16 @@ def mismatches(entries: tuple[ImagePackage, ...] = IMAGE_PACKAGES) -> list[str]:
 
 def _main(argv: list[str]) -> int:
     usage = (
-        "usage: gpu_image.py check [image|all] | constraints | overlay\n"
+        "usage: gpu_image.py check [image|all] | requirements | overlay\n"
         "  check image: the base image's packages are the recorded ones (before qwen3vl-trt is installed)\n"
-        "  check all: every recorded package, ours included (after)\n"
-        "  constraints: pip constraints for the packages qwen3vl-trt installs into the image\n"
+        "  check all: the image's and ours still are (after), and what pip resolved\n"
+        "  requirements: what qwen3vl-trt pins into the image, besides itself\n"
         "  overlay: pip requirements of the CPU test environment at the image's versions"
     )
-    if not argv or argv[0] not in ("check", "constraints", "overlay"):
+    if not argv or argv[0] not in ("check", "requirements", "overlay"):
         print(usage, file=sys.stderr)
         return 2
-    if argv[0] == "constraints":
+    if argv[0] == "requirements":
         print("\n".join(e.pip_spec for e in IMAGE_PACKAGES if e.provider == "qwen3vl-trt"))
         return 0
     if argv[0] == "overlay":
@@ -163,6 +168,11 @@ def _main(argv: list[str]) -> int:
         )
         return 1
     print(f"gpu_image: {len(entries)} packages at the recorded versions")
+    if scope == "all":
+        for entry in IMAGE_PACKAGES:
+            if entry.provider == "resolved":
+                found = installed_version(entry) or "absent"
+                print(f"gpu_image: {entry.distribution} {found} (resolved by pip; the tests run {entry.version})")
     return 0
 
 

@@ -40,7 +40,8 @@ def test_the_dockerfile_checks_the_image_against_the_table():
     assert f"ARG TRITON_TAG={gpu_image.TRITON_TAG}" in dockerfile
     assert "COPY build/gpu_image.py /tmp/gpu_image.py" in dockerfile
     assert dockerfile.index("gpu_image.py check image") < dockerfile.index("pip install --no-cache-dir -c")
-    assert "gpu_image.py constraints >> /tmp/image-constraints.txt" in dockerfile
+    assert "gpu_image.py requirements > /tmp/qwen3vl-trt-requirements.txt" in dockerfile
+    assert "-c /tmp/image-constraints.txt -r /tmp/qwen3vl-trt-requirements.txt ." in dockerfile
     assert "gpu_image.py check all" in dockerfile
 
 
@@ -52,12 +53,12 @@ def test_the_gpu_extra_agrees_with_the_table():
     assert any(spec.startswith("nvidia-nvimgcodec-cu13") for spec in extra)
 
 
-def test_constraints_pin_what_qwen3vl_trt_brings_and_overlay_what_installs_here():
-    constraints = _run("constraints")
-    assert constraints.returncode == 0
-    assert set(constraints.stdout.split()) == {"tritonclient==2.68.0", "nvidia-nvimgcodec-cu13==0.9.0.20"}
-    overlay = _run("overlay")
-    assert "triton==3.5.1" in overlay.stdout.split()
+def test_requirements_pin_what_qwen3vl_trt_brings_and_overlay_what_installs_here():
+    requirements = _run("requirements")
+    assert requirements.returncode == 0
+    assert requirements.stdout.split() == ["nvidia-nvimgcodec-cu13[nvjpeg]==0.9.0.20"]
+    overlay = _run("overlay").stdout.split()
+    assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.31.1"} <= set(overlay)
 
 
 def test_check_stops_on_another_image():

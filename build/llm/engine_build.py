@@ -180,7 +180,9 @@ def launch(argv: Sequence[str] | None) -> int:
     from .engine_model import Qwen3VLForCausalLM
 
     args = launcher_arguments(argv, add_plugin_argument)
-    checkpoint_config, _ = read_trtllm_config(args.checkpoint_dir)  # ours, checked: no mixed-precision quant_cfg
+    # from_json_file's one step besides from_dict reads quant_cfg.json for mixed-precision checkpoints; convert-llm
+    # writes none (quant_algo null), so there is nothing to read.
+    checkpoint_config, _ = read_trtllm_config(args.checkpoint_dir)
     model_config = Qwen3VLForCausalLM.config_class(**checkpoint_config)
     model_config.max_position_embeddings = args.max_seq_len
     plugin_config = PluginConfig.from_arguments(args)

@@ -19,10 +19,13 @@ the LLM first:
 LLM's share of what is then free is smaller still, so the plan holds both ways.
 
 The CUDA memory pool. Device tensors that pass between models (pixels and their metadata from preprocessing to
-vision_encoder, prompt tables from vision_encoder to llm) come from Triton's CUDA memory pool of that GPU; when it is
-too small python_backend falls back to CUDA IPC for every transfer (r26.04 src/infer_response.cc). The pool holds one
-full batch of both: `serve` passes `--cuda-memory-pool-byte-size=<gpu>:<bytes>` to the server (rank 0 under MPI, as
-TensorRT-LLM's launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
+vision_encoder, prompt tables from vision_encoder to llm) come from Triton's CUDA memory pool of that GPU. When it is
+exhausted, python_backend hands its outputs over by CUDA IPC (r26.04 src/infer_response.cc) and Triton core places
+the ensemble's tensors in pinned host memory (core memory.cc): a device-host-device round trip per request. The pool
+holds two full batches of both: the batch in flight between two models, and the contiguous copy the next model's
+dynamic batcher makes of it (python_be.cc gathers a batch's GPU inputs into pool memory). `serve` passes
+`--cuda-memory-pool-byte-size=<gpu>:<bytes>` to the server (rank 0 under MPI, as TensorRT-LLM's
+launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MARGIN_FRACTION = 0.05
 # vision_encoder.
 CUDA_CONTEXT_BYTES = 600 * 2**20
 GPU_PROCESSES = 3
+_BATCHES_IN_POOL = 2
 PATCH_PIXELS = 16 * 16  # released Qwen3-VL: patch 16, so one patch is 16 x 16 pixels (x 2 temporal copies)
 # Per patch on the way from preprocessing to vision_encoder (serving.interface.VISION_REQUEST): fp32 pixels
 # [patch_dim], int32 pos_embed_idx [4], fp32 pos_embed_w [4], int32 rotary_pos [2], int32 segment_start.
@@ -95,7 +99,7 @@ class GpuMemoryPlan:
             f"    vision engine {_gib(self.vision_engine_bytes)}"
             f" + its activations {_gib(self.vision_activation_bytes)}",
             f"    decoding a full batch {_gib(self.decode_bytes)}",
-            f"    CUDA memory pool (tensors between models, one full batch) {_gib(self.transfer_pool_bytes)}",
+            f"    CUDA memory pool (tensors between models, two full batches) {_gib(self.transfer_pool_bytes)}",
             f"  margin {MARGIN_FRACTION:.0%} of the GPU",
         ]
         fraction = self._fraction()
@@ -108,13 +112,14 @@ class GpuMemoryPlan:
 
 
 def transfer_pool_bytes(limits: EngineLimits, patch_dim: int, merge_unit: int, prompt_table_row_bytes: int) -> int:
-    """Device bytes between the models for one full batch of requests with the most visual tokens each: per-patch
-    inputs of the vision encoder, and prompt tables ((K+1) rows per visual token)."""
+    """Device bytes between the models for two full batches of requests with the most visual tokens each (one in
+    flight, one gathered by the next model's batcher): per-patch inputs of the vision encoder, and prompt tables
+    ((K+1) rows per visual token)."""
     patches = limits.max_visual_tokens * merge_unit
     per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + limits.max_visual_tokens * (
         prompt_table_row_bytes
     )
-    return limits.max_batch_size * per_request
+    return _BATCHES_IN_POOL * limits.max_batch_size * per_request
 
 
 def decode_bytes(limits: EngineLimits, images: ImageLimits | None = None) -> int:

@@ -105,6 +105,10 @@ class VisionEngine:
                 del feeds[SEGMENT_START.name]
                 feeds[CU_SEQLENS.name] = self._device_tensor(CU_SEQLENS.name, segments[CU_SEQLENS.name])
                 feeds[MAX_SEQLEN_CARRIER.name] = self._carrier[: segments[MAX_SEQLEN_CARRIER.name].shape[0]]
+            # An input the caller made is read on the engine's stream from here on, also if a step below raises:
+            # the caching allocator must not hand its memory out again before the engine's stream is past it.
+            for tensor in feeds.values():
+                tensor.record_stream(self._stream)
             for name, tensor in feeds.items():
                 # Both return False (and log why) where TensorRT refuses: a shape outside the profile, say.
                 if not self.context.set_input_shape(name, tuple(tensor.shape)):
@@ -119,10 +123,7 @@ class VisionEngine:
                 self._bind(name, outputs[name])
             if not self.context.execute_async_v3(self._stream.cuda_stream):
                 raise RuntimeError("TensorRT could not enqueue the vision engine (its log is above)")
-        # Inputs made on the caller's stream are in use on the engine's until it is done; outputs are read on the
-        # caller's: the caching allocator must not hand either out again before then.
-        for tensor in (*feeds.values(), *outputs.values()):
-            tensor.record_stream(self._stream)
+        # The outputs, made on the engine's stream, are read on the caller's.
         caller.wait_stream(self._stream)
         for tensor in outputs.values():
             tensor.record_stream(caller)
