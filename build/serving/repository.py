@@ -248,8 +248,8 @@ def gpu_memory_plan(
     total = settings.gpu_memory_bytes or gpu_memory.device_memory_bytes(gpu)
     if total is None:
         raise LimitsError(
-            f"no GPU {gpu} is visible here to size the KV cache beside the python models: give the GPU's memory "
-            "(--gpu-memory-gib) or --kv-cache-free-gpu-mem-fraction"
+            f"no GPU {gpu} is visible here to plan its memory (the KV cache beside the python models, the CUDA "
+            "memory pool): give the GPU's memory with --gpu-memory-gib"
         )
     vision = VisionSidecar.load(files.vision)
     engine = VisionEngineSidecar.load(files.vision_engine)
