@@ -1,6 +1,7 @@
 """tensorrt_llm/commands/build.py: parallel_build, build_and_save and build_model as upstream runs them (the same at
-65f1d153, before PR #8330, and in the post-#8330 trtllm-build that matches the PR's diff, fork commit 195839a7). What needs CUDA or TensorRT is replaced: torch.cuda.set_device is recorded, and builder.build returns an
-engine that saves a description of the model it was given."""
+65f1d153, before PR #8330, and in the post-#8330 trtllm-build that matches the PR's diff, fork commit 195839a7).
+What needs CUDA or TensorRT is replaced: torch.cuda.set_device is recorded, and builder.build returns an engine
+that saves a description of the model it was given."""
 
 import copy
 import os
