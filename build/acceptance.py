@@ -424,7 +424,8 @@ def _served_tokens(
     """Greedy token ids of each request through the build's GPU repository on a real tritonserver."""
     from .contracts import BuildLayout
     from .serving.client import Client
-    from .serving.server import TritonServer, free_ports
+    from .serving.endpoints import free_ports
+    from .serving.server import TritonServer
 
     # Verbose logging: the memory pool's fallbacks are logged at verbose levels too.
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path, log_verbose=1)

@@ -8,9 +8,14 @@ import pathlib
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import Qwen3VLTrtError
+from .serving.endpoints import GatewayOptions, ServerPorts
+
+if TYPE_CHECKING:
+    from .serving.server import ServeOptions
 
 
 def _read_images(paths: Sequence[str]) -> list[bytes]:
@@ -165,16 +170,85 @@ def _write_repo(args: argparse.Namespace) -> None:
     print(f"wrote Triton model repository {path}")
 
 
+def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    return GatewayOptions(served_model_name=args.served_model_name, allow_remote_images=args.allow_remote_images)
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    from .serving.server import ServeOptions
+
+    return ServeOptions(
+        repo=args.repo,
+        ports=ServerPorts(args.grpc_port, args.http_port, args.metrics_port),
+        address=args.address,
+        tritonserver=args.tritonserver,
+        print_command=args.print_command,
+        log_verbose=args.log_verbose,
+        ready_timeout=args.ready_timeout,
+        openai_port=args.openai_port,
+        gateway=_gateway_options(args),
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .serving.server import serve
 
-    return serve(args)
+    return serve(serve_options(args))
 
 
 def _openai(args: argparse.Namespace) -> int:
     from .serving.gateway import run_openai
 
-    return run_openai(args)
+    return run_openai(args.triton_url, args.repo, _gateway_options(args), args.address, args.port)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (1-65535)")
+    return port
+
+
+def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
+    parser.add_argument(
+        "--served-model-name", help="the `model` clients ask for (default: the checkpoint's folder name)"
+    )
+    parser.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs in messages (default: only data: URLs are accepted)",
+    )
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from .serving.server import ENV_VAR, NGC_INSTALL
+
+    defaults = ServerPorts()
+    parser.add_argument(
+        "--repo", required=True, type=pathlib.Path, help="Triton model repository written by qwen3vl-trt"
+    )
+    parser.add_argument("--grpc-port", type=_port, default=defaults.grpc)
+    parser.add_argument("--http-port", type=_port, default=defaults.http)
+    parser.add_argument("--metrics-port", type=_port, default=defaults.metrics)
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address every endpoint binds to (0.0.0.0: all interfaces, e.g. in a container); default loopback only",
+    )
+    parser.add_argument(
+        "--tritonserver",
+        help=f"tritonserver binary (default: ${ENV_VAR}, PATH, {NGC_INSTALL}, else the nvidia-pytriton wheel's)",
+    )
+    parser.add_argument("--print-command", action="store_true", help="print the server command and exit")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose logging level")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
+    parser.add_argument(
+        "--openai-port",
+        type=_port,
+        help="also serve the OpenAI-compatible API (POST /v1/chat/completions) on this port, on --address",
+    )
+    _add_gateway_arguments(parser)
 
 
 def _infer(args: argparse.Namespace) -> None:
@@ -380,19 +454,15 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_write_repo)
 
     s = sub.add_parser("serve", help="run tritonserver on a repository written by build or write-repo")
-    from .serving.server import add_serve_arguments
-
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("openai", help="serve the OpenAI-compatible API in front of a running deployment")
-    from .serving.server import add_gateway_arguments
-
     s.add_argument("--triton-url", default="127.0.0.1:8001", help="the deployment's tritonserver gRPC address")
     s.add_argument("--repo", type=pathlib.Path, help="the deployment's model repository (default: ask the server)")
-    s.add_argument("--port", type=int, default=9000)
+    s.add_argument("--port", type=_port, default=9000)
     s.add_argument("--address", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces); default loopback")
-    add_gateway_arguments(s)
+    _add_gateway_arguments(s)
     s.set_defaults(func=_openai)
 
     s = sub.add_parser("infer", help="send one request to a running deployment over gRPC")

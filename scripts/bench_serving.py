@@ -38,12 +38,16 @@ from pathlib import Path
 import numpy as np
 from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.repository import RepositorySettings
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
-BATCHED_MODELS = (io.PREPROCESSING, io.VISION_ENCODER, io.POSTPROCESSING)  # under Triton's dynamic batcher
+BATCHED_MODELS = (
+    interface.PREPROCESSING,
+    interface.VISION_ENCODER,
+    interface.POSTPROCESSING,
+)  # under Triton's dynamic batcher
 
 
 @dataclass(frozen=True)
@@ -214,8 +218,9 @@ def bench_own_servers(
 ) -> dict:
     """Builds `model_dir` for the CPU target and benchmarks it with dynamic batching on, then off."""
     from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.serving.endpoints import free_ports
     from qwen3vl_trt.serving.repository import write_repository
-    from qwen3vl_trt.serving.server import TritonServer, free_ports
+    from qwen3vl_trt.serving.server import TritonServer
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)

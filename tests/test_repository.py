@@ -15,7 +15,7 @@ from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import config as cfg
-from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER, GpuMemoryPlan
 from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.repository import REPOSITORY_FILE, RepositorySettings, model_configs
@@ -47,30 +47,30 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
     limits = EngineLimits()
     cpu = model_configs(layout, tiny_dense, "cpu", limits, llm)
     gpu = model_configs(layout, tiny_dense, "gpu", limits, llm, memory=MEMORY)
-    assert _steps(cpu[io.ENSEMBLE]) == _steps(gpu[io.ENSEMBLE])
-    assert gpu[io.LLM].backend == "tensorrtllm" and cpu[io.LLM].backend == "python"
+    assert _steps(cpu[interface.ENSEMBLE]) == _steps(gpu[interface.ENSEMBLE])
+    assert gpu[interface.LLM].backend == "tensorrtllm" and cpu[interface.LLM].backend == "python"
     # Every tensor the ensemble hands the llm is declared by both llms, with the same type and shape.
-    for tensor in io.LLM_INPUTS:
-        ours = {i.name: i for i in cpu[io.LLM].input}[tensor.name]
-        theirs = {i.name: i for i in gpu[io.LLM].input}[tensor.name]
+    for tensor in interface.LLM_INPUTS:
+        ours = {i.name: i for i in cpu[interface.LLM].input}[tensor.name]
+        theirs = {i.name: i for i in gpu[interface.LLM].input}[tensor.name]
         assert (ours.data_type, list(ours.dims), list(ours.reshape.shape)) == (
             theirs.data_type,
             list(theirs.dims),
             list(theirs.reshape.shape),
         ), tensor.name
-    engine_dir = {name: c[io.VISION_ENCODER].parameters["vision_engine_dir"].string_value for name, c in
+    engine_dir = {name: c[interface.VISION_ENCODER].parameters["vision_engine_dir"].string_value for name, c in
                   (("cpu", cpu), ("gpu", gpu))}  # fmt: skip
     assert engine_dir == {"cpu": "", "gpu": str(layout.vision_engine)}
-    pre = gpu[io.PREPROCESSING]
+    pre = gpu[interface.PREPROCESSING]
     assert pre.instance_group[0].kind == pre.instance_group[0].KIND_GPU
     assert pre.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
     assert pre.parameters["device"].string_value == "cuda"
     assert int(pre.parameters["mrope_positions"].string_value) == limits.max_seq_len
-    assert int(cpu[io.PREPROCESSING].parameters["mrope_positions"].string_value) == 0
+    assert int(cpu[interface.PREPROCESSING].parameters["mrope_positions"].string_value) == 0
     for configs in (cpu, gpu):
         for config in configs.values():
             assert cfg.parse(cfg.to_text(config)) == config
-            if config.name != io.ENSEMBLE:
+            if config.name != interface.ENSEMBLE:
                 assert config.max_batch_size == limits.max_batch_size
 
 
@@ -93,17 +93,17 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
     _, llm = read_trtllm_config(layout.llm_checkpoint)
     settings = RepositorySettings(python_models_gpu=gpu)
     configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, settings, memory=MEMORY)
-    for name in (io.PREPROCESSING, io.VISION_ENCODER):
+    for name in (interface.PREPROCESSING, interface.VISION_ENCODER):
         (group,) = configs[name].instance_group
         assert group.kind == group.KIND_GPU and list(group.gpus) == [gpu] and group.count == 1
-    assert configs[io.POSTPROCESSING].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
-    llm_params = configs[io.LLM].parameters
+    assert configs[interface.POSTPROCESSING].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    llm_params = configs[interface.LLM].parameters
     assert float(llm_params["kv_cache_free_gpu_mem_fraction"].string_value) == MEMORY.kv_cache_fraction() < 0.9
-    pool = configs[io.PREPROCESSING].parameters[CUDA_POOL_PARAMETER].string_value
+    pool = configs[interface.PREPROCESSING].parameters[CUDA_POOL_PARAMETER].string_value
     assert int(pool) == MEMORY.transfer_pool_bytes
     given = RepositorySettings(kv_cache_free_gpu_mem_fraction=0.5)
     configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, given, memory=MEMORY)
-    assert configs[io.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"
+    assert configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"
     with pytest.raises(ValueError, match="GPU memory plan"):
         model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm)
 
@@ -124,7 +124,7 @@ def test_bad_repository_settings_are_refused(settings, message):
 def test_write_repo_writes_every_model_and_refuses_a_gpu_target_without_engine(built, tmp_path, capsys):
     repo = tmp_path / "repo"
     assert main(["write-repo", "--build-dir", str(built), "--output", str(repo), "--target", "cpu"]) == 0
-    for name in io.MODELS:
+    for name in interface.MODELS:
         config = cfg.read(repo / name)
         assert config.name == name and (repo / name / "1").is_dir()
         assert (repo / name / "1" / "model.py").is_file() == (config.backend == "python")

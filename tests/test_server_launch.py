@@ -21,19 +21,19 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
+from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving import server
+from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
 from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
 from qwen3vl_trt.serving.server import (
-    ServerPorts,
+    ServeOptions,
     TritonInstall,
     TritonServer,
-    add_serve_arguments,
     cuda_pool_flags,
     find_tritonserver,
-    free_ports,
     launch_command,
     mpi_command,
     serve,
@@ -326,10 +326,11 @@ def _echo_repo(root: Path) -> Path:
 
 SERVE = (
     "import argparse, sys\n"
-    "from qwen3vl_trt.serving.server import add_serve_arguments, serve\n"
+    "from qwen3vl_trt.cli import add_serve_arguments, serve_options\n"
+    "from qwen3vl_trt.serving.server import serve\n"
     "parser = argparse.ArgumentParser()\n"
     "add_serve_arguments(parser)\n"
-    "sys.exit(serve(parser.parse_args()))\n"
+    "sys.exit(serve(serve_options(parser.parse_args())))\n"
 )
 
 
@@ -365,10 +366,10 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         serving.stdout.close()
 
 
-def _serve_args(*argv: str) -> argparse.Namespace:
+def _serve_args(*argv: str) -> ServeOptions:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    return parser.parse_args(argv)
+    return serve_options(parser.parse_args(argv))
 
 
 def test_serve_print_command(tmp_path, nowhere, capsys):

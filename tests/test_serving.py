@@ -16,9 +16,10 @@ import tritonclient.grpc as grpcclient
 from deployment import LIMITS, SETTINGS, build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
-from qwen3vl_trt.serving.server import TritonServer, free_ports
+from qwen3vl_trt.serving.endpoints import free_ports
+from qwen3vl_trt.serving.server import TritonServer
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
 from transformers import AutoModelForImageTextToText
@@ -132,7 +133,7 @@ def test_concurrent_mixed_requests_are_batched_and_equal_sequential_results(dens
     together = _concurrently(dense, MIXED)
     assert [a.token_ids for a in together] == [a.token_ids for a in alone]
     assert [a.text for a in together] == [a.text for a in alone]
-    for model in (io.PREPROCESSING, io.VISION_ENCODER):
+    for model in (interface.PREPROCESSING, interface.VISION_ENCODER):
         assert _largest_batch(dense.statistics(model)) > 1, f"{model} never ran a batch of more than one request"
 
 
@@ -235,47 +236,47 @@ def test_tensors_cross_every_model_intact(dense):
     from qwen3vl_trt.serving.vision_batching import VisionBatching
 
     request = {
-        io.TEXT_INPUT.name: np.array([[b"What is this?"]], dtype=object),
-        io.MAX_TOKENS.name: np.array([[5]], np.int32),
-        io.IMAGES.name: np.array([[PHOTO]], dtype=object),
-        io.STOP_WORDS.name: np.array([[b"stop here"]], dtype=object),
-        io.SEED_IN.name: np.array([[2**63 + 5]], np.uint64),
-        io.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
+        interface.TEXT_INPUT.name: np.array([[b"What is this?"]], dtype=object),
+        interface.MAX_TOKENS.name: np.array([[5]], np.int32),
+        interface.IMAGES.name: np.array([[PHOTO]], dtype=object),
+        interface.STOP_WORDS.name: np.array([[b"stop here"]], dtype=object),
+        interface.SEED_IN.name: np.array([[2**63 + 5]], np.uint64),
+        interface.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
     }
-    served = _infer_model(dense.url, io.PREPROCESSING, request)
+    served = _infer_model(dense.url, interface.PREPROCESSING, request)
     local = Preprocessing(dense.model_dir, LIMITS).execute([{k: v[0] for k, v in request.items()}])[0]
-    for tensor in io.PREPROCESSING_OUTPUTS:
+    for tensor in interface.PREPROCESSING_OUTPUTS:
         ours = np.asarray(local[tensor.name])
         theirs = served.as_numpy(tensor.name)[0]
         np.testing.assert_array_equal(theirs, ours, err_msg=tensor.name)
         assert theirs.dtype == ours.dtype, tensor.name
-    assert int(served.as_numpy(io.SEED.name)[0, 0]) == 2**63 + 5
+    assert int(served.as_numpy(interface.SEED.name)[0, 0]) == 2**63 + 5
 
-    vision_inputs = {t.name: served.as_numpy(t.name) for t in io.VISION_REQUEST}
-    table = _infer_model(dense.url, io.VISION_ENCODER, vision_inputs).as_numpy(io.PROMPT_TABLE.name)[0]
+    vision_inputs = {t.name: served.as_numpy(t.name) for t in interface.VISION_REQUEST}
+    table = _infer_model(dense.url, interface.VISION_ENCODER, vision_inputs).as_numpy(interface.PROMPT_TABLE.name)[0]
     build_dir = dense.server.repo.parent
     batching = VisionBatching(build_dir / "vision", torch.float32, table.shape[1], SETTINGS.attention_budget_bytes)
-    expected = batching.execute([{k: v[0] for k, v in vision_inputs.items()}])[0][io.PROMPT_TABLE.name]
+    expected = batching.execute([{k: v[0] for k, v in vision_inputs.items()}])[0][interface.PROMPT_TABLE.name]
     np.testing.assert_array_equal(table, expected.numpy())
 
     ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int32)
     out = _infer_model(
         dense.url,
-        io.POSTPROCESSING,
-        {io.LLM_OUTPUT_IDS.name: ids[:, None], io.SEQUENCE_LENGTH.name: np.array([[8]], np.int32)},
+        interface.POSTPROCESSING,
+        {interface.LLM_OUTPUT_IDS.name: ids[:, None], interface.SEQUENCE_LENGTH.name: np.array([[8]], np.int32)},
     )
     tokenizer = Preprocessor.from_pretrained(dense.model_dir).prompts.tokenizer
-    assert out.as_numpy(io.TEXT_OUTPUT.name)[0, 0].decode() == tokenizer.decode(ids[0].tolist())
-    np.testing.assert_array_equal(out.as_numpy(io.OUTPUT_IDS_OUT.name)[0], ids[0])
+    assert out.as_numpy(interface.TEXT_OUTPUT.name)[0, 0].decode() == tokenizer.decode(ids[0].tolist())
+    np.testing.assert_array_equal(out.as_numpy(interface.OUTPUT_IDS_OUT.name)[0], ids[0])
 
 
 def test_every_generated_config_parses_and_the_ensemble_routes_every_tensor(dense):
     from qwen3vl_trt.serving import config as cfg
 
     repo = dense.server.repo
-    configs = {name: cfg.read(repo / name) for name in io.MODELS}
-    assert {name: c.name for name, c in configs.items()} == {name: name for name in io.MODELS}
-    ensemble = configs[io.ENSEMBLE]
+    configs = {name: cfg.read(repo / name) for name in interface.MODELS}
+    assert {name: c.name for name, c in configs.items()} == {name: name for name in interface.MODELS}
+    ensemble = configs[interface.ENSEMBLE]
     produced = {t.name for t in ensemble.input}
     for step in ensemble.ensemble_scheduling.step:
         model = configs[step.model_name]
@@ -286,7 +287,7 @@ def test_every_generated_config_parses_and_the_ensemble_routes_every_tensor(dens
         assert set(step.output_map) <= {t.name for t in model.output}
         produced |= set(step.output_map.values())
     assert {t.name for t in ensemble.output} <= produced
-    assert configs[io.LLM].model_transaction_policy.decoupled
+    assert configs[interface.LLM].model_transaction_policy.decoupled
     record = (
         json.loads((repo / "qwen3vl_repository.json").read_text())
         if (repo / "qwen3vl_repository.json").exists()

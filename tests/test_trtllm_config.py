@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from qwen3vl_trt.errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.serving import interface as io
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.config import parse, to_text
 from qwen3vl_trt.serving.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config
 from tritonclient.grpc import model_config_pb2 as mc
@@ -77,7 +77,7 @@ def _params(config: mc.ModelConfig) -> dict[str, str]:
 def test_round_trips_through_text_format(tmp_path):
     config = _config(tmp_path)
     assert parse(to_text(config)) == config
-    assert config.name == io.LLM and config.backend == "tensorrtllm" and config.max_batch_size == 4
+    assert config.name == interface.LLM and config.backend == "tensorrtllm" and config.max_batch_size == 4
 
 
 def test_parameters_the_backend_cannot_load_without(tmp_path):
@@ -96,7 +96,7 @@ def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
     assert params["enable_kv_cache_reuse"] in TRUE  # safe: one extra id per prompt token (test_extra_ids.py)
     # The request input overrides this parameter whenever sent (utils.cc), and preprocessing always sends it.
     assert "exclude_input_in_output" not in params
-    assert io.EXCLUDE_INPUT in io.LLM_REQUEST
+    assert interface.EXCLUDE_INPUT in interface.LLM_REQUEST
     assert params["batch_scheduler_policy"] in BATCH_SCHEDULER_POLICIES
     assert float(params["kv_cache_free_gpu_mem_fraction"]) == 0.85
     assert int(params["max_beam_width"]) == 1
@@ -121,7 +121,7 @@ def test_batching_and_streaming(tmp_path):
 @pytest.mark.parametrize("model_data_type", ["FP16", "BF16", "FP32"])
 def test_inputs_are_upstreams(tmp_path, model_data_type):
     inputs = {spec.name: spec for spec in _config(tmp_path, model_data_type).input}
-    assert inputs.keys() == {t.name for t in io.LLM_INPUTS} and inputs.keys() <= UPSTREAM_INPUTS.keys()
+    assert inputs.keys() == {t.name for t in interface.LLM_INPUTS} and inputs.keys() <= UPSTREAM_INPUTS.keys()
     for name, spec in inputs.items():
         data_type, dims, reshaped, optional, ragged = UPSTREAM_INPUTS[name]
         data_type = f"TYPE_{model_data_type}" if data_type == "MODEL" else data_type

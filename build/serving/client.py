@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import Qwen3VLTrtError
-from . import interface as io
+from . import interface
 
 
 class InferenceError(Qwen3VLTrtError):
@@ -45,7 +45,7 @@ class Answer:
 def _server_error(url: str, error: Any) -> InferenceError:
     message = error.message() if hasattr(error, "message") else str(error)
     status = str(error.status()) if hasattr(error, "status") else ""
-    if io.REJECTED_REQUEST in (message or ""):
+    if interface.REJECTED_REQUEST in (message or ""):
         return RequestRejectedError(f"{url}: {message}")
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return ServerUnavailableError(f"{url} is unavailable: {message}")
@@ -89,9 +89,9 @@ class Generation:
                 if error is not None:
                     self._close(cancel=False)
                     raise _server_error(client.url, error)
-                text = result.as_numpy(io.TEXT_OUTPUT.name)
+                text = result.as_numpy(interface.TEXT_OUTPUT.name)
                 if text is not None:
-                    ids = result.as_numpy(io.OUTPUT_IDS_OUT.name).reshape(-1)
+                    ids = result.as_numpy(interface.OUTPUT_IDS_OUT.name).reshape(-1)
                     yield Answer(b"".join(text.reshape(-1)).decode(), [int(t) for t in ids])
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
@@ -117,7 +117,7 @@ class Generation:
 _NUMPY_TYPES = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": bool, "STRING": object}
 
 
-def _input(tensor: io.Tensor, values: Sequence[Any]) -> Any:
+def _input(tensor: interface.Tensor, values: Sequence[Any]) -> Any:
     import tritonclient.grpc as grpcclient
 
     array = np.array([list(values)], dtype=_NUMPY_TYPES[tensor.data_type])
@@ -129,7 +129,7 @@ def _input(tensor: io.Tensor, values: Sequence[Any]) -> Any:
 
 
 class Client:
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = io.ENSEMBLE, timeout_s: float = 600.0):
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE, timeout_s: float = 600.0):
         import tritonclient.grpc as grpcclient
 
         self.url, self.model, self.timeout_s = url, model, timeout_s
@@ -160,23 +160,27 @@ class Client:
         exclude_input_in_output: bool = True,
     ) -> list[Any]:
         """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that)."""
-        values: list[tuple[io.Tensor, Sequence[Any]]] = [
-            (io.TEXT_INPUT, [prompt.encode()]),
-            (io.STREAM, [stream]),
-            (io.EXCLUDE_INPUT_IN, [exclude_input_in_output]),
+        values: list[tuple[interface.Tensor, Sequence[Any]]] = [
+            (interface.TEXT_INPUT, [prompt.encode()]),
+            (interface.STREAM, [stream]),
+            (interface.EXCLUDE_INPUT_IN, [exclude_input_in_output]),
         ]
         optional = {
-            io.MAX_TOKENS: max_tokens,
-            io.TEMPERATURE_IN: temperature,
-            io.TOP_K: top_k,
-            io.TOP_P: top_p,
-            io.SEED_IN: seed,
-            io.MIN_TOKENS_IN: min_tokens,
-            io.MESSAGES: None if messages is None else json.dumps(messages).encode(),
-            io.RAW_PROMPT: raw_prompt or None,
+            interface.MAX_TOKENS: max_tokens,
+            interface.TEMPERATURE_IN: temperature,
+            interface.TOP_K: top_k,
+            interface.TOP_P: top_p,
+            interface.SEED_IN: seed,
+            interface.MIN_TOKENS_IN: min_tokens,
+            interface.MESSAGES: None if messages is None else json.dumps(messages).encode(),
+            interface.RAW_PROMPT: raw_prompt or None,
         }
         values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
-        for tensor, items in ((io.IMAGES, images), (io.STOP_WORDS, stop_words), (io.BAD_WORDS, bad_words)):
+        for tensor, items in (
+            (interface.IMAGES, images),
+            (interface.STOP_WORDS, stop_words),
+            (interface.BAD_WORDS, bad_words),
+        ):
             if items:
                 values.append((tensor, [i if isinstance(i, bytes) else str(i).encode() for i in items]))
         return [_input(tensor, items) for tensor, items in values]
@@ -220,13 +224,17 @@ class Client:
         cancellation on to the step in flight, which for the llm is the whole generation."""
         import tritonclient.grpc as grpcclient
 
-        inputs = [_input(io.STOP, [True]), _input(io.INPUT_IDS, [0]), _input(io.INPUT_LENGTHS, [1])]
-        inputs.append(_input(io.REQUEST_OUTPUT_LEN, [1]))
+        inputs = [
+            _input(interface.STOP, [True]),
+            _input(interface.INPUT_IDS, [0]),
+            _input(interface.INPUT_LENGTHS, [1]),
+        ]
+        inputs.append(_input(interface.REQUEST_OUTPUT_LEN, [1]))
         answered = threading.Event()
         grpc = grpcclient.InferenceServerClient(self.url)  # the request's own stream is closed by now
         try:
             grpc.start_stream(callback=lambda result, error: answered.set())
-            grpc.async_stream_infer(io.LLM, inputs, request_id=request_id, enable_empty_final_response=True)
+            grpc.async_stream_infer(interface.LLM, inputs, request_id=request_id, enable_empty_final_response=True)
             answered.wait(timeout_s)
             grpc.stop_stream(cancel_requests=True)
         except Exception:  # tritonclient's own error types: the server is gone, so is the request

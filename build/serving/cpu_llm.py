@@ -25,7 +25,7 @@ import torch
 from ..errors import Qwen3VLTrtError
 from ..runtime.reference_llm import DecodeBatch, LLMRequest, ReferenceLLM
 from ..runtime.sampling import SamplingParams
-from . import interface as io
+from . import interface
 from .preprocessing import split_word_list
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class _Job:
     tokens: list[int] = field(default_factory=list)  # the prompt's ids first when it is echoed
 
 
-def _value(inputs: Mapping[str, Any], tensor: io.Tensor, default: Any) -> Any:
+def _value(inputs: Mapping[str, Any], tensor: interface.Tensor, default: Any) -> Any:
     value = inputs.get(tensor.name)
     return default if value is None else np.asarray(value).reshape(-1)[0].item()
 
@@ -70,31 +70,31 @@ class InflightLLM:
 
     def request(self, inputs: Mapping[str, Any]) -> LLMRequest:
         """The reference runtime's request for the tensorrt_llm inputs of one request."""
-        ids = np.asarray(inputs[io.INPUT_IDS.name]).reshape(-1)
-        length = int(_value(inputs, io.INPUT_LENGTHS, ids.size))
+        ids = np.asarray(inputs[interface.INPUT_IDS.name]).reshape(-1)
+        length = int(_value(inputs, interface.INPUT_LENGTHS, ids.size))
         if length != ids.size:
             raise Qwen3VLTrtError(f"input_lengths is {length} but input_ids holds {ids.size} ids")
-        table = inputs.get(io.PROMPT_TABLE.name)
+        table = inputs.get(interface.PROMPT_TABLE.name)
         if int(ids.max(initial=0)) < self.llm.vocab_size:
             table = None  # text only: the table's placeholder row is never addressed
-        end_id = int(_value(inputs, io.END_ID, self.end_ids[0]))
-        greedy = int(_value(inputs, io.RUNTIME_TOP_K, 0)) == 1
+        end_id = int(_value(inputs, interface.END_ID, self.end_ids[0]))
+        greedy = int(_value(inputs, interface.RUNTIME_TOP_K, 0)) == 1
         sampling = SamplingParams(
-            max_new_tokens=int(_value(inputs, io.REQUEST_OUTPUT_LEN, 0)),
-            temperature=0.0 if greedy else float(_value(inputs, io.TEMPERATURE, 1.0)),
-            top_k=0 if greedy else int(_value(inputs, io.RUNTIME_TOP_K, 0)),
-            top_p=1.0 if greedy else float(_value(inputs, io.RUNTIME_TOP_P, 1.0)),
-            seed=int(_value(inputs, io.SEED, 0)),
+            max_new_tokens=int(_value(inputs, interface.REQUEST_OUTPUT_LEN, 0)),
+            temperature=0.0 if greedy else float(_value(inputs, interface.TEMPERATURE, 1.0)),
+            top_k=0 if greedy else int(_value(inputs, interface.RUNTIME_TOP_K, 0)),
+            top_p=1.0 if greedy else float(_value(inputs, interface.RUNTIME_TOP_P, 1.0)),
+            seed=int(_value(inputs, interface.SEED, 0)),
             end_ids=tuple(dict.fromkeys((end_id, *self.end_ids))),
-            min_new_tokens=int(_value(inputs, io.MIN_TOKENS, 0)),
-            stop_sequences=split_word_list(inputs.get(io.STOP_WORDS_LIST.name)),
-            bad_sequences=split_word_list(inputs.get(io.BAD_WORDS_LIST.name)),
+            min_new_tokens=int(_value(inputs, interface.MIN_TOKENS, 0)),
+            stop_sequences=split_word_list(inputs.get(interface.STOP_WORDS_LIST.name)),
+            bad_sequences=split_word_list(inputs.get(interface.BAD_WORDS_LIST.name)),
         )
         return LLMRequest(
             input_ids=ids.astype(np.int32),
             prompt_embedding_table=None if table is None else torch.as_tensor(table),
-            mrope_rotary_cos_sin=inputs.get(io.MROPE_COS_SIN.name),
-            mrope_position_deltas=int(_value(inputs, io.MROPE_DELTAS, 0)),
+            mrope_rotary_cos_sin=inputs.get(interface.MROPE_COS_SIN.name),
+            mrope_position_deltas=int(_value(inputs, interface.MROPE_DELTAS, 0)),
             sampling=sampling,
         )
 
@@ -110,7 +110,7 @@ class InflightLLM:
         self._thread.join(timeout=30)
 
     def submit(self, inputs: Mapping[str, Any], stream: TokenStream, request_id: str = "") -> None:
-        if _value(inputs, io.STOP, False):
+        if _value(inputs, interface.STOP, False):
             self._stops.put(request_id)
             stream.finish()
             return
@@ -119,9 +119,9 @@ class InflightLLM:
         except Qwen3VLTrtError as e:
             stream.fail(e)
             return
-        streaming = bool(_value(inputs, io.STREAMING, False))
+        streaming = bool(_value(inputs, interface.STREAMING, False))
         job = _Job(request, stream, streaming, frozenset(request.sampling.end_ids), request_id)
-        if not streaming and not _value(inputs, io.EXCLUDE_INPUT, False):
+        if not streaming and not _value(inputs, interface.EXCLUDE_INPUT, False):
             job.tokens.extend(int(t) for t in request.input_ids)  # the engine's output_ids hold the prompt too
         self._waiting.put(job)
 

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from ..checkpoint import parse_config, read_config
 from ..runtime.local import StreamingDetokenizer, generation_end_ids
-from . import interface as io
+from . import interface
 
 
 class Detokenizing:
@@ -38,8 +38,8 @@ class Detokenizing:
         return [self._one(inputs, request_id) for inputs, request_id in zip(requests, request_ids, strict=True)]
 
     def _one(self, inputs: Mapping[str, Any], request_id: str) -> dict[str, Any]:
-        ids = np.atleast_2d(np.asarray(inputs[io.LLM_OUTPUT_IDS.name]))  # [beams, tokens]
-        length = int(np.asarray(inputs[io.SEQUENCE_LENGTH.name]).reshape(-1)[0])
+        ids = np.atleast_2d(np.asarray(inputs[interface.LLM_OUTPUT_IDS.name]))  # [beams, tokens]
+        length = int(np.asarray(inputs[interface.SEQUENCE_LENGTH.name]).reshape(-1)[0])
         received = ids[0, : min(length, ids.shape[1])].astype(np.int64)
         received[received >= self.vocab_size] = self.image_token_id
         tokens = [int(t) for t in received if int(t) not in self.end_ids]
@@ -53,6 +53,6 @@ class Detokenizing:
         else:
             text += detokenizer.finish()
         return {
-            io.TEXT_OUTPUT.name: np.array([text.encode()], dtype=object),
-            io.OUTPUT_IDS_OUT.name: np.array(tokens, dtype=np.int32),
+            interface.TEXT_OUTPUT.name: np.array([text.encode()], dtype=object),
+            interface.OUTPUT_IDS_OUT.name: np.array(tokens, dtype=np.int32),
         }

@@ -13,7 +13,6 @@ away mid-stream, cancels the request on the server.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import threading
@@ -45,9 +44,9 @@ from ..limits import EngineLimits
 from ..preprocess import Preprocessor
 from ..preprocess.prompts import normalize_messages
 from . import config as serving_config
-from . import interface as io
+from . import interface
 from .client import Answer, Client, InferenceError, RequestRejectedError, ServerUnavailableError
-from .server import gateway_options, host_port
+from .endpoints import NO_GATEWAY_OPTIONS, GatewayOptions, host_port
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 DEFAULT_PORT = 9000
@@ -72,36 +71,38 @@ class GatewaySettings:
 
     @classmethod
     def from_preprocessing_parameters(
-        cls, triton_url: str, parameters: dict[str, str], served_model_name: str | None = None, **options: Any
+        cls, triton_url: str, parameters: dict[str, str], options: GatewayOptions = NO_GATEWAY_OPTIONS
     ) -> GatewaySettings:
         model_dir = Path(parameters["model_dir"])
         return cls(
             triton_url,
             model_dir,
             EngineLimits(**json.loads(parameters["limits"])),
-            served_model_name or model_dir.name,
-            **options,
+            options.served_model_name or model_dir.name,
+            allow_remote_images=options.allow_remote_images,
         )
 
     @classmethod
-    def from_repository(cls, triton_url: str, repo: Path, **options: Any) -> GatewaySettings:
-        config = serving_config.read(Path(repo) / io.PREPROCESSING)
-        return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), **options)
+    def from_repository(
+        cls, triton_url: str, repo: Path, options: GatewayOptions = NO_GATEWAY_OPTIONS
+    ) -> GatewaySettings:
+        config = serving_config.read(Path(repo) / interface.PREPROCESSING)
+        return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
 
     @classmethod
-    def from_server(cls, triton_url: str, **options: Any) -> GatewaySettings:
+    def from_server(cls, triton_url: str, options: GatewayOptions = NO_GATEWAY_OPTIONS) -> GatewaySettings:
         """Asks the running deployment for its preprocessing model's configuration."""
         client = Client(triton_url)
         try:
-            config = client.grpc.get_model_config(io.PREPROCESSING).config
+            config = client.grpc.get_model_config(interface.PREPROCESSING).config
         except Exception as e:  # tritonclient's own error types
             raise ServerUnavailableError(
-                f"cannot read the {io.PREPROCESSING} model's configuration from {triton_url} ({e}); "
+                f"cannot read the {interface.PREPROCESSING} model's configuration from {triton_url} ({e}); "
                 "start the deployment first, or pass --repo with its model repository"
             ) from e
         finally:
             client.close()
-        return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), **options)
+        return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
 
 
 def _string_parameters(parameters: Any) -> dict[str, str]:
@@ -574,13 +575,16 @@ class GatewayServer:
             self._thread.join(timeout=30)
 
 
-def run_openai(args: argparse.Namespace) -> int:
-    """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment."""
-    if args.repo is not None:
-        settings = GatewaySettings.from_repository(args.triton_url, args.repo, **gateway_options(args))
+def run_openai(
+    triton_url: str, repo: Path | None, options: GatewayOptions, address: str = "127.0.0.1", port: int = DEFAULT_PORT
+) -> int:
+    """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment (its settings read from the
+    repository when given, else asked of the server)."""
+    if repo is not None:
+        settings = GatewaySettings.from_repository(triton_url, repo, options)
     else:
-        settings = GatewaySettings.from_server(args.triton_url, **gateway_options(args))
-    server = GatewayServer(settings, args.address, args.port)
-    print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {args.triton_url}", flush=True)
+        settings = GatewaySettings.from_server(triton_url, options)
+    server = GatewayServer(settings, address, port)
+    print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {triton_url}", flush=True)
     server.run()
     return 0

@@ -21,12 +21,12 @@ from ..limits import EngineLimits
 from ..preprocess import Preprocessor
 from ..preprocess.preprocessor import Request
 from ..runtime.local import generation_end_ids
-from . import interface as io
+from . import interface
 
 Arrays = Mapping[str, Any]
 
 
-def _scalar(inputs: Arrays, tensor: io.Tensor, default: Any) -> Any:
+def _scalar(inputs: Arrays, tensor: interface.Tensor, default: Any) -> Any:
     value = inputs.get(tensor.name)
     if value is None:
         return default
@@ -37,7 +37,7 @@ def _scalar(inputs: Arrays, tensor: io.Tensor, default: Any) -> Any:
     return item.decode() if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
 
 
-def _strings(inputs: Arrays, tensor: io.Tensor) -> list[bytes]:
+def _strings(inputs: Arrays, tensor: interface.Tensor) -> list[bytes]:
     value = inputs.get(tensor.name)
     if value is None:
         return []
@@ -126,46 +126,49 @@ class Preprocessing:
             return e
 
     def _parse(self, inputs: Arrays) -> _Parsed:
-        missing = [t.name for t in io.REQUEST_INPUTS if not t.optional and t.name not in inputs]
+        missing = [t.name for t in interface.REQUEST_INPUTS if not t.optional and t.name not in inputs]
         if missing:
             raise RequestError(f"the request lacks the required input(s) {', '.join(missing)}")
-        text = _scalar(inputs, io.TEXT_INPUT, "")
-        images = _strings(inputs, io.IMAGES)
-        messages_json = _scalar(inputs, io.MESSAGES, None)
-        if _scalar(inputs, io.RAW_PROMPT, False):
+        text = _scalar(inputs, interface.TEXT_INPUT, "")
+        images = _strings(inputs, interface.IMAGES)
+        messages_json = _scalar(inputs, interface.MESSAGES, None)
+        if _scalar(inputs, interface.RAW_PROMPT, False):
             if messages_json is not None:
                 raise MessageError("raw_prompt sends text_input as the prompt; do not send messages with it")
             call: dict[str, Any] = {"prompt": text, "images": images}
         else:
             call = {"messages": self._messages(text, images, messages_json)}
-        max_tokens = int(_scalar(inputs, io.MAX_TOKENS, 0))
+        max_tokens = int(_scalar(inputs, interface.MAX_TOKENS, 0))
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        temperature = float(_scalar(inputs, io.TEMPERATURE_IN, 0.0))
-        top_k = int(_scalar(inputs, io.TOP_K, 0))
-        top_p = float(_scalar(inputs, io.TOP_P, 1.0))
+        temperature = float(_scalar(inputs, interface.TEMPERATURE_IN, 0.0))
+        top_k = int(_scalar(inputs, interface.TOP_K, 0))
+        top_p = float(_scalar(inputs, interface.TOP_P, 1.0))
         if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
             raise RequestError(
                 f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
             )
         greedy = temperature == 0.0
-        end_id = int(_scalar(inputs, io.END_ID_IN, self.end_ids[0]))
+        end_id = int(_scalar(inputs, interface.END_ID_IN, self.end_ids[0]))
         # The other end ids stop generation too: TensorRT-LLM takes them as one-token stop words.
-        stop_words = [*self._encode(_strings(inputs, io.STOP_WORDS)), *[(t,) for t in self.end_ids if t != end_id]]
-        streaming = bool(_scalar(inputs, io.STREAM, False))
+        stop_words = [
+            *self._encode(_strings(inputs, interface.STOP_WORDS)),
+            *[(t,) for t in self.end_ids if t != end_id],
+        ]
+        streaming = bool(_scalar(inputs, interface.STREAM, False))
         outputs = {
-            io.REQUEST_OUTPUT_LEN.name: np.array([max_tokens], np.int32),
-            io.END_ID.name: np.array([end_id], np.int32),
-            io.PAD_ID.name: np.array([int(_scalar(inputs, io.PAD_ID_IN, end_id))], np.int32),
-            io.RUNTIME_TOP_K.name: np.array([1 if greedy else top_k], np.int32),
-            io.RUNTIME_TOP_P.name: np.array([1.0 if greedy else top_p], np.float32),
-            io.TEMPERATURE.name: np.array([1.0 if greedy else temperature], np.float32),
-            io.SEED.name: np.array([int(_scalar(inputs, io.SEED_IN, 0))], np.uint64),
-            io.MIN_TOKENS.name: np.array([int(_scalar(inputs, io.MIN_TOKENS_IN, 0))], np.int32),
-            io.STREAMING.name: np.array([streaming], bool),
-            io.EXCLUDE_INPUT.name: np.array([bool(_scalar(inputs, io.EXCLUDE_INPUT_IN, False))], bool),
-            io.STOP_WORDS_LIST.name: word_list(stop_words),
-            io.BAD_WORDS_LIST.name: word_list(self._encode(_strings(inputs, io.BAD_WORDS))),
+            interface.REQUEST_OUTPUT_LEN.name: np.array([max_tokens], np.int32),
+            interface.END_ID.name: np.array([end_id], np.int32),
+            interface.PAD_ID.name: np.array([int(_scalar(inputs, interface.PAD_ID_IN, end_id))], np.int32),
+            interface.RUNTIME_TOP_K.name: np.array([1 if greedy else top_k], np.int32),
+            interface.RUNTIME_TOP_P.name: np.array([1.0 if greedy else top_p], np.float32),
+            interface.TEMPERATURE.name: np.array([1.0 if greedy else temperature], np.float32),
+            interface.SEED.name: np.array([int(_scalar(inputs, interface.SEED_IN, 0))], np.uint64),
+            interface.MIN_TOKENS.name: np.array([int(_scalar(inputs, interface.MIN_TOKENS_IN, 0))], np.int32),
+            interface.STREAMING.name: np.array([streaming], bool),
+            interface.EXCLUDE_INPUT.name: np.array([bool(_scalar(inputs, interface.EXCLUDE_INPUT_IN, False))], bool),
+            interface.STOP_WORDS_LIST.name: word_list(stop_words),
+            interface.BAD_WORDS_LIST.name: word_list(self._encode(_strings(inputs, interface.BAD_WORDS))),
         }
         return _Parsed(call, outputs)
 
@@ -200,7 +203,7 @@ class Preprocessing:
 
     def _outputs(self, parsed: _Parsed, request: Request) -> dict[str, Any]:
         length = request.num_tokens
-        max_tokens = int(parsed.outputs[io.REQUEST_OUTPUT_LEN.name][0])
+        max_tokens = int(parsed.outputs[interface.REQUEST_OUTPUT_LEN.name][0])
         if length + max_tokens > self.limits.max_seq_len:
             raise PromptTooLongError(
                 f"the prompt's {length} tokens + max_tokens {max_tokens} exceed the deployment's max_seq_len "
@@ -213,23 +216,23 @@ class Preprocessing:
             else request.rotary_cos_sin.reshape(-1)
         )
         return {
-            io.VISION_PIXELS.name: request.pixel_values,  # stays on the preprocessing device
+            interface.VISION_PIXELS.name: request.pixel_values,  # stays on the preprocessing device
             **vision,
-            io.IMAGE_GRID_THW.name: request.image_grid_thw.astype(np.int64).reshape(-1, 3),
-            io.VISUAL_TOKEN_COUNT.name: np.array([request.num_visual_tokens], np.int32),
-            io.INPUT_IDS.name: request.engine_input_ids,
-            io.INPUT_LENGTHS.name: np.array([length], np.int32),
-            io.MROPE_COS_SIN.name: np.ascontiguousarray(cos_sin, dtype=np.float32),
-            io.MROPE_DELTAS.name: np.array([request.mrope_position_delta], np.int64),
-            io.EXTRA_IDS.name: request.prompt_table_extra_ids,
+            interface.IMAGE_GRID_THW.name: request.image_grid_thw.astype(np.int64).reshape(-1, 3),
+            interface.VISUAL_TOKEN_COUNT.name: np.array([request.num_visual_tokens], np.int32),
+            interface.INPUT_IDS.name: request.engine_input_ids,
+            interface.INPUT_LENGTHS.name: np.array([length], np.int32),
+            interface.MROPE_COS_SIN.name: np.ascontiguousarray(cos_sin, dtype=np.float32),
+            interface.MROPE_DELTAS.name: np.array([request.mrope_position_delta], np.int64),
+            interface.EXTRA_IDS.name: request.prompt_table_extra_ids,
             **parsed.outputs,
         }
 
 
 # The vision metadata of a request without images.
 _NO_IMAGES = {
-    io.VISION_POS_EMBED_IDX.name: np.zeros((0, 4), np.int32),
-    io.VISION_POS_EMBED_W.name: np.zeros((0, 4), np.float32),
-    io.VISION_ROTARY_POS.name: np.zeros((0, 2), np.int32),
-    io.VISION_SEGMENT_START.name: np.zeros((0,), np.int32),
+    interface.VISION_POS_EMBED_IDX.name: np.zeros((0, 4), np.int32),
+    interface.VISION_POS_EMBED_W.name: np.zeros((0, 4), np.float32),
+    interface.VISION_ROTARY_POS.name: np.zeros((0, 2), np.int32),
+    interface.VISION_SEGMENT_START.name: np.zeros((0,), np.int32),
 }

@@ -29,8 +29,7 @@ from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
 from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
 from . import config as cfg
-from . import gpu_memory
-from . import interface as io
+from . import gpu_memory, interface
 from .gpu_memory import GpuMemoryPlan
 
 Target = Literal["gpu", "cpu"]
@@ -66,7 +65,7 @@ class RepositorySettings:
             raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
 
 
-def _internal(producer: str, tensor: io.Tensor) -> str:
+def _internal(producer: str, tensor: interface.Tensor) -> str:
     """The ensemble's name for a tensor one step produces and later steps read."""
     return f"{producer}_{tensor.name}"
 
@@ -94,11 +93,11 @@ def _python_model(
     return config
 
 
-def _ragged(tensor: io.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
+def _ragged(tensor: interface.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
     return cfg.model_input(tensor, model_data_type, optional=optional, ragged=True)
 
 
-def _llm_input(tensor: io.Tensor, model_data_type: str) -> mc.ModelInput:
+def _llm_input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
     spec = _ragged(tensor, model_data_type)
     if tensor.scalar:
         spec.reshape.SetInParent()  # shape [], as the tensorrt_llm backend declares scalars
@@ -131,21 +130,21 @@ def model_configs(
         # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (server.cuda_pool_flags).
         preprocessing[gpu_memory.CUDA_POOL_PARAMETER] = memory.transfer_pool_bytes
     configs = {}
-    configs[io.PREPROCESSING] = _python_model(
-        io.PREPROCESSING,
+    configs[interface.PREPROCESSING] = _python_model(
+        interface.PREPROCESSING,
         limits,
         settings,
-        [_ragged(t, optional=True) for t in io.REQUEST_INPUTS],
-        [cfg.model_output(t) for t in io.PREPROCESSING_OUTPUTS],
+        [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
+        [cfg.model_output(t) for t in interface.PREPROCESSING_OUTPUTS],
         kind,
         preprocessing,
     )
-    configs[io.VISION_ENCODER] = _python_model(
-        io.VISION_ENCODER,
+    configs[interface.VISION_ENCODER] = _python_model(
+        interface.VISION_ENCODER,
         limits,
         settings,
-        [_ragged(t, optional=False) for t in io.VISION_REQUEST],
-        [cfg.model_output(io.PROMPT_TABLE, model_type)],
+        [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
+        [cfg.model_output(interface.PROMPT_TABLE, model_type)],
         kind,
         {
             **common,
@@ -161,7 +160,7 @@ def model_configs(
         from .trtllm_config import tensorrt_llm_model_config
 
         fraction = settings.kv_cache_free_gpu_mem_fraction
-        configs[io.LLM] = tensorrt_llm_model_config(
+        configs[interface.LLM] = tensorrt_llm_model_config(
             engine_dir=build.llm_engine,
             limits=limits,
             model_data_type=model_type,
@@ -170,48 +169,56 @@ def model_configs(
             kv_cache_free_gpu_mem_fraction=memory.kv_cache_fraction() if fraction is None else fraction,
         )
     else:
-        configs[io.LLM] = _python_model(
-            io.LLM,
+        configs[interface.LLM] = _python_model(
+            interface.LLM,
             limits,
             settings,
-            [_llm_input(t, model_type) for t in io.LLM_INPUTS],
-            [cfg.model_output(t) for t in io.LLM_OUTPUTS],
+            [_llm_input(t, model_type) for t in interface.LLM_INPUTS],
+            [cfg.model_output(t) for t in interface.LLM_OUTPUTS],
             kind,
             {**common, "checkpoint_dir": build.llm_checkpoint},
             decoupled=True,
         )
-    configs[io.POSTPROCESSING] = _python_model(
-        io.POSTPROCESSING,
+    configs[interface.POSTPROCESSING] = _python_model(
+        interface.POSTPROCESSING,
         limits,
         settings,
-        [_ragged(t) for t in io.LLM_OUTPUTS],
-        [cfg.model_output(t) for t in io.REQUEST_OUTPUTS],
+        [_ragged(t) for t in interface.LLM_OUTPUTS],
+        [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
         "cpu",  # tokenizers run on the host
         {**common},
     )
-    configs[io.ENSEMBLE] = _ensemble(limits)
+    configs[interface.ENSEMBLE] = _ensemble(limits)
     for config in configs.values():
         cfg.parse(cfg.to_text(config))
     return configs
 
 
 def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
-    config = mc.ModelConfig(name=io.ENSEMBLE, platform="ensemble", max_batch_size=limits.max_batch_size)
+    config = mc.ModelConfig(name=interface.ENSEMBLE, platform="ensemble", max_batch_size=limits.max_batch_size)
     # All optional here: an ensemble whose request lacks a required input never runs its first step and
     # answers with nothing, so preprocessing checks the required ones and says what is missing.
-    config.input.extend(cfg.model_input(t, optional=True) for t in io.REQUEST_INPUTS)
-    config.output.extend(cfg.model_output(t) for t in io.REQUEST_OUTPUTS)
-    pre = {t.name: _internal(io.PREPROCESSING, t) for t in io.PREPROCESSING_OUTPUTS}
-    table = _internal(io.VISION_ENCODER, io.PROMPT_TABLE)
-    generated = {t.name: _internal(io.LLM, t) for t in io.LLM_OUTPUTS}
+    config.input.extend(cfg.model_input(t, optional=True) for t in interface.REQUEST_INPUTS)
+    config.output.extend(cfg.model_output(t) for t in interface.REQUEST_OUTPUTS)
+    pre = {t.name: _internal(interface.PREPROCESSING, t) for t in interface.PREPROCESSING_OUTPUTS}
+    table = _internal(interface.VISION_ENCODER, interface.PROMPT_TABLE)
+    generated = {t.name: _internal(interface.LLM, t) for t in interface.LLM_OUTPUTS}
     steps = [
-        (io.PREPROCESSING, {t.name: t.name for t in io.REQUEST_INPUTS}, pre),
-        (io.VISION_ENCODER, {t.name: pre[t.name] for t in io.VISION_REQUEST}, {io.PROMPT_TABLE.name: table}),
-        (io.LLM, {**{t.name: pre[t.name] for t in io.LLM_REQUEST}, io.PROMPT_TABLE.name: table}, generated),
+        (interface.PREPROCESSING, {t.name: t.name for t in interface.REQUEST_INPUTS}, pre),
         (
-            io.POSTPROCESSING,
+            interface.VISION_ENCODER,
+            {t.name: pre[t.name] for t in interface.VISION_REQUEST},
+            {interface.PROMPT_TABLE.name: table},
+        ),
+        (
+            interface.LLM,
+            {**{t.name: pre[t.name] for t in interface.LLM_REQUEST}, interface.PROMPT_TABLE.name: table},
             generated,
-            {t.name: t.name for t in io.REQUEST_OUTPUTS},
+        ),
+        (
+            interface.POSTPROCESSING,
+            generated,
+            {t.name: t.name for t in interface.REQUEST_OUTPUTS},
         ),
     ]
     for model, inputs, outputs in steps:

@@ -8,7 +8,6 @@ interfaces by default.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import math
@@ -16,7 +15,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +30,7 @@ from typing import IO, TYPE_CHECKING
 from ..errors import ServingError
 from ..fsutil import json_entry, read_json
 from . import config as serving_config
+from .endpoints import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from .gpu_memory import CUDA_POOL_PARAMETER
 from .interface import ENSEMBLE, LLM, PREPROCESSING
 
@@ -57,13 +56,6 @@ class TritonInstall:
     backend_dir: Path | None  # None: the server's default (/opt/tritonserver/backends)
     env: dict[str, str] = field(default_factory=dict)  # variables to set for the server (full values)
     source: str = ""  # where it was found, for messages
-
-
-@dataclass(frozen=True)
-class ServerPorts:
-    grpc: int = 8001
-    http: int = 8000
-    metrics: int = 8002
 
 
 def _executable(path: Path) -> bool:
@@ -308,39 +300,6 @@ def launch_command(
     return mpi_command(install, repo, ports, world, address, log_verbose, pool)
 
 
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
-    parser.add_argument(
-        "--served-model-name", help="the `model` clients ask for (default: the checkpoint's folder name)"
-    )
-    parser.add_argument(
-        "--allow-remote-images",
-        action="store_true",
-        help="fetch http(s) image URLs in messages (default: only data: URLs are accepted)",
-    )
-
-
-def gateway_options(args: argparse.Namespace) -> dict[str, object]:
-    return {"served_model_name": args.served_model_name, "allow_remote_images": args.allow_remote_images}
-
-
-def free_ports() -> ServerPorts:
-    """Three ports free on loopback now (tests run several servers side by side)."""
-    sockets = [socket.socket() for _ in range(3)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        grpc, http, metrics = (s.getsockname()[1] for s in sockets)
-    finally:
-        for s in sockets:
-            s.close()
-    return ServerPorts(grpc=grpc, http=http, metrics=metrics)
-
-
 class TritonServer:
     """A tritonserver (or its MPI ranks) in its own process group; as a context manager, started and ready."""
 
@@ -350,7 +309,7 @@ class TritonServer:
     def __init__(
         self,
         repo: Path,
-        ports: ServerPorts = ServerPorts(),
+        ports: ServerPorts = DEFAULT_PORTS,
         address: str = "127.0.0.1",
         tritonserver: str | None = None,
         log_path: Path | None = None,
@@ -504,46 +463,29 @@ def check_repository(repo: Path) -> None:
     serving_config.read(repo / ENSEMBLE)
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text} is not a port (1-65535)")
-    return port
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `qwen3vl-trt serve` runs: the repository, where its endpoints listen, which tritonserver, and the
+    OpenAI gateway beside it when openai_port is set (with `gateway`'s options)."""
+
+    repo: Path
+    ports: ServerPorts = DEFAULT_PORTS
+    address: str = "127.0.0.1"
+    tritonserver: str | None = None
+    print_command: bool = False
+    log_verbose: int = 0
+    ready_timeout: float = 300.0
+    openai_port: int | None = None
+    gateway: GatewayOptions = NO_GATEWAY_OPTIONS
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServerPorts()
-    parser.add_argument("--repo", required=True, type=Path, help="Triton model repository written by qwen3vl-trt")
-    parser.add_argument("--grpc-port", type=_port, default=defaults.grpc)
-    parser.add_argument("--http-port", type=_port, default=defaults.http)
-    parser.add_argument("--metrics-port", type=_port, default=defaults.metrics)
-    parser.add_argument(
-        "--address",
-        default="127.0.0.1",
-        help="address every endpoint binds to (0.0.0.0: all interfaces, e.g. in a container); default loopback only",
-    )
-    parser.add_argument(
-        "--tritonserver",
-        help=f"tritonserver binary (default: ${ENV_VAR}, PATH, {NGC_INSTALL}, else the nvidia-pytriton wheel's)",
-    )
-    parser.add_argument("--print-command", action="store_true", help="print the server command and exit")
-    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose logging level")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
-    parser.add_argument(
-        "--openai-port",
-        type=_port,
-        help="also serve the OpenAI-compatible API (POST /v1/chat/completions) on this port, on --address",
-    )
-    add_gateway_arguments(parser)
-
-
-def serve(args: argparse.Namespace) -> int:
+def serve(args: ServeOptions) -> int:
     """Runs the server in the foreground until it exits or this process gets SIGINT/SIGTERM (forwarded to
     the server for a clean shutdown); the server's exit status."""
     check_repository(args.repo)
     server = TritonServer(
         args.repo,
-        ServerPorts(args.grpc_port, args.http_port, args.metrics_port),
+        args.ports,
         args.address,
         args.tritonserver,
         ready_timeout=args.ready_timeout,
@@ -577,7 +519,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.openai_port is not None:
             from .gateway import GatewayServer, GatewaySettings
 
-            settings = GatewaySettings.from_repository(server.url, args.repo, **gateway_options(args))
+            settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
             gateway = GatewayServer(settings, args.address, args.openai_port)
             gateway.start()
         print(

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
 from ..errors import Qwen3VLTrtError, RequestError
 from ..limits import EngineLimits
-from . import interface as io
+from . import interface
 
 _DLPACK_TYPES = {"TYPE_BF16"}
 
@@ -96,7 +96,7 @@ def response(outputs: Mapping[str, Any]) -> Any:
 
 
 def error_response(error: Exception) -> Any:
-    message = f"{io.REJECTED_REQUEST}: {error}" if isinstance(error, RequestError) else str(error)
+    message = f"{interface.REJECTED_REQUEST}: {error}" if isinstance(error, RequestError) else str(error)
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
@@ -168,8 +168,8 @@ class _ResponseStream:
 
     def send(self, tokens: list[int], final: bool) -> None:
         outputs = {
-            io.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
-            io.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
+            interface.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
+            interface.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
         }
         self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 

@@ -41,7 +41,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
 from ..limits import EngineLimits
-from . import interface as io
+from . import interface
 from .config import MODEL_DATA_TYPES, instance_group, model_input, model_output, parameters
 
 BACKEND = "tensorrtllm"
@@ -61,11 +61,18 @@ BATCH_SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 
 # Inputs the upstream tensorrt_llm config.pbtxt declares with allow_ragged_batch.
 _RAGGED = frozenset(
-    t.name for t in (io.INPUT_IDS, io.STOP_WORDS_LIST, io.BAD_WORDS_LIST, io.PROMPT_TABLE, io.EXTRA_IDS)
+    t.name
+    for t in (
+        interface.INPUT_IDS,
+        interface.STOP_WORDS_LIST,
+        interface.BAD_WORDS_LIST,
+        interface.PROMPT_TABLE,
+        interface.EXTRA_IDS,
+    )
 )
 
 
-def _input(tensor: io.Tensor, model_data_type: str) -> mc.ModelInput:
+def _input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
     spec = model_input(tensor, model_data_type, ragged=tensor.name in _RAGGED)
     if tensor.scalar:
         spec.reshape.SetInParent()  # reshape { shape: [] }: the backend takes per-request scalars unbatched
@@ -103,12 +110,12 @@ def tensorrt_llm_model_config(
     if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
         raise Qwen3VLTrtError(f"instance_gpus must be distinct non-negative device ids, got {gpus!r}")
 
-    config = mc.ModelConfig(name=io.LLM, backend=BACKEND, max_batch_size=limits.max_batch_size)
+    config = mc.ModelConfig(name=interface.LLM, backend=BACKEND, max_batch_size=limits.max_batch_size)
     config.model_transaction_policy.decoupled = True
     config.dynamic_batching.SetInParent()
     config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
-    config.input.extend(_input(t, model_data_type) for t in io.LLM_INPUTS)
-    config.output.extend(model_output(t) for t in io.LLM_OUTPUTS)
+    config.input.extend(_input(t, model_data_type) for t in interface.LLM_INPUTS)
+    config.output.extend(model_output(t) for t in interface.LLM_OUTPUTS)
     config.instance_group.append(instance_group("CPU"))
     values: dict[str, object] = {
         "gpt_model_type": "inflight_fused_batching",

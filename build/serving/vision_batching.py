@@ -25,7 +25,7 @@ from ..errors import InputError
 from ..llm.inputs import interleave_prompt_table
 from ..vision.metadata import vision_metadata
 from ..vision.runner import VisionEncoder, VisionSidecar
-from . import interface as io
+from . import interface
 
 # Tensors of a run's attention per layer and head: the scores, the mask and the softmax.
 _ATTENTION_COPIES = 3
@@ -71,7 +71,7 @@ class _OnnxRuntimeRuns:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         host = {name: tensor.cpu().numpy() for name, tensor in feeds.items()}
-        host[io.VISION_PIXELS.name] = host[io.VISION_PIXELS.name].astype(np.float32, copy=False)
+        host[interface.VISION_PIXELS.name] = host[interface.VISION_PIXELS.name].astype(np.float32, copy=False)
         image_embeds, deepstack_embeds = self.encoder.run(host)
         return torch.from_numpy(image_embeds), torch.from_numpy(deepstack_embeds)
 
@@ -117,14 +117,14 @@ class VisionBatching:
         side = 2 * self.merge
         grid = np.array([[1, side, side]])
         feeds = vision_metadata(grid, self.merge, self.num_grid_per_side)
-        feeds[io.VISION_PIXELS.name] = np.zeros((side * side, self.patch_dim), np.float32)
+        feeds[interface.VISION_PIXELS.name] = np.zeros((side * side, self.patch_dim), np.float32)
         self.backend.run({name: torch.as_tensor(value) for name, value in feeds.items()})
 
     def execute(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         images: list[_Image] = []
         for r, inputs in enumerate(requests):
             start = 0
-            for t, h, w in np.asarray(inputs[io.IMAGE_GRID_THW.name]).reshape(-1, 3):
+            for t, h, w in np.asarray(inputs[interface.IMAGE_GRID_THW.name]).reshape(-1, 3):
                 n = int(t * h * w)
                 images.append(_Image(r, slice(start, start + n), n // self.merge**2, int(t)))
                 start += n
@@ -146,7 +146,7 @@ class VisionBatching:
         first = 0
         for r, inputs in enumerate(requests):
             tokens = sum(im.tokens for im in images if im.request == r)
-            expected = int(np.asarray(inputs[io.VISUAL_TOKEN_COUNT.name]).reshape(-1)[0])
+            expected = int(np.asarray(inputs[interface.VISUAL_TOKEN_COUNT.name]).reshape(-1)[0])
             if tokens != expected:
                 raise InputError(f"request {r}: its image grids give {tokens} visual tokens, the prompt has {expected}")
             if tokens and all_embeds is not None and all_deepstack is not None:
@@ -156,14 +156,14 @@ class VisionBatching:
                 device = all_embeds.device if all_embeds is not None else None
                 table = torch.zeros((1, self.hidden_size), dtype=self.llm_dtype, device=device)
             first += tokens
-            outputs.append({io.PROMPT_TABLE.name: table.contiguous()})
+            outputs.append({interface.PROMPT_TABLE.name: table.contiguous()})
         return outputs
 
 
 _PER_PATCH = (
-    io.VISION_PIXELS.name,
-    io.VISION_POS_EMBED_IDX.name,
-    io.VISION_POS_EMBED_W.name,
-    io.VISION_ROTARY_POS.name,
-    io.VISION_SEGMENT_START.name,
+    interface.VISION_PIXELS.name,
+    interface.VISION_POS_EMBED_IDX.name,
+    interface.VISION_POS_EMBED_W.name,
+    interface.VISION_ROTARY_POS.name,
+    interface.VISION_SEGMENT_START.name,
 )

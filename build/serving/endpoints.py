@@ -1,0 +1,44 @@
+"""Where a deployment's endpoints listen, and the OpenAI gateway's user-facing options: plain values that the
+launcher, the gateway and the command line share (no module here imports another serving module)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    grpc: int = 8001
+    http: int = 8000
+    metrics: int = 8002
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """served_model_name: the `model` clients ask for (None: the checkpoint's folder name).
+    allow_remote_images: fetch http(s) image URLs in messages (else only data: URLs)."""
+
+    served_model_name: str | None = None
+    allow_remote_images: bool = False
+
+
+DEFAULT_PORTS = ServerPorts()
+NO_GATEWAY_OPTIONS = GatewayOptions()
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_ports() -> ServerPorts:
+    """Three ports free on loopback now (tests run several servers side by side)."""
+    sockets = [socket.socket() for _ in range(3)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        grpc, http, metrics = (s.getsockname()[1] for s in sockets)
+    finally:
+        for s in sockets:
+            s.close()
+    return ServerPorts(grpc=grpc, http=http, metrics=metrics)
