@@ -3,14 +3,15 @@ one import of these. Importable only inside Triton's python backend (triton_pyth
 
 Tensors are read as numpy arrays without their batch dimension (bf16 and device tensors through
 DLPack, as torch tensors) and written back with it. Each model's parameters come from its
-config.pbtxt, which the repository writer fills from the build.
+config.pbtxt, which the repository writer fills from the build. Each model publishes its
+stage_metrics on Triton's metrics port, measured here around the components.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
 from ..errors import Qwen3VLTrtError, RequestError
 from ..limits import EngineLimits
-from . import interface
+from . import interface, stage_metrics
 
 _DLPACK_TYPES = {"TYPE_BF16"}
 
@@ -45,8 +46,43 @@ def _log_to_triton() -> None:
         package.setLevel(logging.INFO)
 
 
+class _Metrics:
+    """One model's stage_metrics, through the python backend's custom metrics API (python_backend r24.10
+    src/pb_stub.cc: MetricFamily of kind COUNTER, GAUGE or HISTOGRAM, the last with its buckets given to
+    each Metric; Metric.increment and .observe). Families of one name are shared by the models (one
+    underlying family, r24.10 examples/custom_metrics), told apart by the model label."""
+
+    def __init__(self, model: str, metrics: Sequence[stage_metrics.Metric]):
+        self._families: list[Any] = []
+        self._metrics: dict[str, Any] = {}
+        for metric in metrics:
+            kind = pb_utils.MetricFamily.HISTOGRAM if metric.buckets else pb_utils.MetricFamily.COUNTER
+            family = pb_utils.MetricFamily(name=metric.name, description=metric.description, kind=kind)
+            labels = {stage_metrics.MODEL_LABEL: model}
+            self._families.append(family)
+            self._metrics[metric.name] = (
+                family.Metric(labels=labels, buckets=[float(b) for b in metric.buckets])
+                if metric.buckets
+                else family.Metric(labels=labels)
+            )
+
+    def add(self, metric: stage_metrics.Metric, value: float) -> None:
+        if value:
+            self._metrics[metric.name].increment(float(value))
+
+    def observe(self, metric: stage_metrics.Metric, value: float) -> None:
+        self._metrics[metric.name].observe(float(value))
+
+    def close(self) -> None:
+        # Metrics before their families: a Metric outliving its MetricFamily fails (r24.10 src/metric.cc).
+        self._metrics.clear()
+        self._families.clear()
+
+
 class _Model:
     """Reads a model's configuration and moves tensors between Triton and the components."""
+
+    metrics_published: tuple[stage_metrics.Metric, ...] = ()  # besides REQUESTS and REQUEST_ERRORS
 
     def initialize(self, args: Mapping[str, str]) -> None:
         _log_to_triton()
@@ -54,10 +90,16 @@ class _Model:
         self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
         self.device_id = int(args.get("model_instance_device_id", 0))
+        self.metrics = _Metrics(
+            args["model_name"], (stage_metrics.REQUESTS, stage_metrics.REQUEST_ERRORS, *self.metrics_published)
+        )
         self.load()
 
     def load(self) -> None:
         raise NotImplementedError
+
+    def finalize(self) -> None:
+        self.metrics.close()
 
     def param_path(self, key: str) -> Path:
         return Path(self.params[key])
@@ -100,10 +142,6 @@ def error_response(error: Exception) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
-def _respond(results: Sequence[Mapping[str, Any] | Exception]) -> list[Any]:
-    return [error_response(r) if isinstance(r, Exception) else response(r) for r in results]
-
-
 class _BatchModel(_Model):
     """A model that answers every request of a batch from one call of its component."""
 
@@ -111,15 +149,31 @@ class _BatchModel(_Model):
 
     def execute(self, requests: Sequence[Any]) -> list[Any]:
         inputs = [self.read(r) for r in requests]
+        return self.respond(requests, lambda: self.component.execute(inputs))
+
+    def respond(
+        self, requests: Sequence[Any], results: Callable[[], Sequence[Mapping[str, Any] | Exception]]
+    ) -> list[Any]:
+        """The responses to a batch from its results (or each its error when the call raises one), counted."""
+        self.metrics.add(stage_metrics.REQUESTS, len(requests))
         try:
-            return _respond(self.component.execute(inputs))
+            answered = results()
         except Qwen3VLTrtError as e:
+            self.metrics.add(stage_metrics.REQUEST_ERRORS, len(requests))
             # One response object per request: python_backend rebuilds each returned response's shared memory and
             # frees the block a repeated object had (r26.04 src/pb_stub.cc ProcessReturnedResponses).
             return [error_response(e) for _ in requests]
+        self.metrics.add(stage_metrics.REQUEST_ERRORS, sum(isinstance(r, Exception) for r in answered))
+        self.count(answered)
+        return [error_response(r) if isinstance(r, Exception) else response(r) for r in answered]
+
+    def count(self, results: Sequence[Mapping[str, Any] | Exception]) -> None:
+        """Publishes what a batch's results say (the model's own metrics)."""
 
 
 class Preprocessing(_BatchModel):
+    metrics_published = stage_metrics.PREPROCESSING
+
     def load(self) -> None:
         from .preprocessing import Preprocessing as Component
 
@@ -133,8 +187,14 @@ class Preprocessing(_BatchModel):
             device=device,
         )
 
+    def count(self, results: Sequence[Mapping[str, Any] | Exception]) -> None:
+        images = sum(len(r[interface.IMAGE_GRID_THW.name]) for r in results if not isinstance(r, Exception))
+        self.metrics.add(stage_metrics.IMAGES_DECODED, images)
+
 
 class VisionEncoder(_BatchModel):
+    metrics_published = stage_metrics.VISION_ENCODER
+
     def load(self) -> None:
         from .vision_batching import VisionBatching
 
@@ -145,26 +205,38 @@ class VisionEncoder(_BatchModel):
             int(self.params["attention_budget_bytes"]),
             engine_dir=self.params.get("vision_engine_dir") or None,  # repositories of earlier versions have none
             device=self.device_id,
+            on_run=self._encoded,
         )
         self.component.warm_up()
 
+    def _encoded(self, images: int, patches: int, seconds: float | None) -> None:
+        self.metrics.add(stage_metrics.PATCHES_ENCODED, patches)
+        self.metrics.observe(stage_metrics.VISION_RUN_PATCHES, patches)
+        self.metrics.observe(stage_metrics.VISION_RUN_IMAGES, images)
+        if seconds is not None:
+            self.metrics.observe(stage_metrics.VISION_RUN_SECONDS, seconds)
 
-class Postprocessing(_Model):
+
+class Postprocessing(_BatchModel):
     def load(self) -> None:
         from .detokenize import Detokenizing
 
         self.component = Detokenizing(self.param_path("model_dir"))
 
     def execute(self, requests: Sequence[Any]) -> list[Any]:
-        results = self.component.execute([self.read(r) for r in requests], [r.request_id() for r in requests])
-        return _respond(results)
+        inputs = [self.read(r) for r in requests]
+        return self.respond(requests, lambda: self.component.execute(inputs, [r.request_id() for r in requests]))
 
 
 class _ResponseStream:
-    """A TokenStream over a decoupled request's response sender."""
+    """A TokenStream over a decoupled request's response sender; counts the tokens generated and the
+    request's error."""
 
-    def __init__(self, sender: Any):
+    def __init__(self, sender: Any, metrics: _Metrics, echoed: int):
+        """echoed: prompt ids that lead the tokens sent, not generated ones."""
         self.sender = sender
+        self.metrics = metrics
+        self.echoed = echoed
 
     def send(self, tokens: list[int], final: bool) -> None:
         outputs = {
@@ -172,12 +244,15 @@ class _ResponseStream:
             interface.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
         }
         self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        self.metrics.add(stage_metrics.TOKENS_GENERATED, len(tokens) - self.echoed)
+        self.echoed = 0  # only a request's one response when not streaming holds the prompt
 
     def finish(self) -> None:
         self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def fail(self, error: Exception) -> None:
         self.sender.send(error_response(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
 
     def cancelled(self) -> bool:
         return bool(self.sender.is_cancelled())
@@ -185,6 +260,8 @@ class _ResponseStream:
 
 class CpuLLM(_Model):
     """Decoupled: execute hands the requests to the inflight batcher and returns at once."""
+
+    metrics_published = stage_metrics.LLM
 
     def load(self) -> None:
         from ..runtime.local import generation_end_ids
@@ -199,8 +276,25 @@ class CpuLLM(_Model):
         self.engine.start()
 
     def execute(self, requests: Sequence[Any]) -> None:
+        self.metrics.add(stage_metrics.REQUESTS, len(requests))
         for request in requests:
-            self.engine.submit(self.read(request), _ResponseStream(request.get_response_sender()), request.request_id())
+            inputs = self.read(request)
+            stream = _ResponseStream(request.get_response_sender(), self.metrics, _echoed_prompt(inputs))
+            self.engine.submit(inputs, stream, request.request_id())
 
     def finalize(self) -> None:
         self.engine.close()
+        super().finalize()
+
+
+def _echoed_prompt(inputs: Mapping[str, Any]) -> int:
+    """The prompt ids an llm response leads with: the tensorrt_llm backend's output_ids hold the prompt
+    unless the request streams or sets exclude_input_in_output (tensorrtllm_backend inflight_batcher_llm)."""
+
+    def flag(tensor: interface.Tensor) -> bool:
+        value = inputs.get(tensor.name)
+        return value is not None and bool(np.asarray(value).reshape(-1)[0])
+
+    if flag(interface.STREAMING) or flag(interface.EXCLUDE_INPUT):
+        return 0
+    return int(np.asarray(inputs.get(interface.INPUT_IDS.name, ())).size)
