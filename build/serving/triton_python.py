@@ -55,16 +55,15 @@ class _Metrics:
     def __init__(self, model: str, metrics: Sequence[stage_metrics.Metric]):
         self._families: list[Any] = []
         self._metrics: dict[str, Any] = {}
+        labels = {stage_metrics.MODEL_LABEL: model}
         for metric in metrics:
-            kind = pb_utils.MetricFamily.HISTOGRAM if metric.buckets else pb_utils.MetricFamily.COUNTER
-            family = pb_utils.MetricFamily(name=metric.name, description=metric.description, kind=kind)
-            labels = {stage_metrics.MODEL_LABEL: model}
+            if metric.kind is stage_metrics.Kind.HISTOGRAM:
+                family = pb_utils.MetricFamily(metric.name, metric.description, pb_utils.MetricFamily.HISTOGRAM)
+                self._metrics[metric.name] = family.Metric(labels=labels, buckets=[float(b) for b in metric.buckets])
+            else:
+                family = pb_utils.MetricFamily(metric.name, metric.description, pb_utils.MetricFamily.COUNTER)
+                self._metrics[metric.name] = family.Metric(labels=labels)
             self._families.append(family)
-            self._metrics[metric.name] = (
-                family.Metric(labels=labels, buckets=[float(b) for b in metric.buckets])
-                if metric.buckets
-                else family.Metric(labels=labels)
-            )
 
     def add(self, metric: stage_metrics.Metric, value: float) -> None:
         if value:

@@ -226,23 +226,21 @@ class VisionBatching:
         if isinstance(self.backend, _OnnxRuntimeRuns) and self.measure_cost_at_warm_up:
             self.backend.cost = self.measure_run_cost()
 
-    def measure_run_cost(self, repeats: int = 3, budget_s: float = 5.0) -> RunCost:
-        """The RunCost fitted to this machine's times of square blank runs (_CALIBRATION_SIDES, each the
-        fastest of `repeats` after an untimed one). Sizes over the memory limit are left out, and so are
-        larger sizes once budget_s is spent with three measured."""
+    def measure_run_cost(self, repeats: int = 3, enough_s: float = 1.0) -> RunCost:
+        """The RunCost fitted to this machine's times of square blank runs (_CALIBRATION_SIDES within the
+        memory limit), each size the fastest of up to `repeats` after an untimed one; a size stops
+        repeating once its timed runs took enough_s (a large model's large runs, whose noise is small
+        beside them). Every size runs: the largest are where the attention term shows."""
         assert isinstance(self.backend, _OnnxRuntimeRuns), "the engine's runs are planned by its profile"
         patches: list[int] = []
         seconds: list[float] = []
-        began = time.perf_counter()
         for side in _CALIBRATION_SIDES:
             if (side * self.merge) ** 2 > self.backend.max_run_patches:
                 break
-            if len(patches) >= 3 and time.perf_counter() - began > budget_s:
-                break
             feeds = self._blank_feeds(side)
             self.backend.run(feeds)
-            times = []
-            for _ in range(repeats):
+            times: list[float] = []
+            while len(times) < repeats and sum(times) < enough_s:
                 start = time.perf_counter()
                 self.backend.run(feeds)
                 times.append(time.perf_counter() - start)
