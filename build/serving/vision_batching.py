@@ -82,18 +82,18 @@ class RunCost:
         make a run cheaper): of the fits over each subset of the three terms, the closest whose
         coefficients are all >= 0."""
         n = np.asarray(patches, dtype=np.float64)
-        t = np.asarray(seconds, dtype=np.float64)
-        columns = np.stack([np.ones_like(n), n, n**2], axis=1) / t[:, None]
-        t = np.ones_like(t)
+        # Each row divided by its time: the fit's residuals are then relative errors (its target, 1).
+        columns = np.stack([np.ones_like(n), n, n**2], axis=1) / np.asarray(seconds, dtype=np.float64)[:, None]
+        target = np.ones(len(n))
         best: tuple[float, np.ndarray] | None = None
         for k in (1, 2, 3):
             for terms in combinations(range(3), k):
-                solution = np.linalg.lstsq(columns[:, terms], t, rcond=None)[0]
+                solution = np.linalg.lstsq(columns[:, terms], target, rcond=None)[0]
                 if (solution < 0).any():
                     continue
                 coefficients = np.zeros(3)
                 coefficients[list(terms)] = solution
-                residual = float(np.sum((columns @ coefficients - t) ** 2))
+                residual = float(np.sum((columns @ coefficients - target) ** 2))
                 if best is None or residual < best[0]:
                     best = (residual, coefficients)
         assert best is not None  # the fixed term alone fits any non-negative times
