@@ -187,18 +187,20 @@ def test_the_runner_needs_the_gpu_stack(plugin_export, tmp_path):
 @pytest.mark.slow
 @without_gpu_stack
 def test_build_records_the_vision_engine_stage_as_skipped(tiny_dense, tmp_path):
-    from qwen3vl_trt.pipeline import VISION_ENGINE_STAGE, build
+    from qwen3vl_trt.manifest import VISION_ENGINE_STAGE, BuildManifest
+    from qwen3vl_trt.pipeline import build
 
     lines: list[str] = []
     manifest = build(tiny_dense, tmp_path / "b", log=lines.append)
-    stage = next(s for s in manifest["stages"] if s["stage"] == VISION_ENGINE_STAGE)
-    assert stage["status"] == "skipped" and "tensorrt is not importable" in stage["reason"]
+    stage = manifest.stage(VISION_ENGINE_STAGE)
+    assert stage is not None
+    assert stage.status == "skipped" and "tensorrt is not importable" in str(stage.reason)
     layout = BuildLayout(tmp_path / "b")
-    assert f"--variant plugin --dtype bf16 --output {layout.vision_plugin}" in stage["rerun_on_gpu_host"]
-    assert (
-        f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}"
-        in stage["rerun_on_gpu_host"]
+    assert f"--variant plugin --dtype bf16 --output {layout.vision_plugin}" in str(stage.rerun_on_gpu_host)
+    assert f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}" in str(
+        stage.rerun_on_gpu_host
     )
     assert not layout.vision_plugin.exists() and not layout.vision_engine.exists()
     assert any(line.startswith(f"stage {VISION_ENGINE_STAGE}: SKIPPED") for line in lines)
-    assert json.loads(layout.manifest.read_text())["stages"] == manifest["stages"]
+    assert json.loads(layout.manifest.read_text())["stages"] == [s.as_json() for s in manifest.stages]
+    assert BuildManifest.read(layout.root) == manifest
