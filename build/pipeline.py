@@ -25,8 +25,9 @@ from .manifest import (
     Target,
 )
 from .serving.repository import RepositorySettings, gpu_memory_plan, model_configs, write_model_files
-from .vision.engine import VisionEngineProfile, build_vision_engine, tensorrt_problem
+from .vision.engine import build_vision_engine, tensorrt_problem
 from .vision.export import export_vision
+from .vision.sidecar import VisionEngineProfile
 
 
 def build(
@@ -62,8 +63,9 @@ def build(
         start = time.perf_counter()
         # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
         result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
-        verification = result.sidecar.get("verification", {}).get("max_rel_error")
-        stages.append(StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=verification))
+        stages.append(
+            StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
+        )
         start = time.perf_counter()
         convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
         stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
