@@ -51,9 +51,18 @@ class StageRecord:
     target: Target | None = None
 
     @classmethod
-    def done(cls, stage: str, output: str, started: float, **details: Any) -> StageRecord:
+    def done(
+        cls,
+        stage: str,
+        output: str,
+        started: float,
+        verification: float | None = None,
+        onnx: str | None = None,
+        target: Target | None = None,
+    ) -> StageRecord:
         """A stage that ran from `started` (time.perf_counter) until now and wrote `output`."""
-        return cls(stage, "done", output=output, seconds=round(time.perf_counter() - started, 1), **details)
+        seconds = round(time.perf_counter() - started, 1)
+        return cls(stage, "done", output, seconds, verification=verification, onnx=onnx, target=target)
 
     @classmethod
     def skipped(cls, stage: str, reason: str, rerun_on_gpu_host: str) -> StageRecord:
@@ -70,14 +79,15 @@ class StageRecord:
     @classmethod
     def from_json(cls, entry: Mapping[str, Any], where: Path) -> StageRecord:
         """An entry of manifest.json, its fields checked (entries of later versions are ignored)."""
+        names = [f.name for f in fields(cls)]
         problems = [
             f"'{name}' is {entry.get(name)!r}"
-            for name, valid in _STAGE_FIELDS.items()
-            if (entry.get(name) is not None or name in ("stage", "status")) and not valid(entry.get(name))
+            for name in names
+            if (entry.get(name) is not None or name in ("stage", "status")) and not _STAGE_FIELDS[name](entry.get(name))
         ]
         if problems:
             raise CheckpointError(f"{where}: stage entry {dict(entry)!r}: {'; '.join(problems)}; {_REBUILD}")
-        return cls(**{name: entry[name] for name in _STAGE_FIELDS if entry.get(name) is not None})
+        return cls(**{name: entry[name] for name in names if entry.get(name) is not None})
 
 
 def _instance_of(*kinds: type) -> Callable[[object], bool]:
