@@ -48,9 +48,9 @@ NUMPY_DTYPES = {triton: np.dtype(name) for name, triton in TRITON_DATA_TYPES.ite
 
 # Contract tensors that a backend declares with a type of its own, by name. TensorRT-LLM 1.2.1's engine takes
 # mrope_position_deltas as int32 (contracts), but the tensorrtllm backend's tensorrt_llm model declares it
-# TYPE_INT64 (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt) and narrows it back
-# to int32 itself (utils.cc getMropeConfigFromTensors): the ensemble, and the CPU target's llm that stands
-# in for that model, carry INT64.
+# TYPE_INT64 (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt) and reads it back as
+# the engine's int32 (utils.cc getMropeConfigFromTensors: extractSingleton<SizeType32>, the low half on
+# little-endian hosts): the ensemble, and the CPU target's llm that stands in for that model, carry INT64.
 BACKEND_DATA_TYPES = {MROPE_POSITION_DELTAS.name: "INT64"}
 
 
