@@ -218,7 +218,7 @@ class Acceptance:
             output = self.work / f"build-{name}"
             manifest = build(model, output, target="gpu", force=True, log=self.log)
             self._builds[name] = output
-            stages = [s["stage"] for s in manifest["stages"] if s["status"] == "done"]
+            stages = manifest.done_stages()
             return True, f"{len(stages)} stages: {', '.join(stages)}"
 
         self.row(

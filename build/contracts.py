@@ -142,6 +142,7 @@ MROPE_ROTARY_COS_SIN = TensorSpec(
     ("max_position_embeddings*rotary_dim",),
     "(cos, sin) per sequence position and rotary pair, at the pair's 3-D rope axis; past the prompt, position 0",
 )
+# The engine's type; the tensorrtllm backend declares it INT64 and narrows it (serving.interface.BACKEND_DATA_TYPES).
 MROPE_POSITION_DELTAS = TensorSpec(
     "mrope_position_deltas", "int32", (1,), "max 3-D position + 1 - prompt length; generation uses step + delta"
 )

@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from . import __version__
 from .checkpoint import Checkpoint
 from .contracts import PLUGIN, BuildLayout
-from .errors import CheckpointError, GpuStackMissingError
-from .fsutil import atomic_output_dir, read_json
+from .errors import GpuStackMissingError
+from .fsutil import atomic_output_dir
 from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
 from .llm.convert import convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
-from .serving.repository import RepositorySettings, Target, gpu_memory_plan, model_configs, write_model_files
-from .vision.engine import VisionEngineProfile, build_vision_engine, tensorrt_problem
+from .manifest import (
+    LLM_CHECKPOINT_STAGE,
+    LLM_ENGINE_STAGE,
+    TRITON_REPO_STAGE,
+    VISION_ENGINE_STAGE,
+    VISION_STAGE,
+    BuildManifest,
+    StageRecord,
+    Target,
+)
+from .serving.repository import RepositorySettings, gpu_memory_plan, model_configs, write_model_files
+from .vision.engine import build_vision_engine, tensorrt_problem
 from .vision.export import export_vision
-
-VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE = "vision-onnx", "llm-checkpoint", "llm-engine"
-VISION_ENGINE_STAGE, TRITON_REPO_STAGE = "vision-engine", "triton-repo"
+from .vision.sidecar import VisionEngineProfile
 
 
 def build(
@@ -38,7 +43,7 @@ def build(
     force: bool = False,
     vision_engine_dtype: str = "bf16",
     log=print,
-) -> dict:
+) -> BuildManifest:
     """Runs the stages; the Triton repository (last) is written for `target` (default: gpu where the
     GPU stack is present, else cpu). A gpu target needs the LLM engine, so it fails early elsewhere.
     The vision engine (TensorRT and a GPU) is built from a plugin-variant export in vision_engine_dtype."""
@@ -51,27 +56,26 @@ def build(
         )
     ckpt = Checkpoint(model_dir)
     ckpt.verify_shards()
-    stages = []
+    stages: list[StageRecord] = []
     out = BuildLayout(Path(output_dir))
     with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp_root:
         tmp = BuildLayout(tmp_root)
         start = time.perf_counter()
         # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
         result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
-        verification = result.sidecar.get("verification", {}).get("max_rel_error")
-        stages.append({**_done(VISION_STAGE, BuildLayout.VISION, start), "verification": verification})
+        stages.append(
+            StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
+        )
         start = time.perf_counter()
         convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
-        stages.append(_done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
+        stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
         if problem is None:
             start = time.perf_counter()
             build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
-            stages.append(_done(LLM_ENGINE_STAGE, BuildLayout.LLM_ENGINE, start))
+            stages.append(StageRecord.done(LLM_ENGINE_STAGE, BuildLayout.LLM_ENGINE, start))
         else:
             rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out.llm_checkpoint} --output {out.llm_engine}"
-            stages.append(
-                {"stage": LLM_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
-            )
+            stages.append(StageRecord.skipped(LLM_ENGINE_STAGE, problem, rerun))
         stages.append(_vision_engine_stage(ckpt, tmp, out, limits, vision_engine_dtype, log))
         start = time.perf_counter()
         _, llm = read_trtllm_config(tmp.llm_checkpoint)
@@ -83,29 +87,27 @@ def build(
         # The repository records the build's final paths, where its models will find the files.
         configs = model_configs(BuildLayout(out.root.absolute()), model, target, limits, llm, settings, memory)
         write_model_files(tmp.triton_repo, configs)
-        stages.append({**_done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start), "target": target})
-        manifest = {
-            "qwen3vl_trt": __version__,
-            "model": str(model),
-            "model_type": ckpt.info.model_type,
-            "size": ckpt.info.size_name,
-            "limits": asdict(limits),
-            "target": target,
-            "stages": stages,
-        }
-        tmp.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+        stages.append(StageRecord.done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start, target=target))
+        manifest = BuildManifest(
+            model=model,
+            limits=limits,
+            stages=tuple(stages),
+            target=target,
+            model_type=ckpt.info.model_type,
+            size=ckpt.info.size_name,
+        )
+        manifest.write(tmp.root)
     for stage in stages:
-        if stage["status"] == "skipped":
-            log(f"stage {stage['stage']}: SKIPPED: {stage['reason']}; on a GPU host run: {stage['rerun_on_gpu_host']}")
+        if stage.status == "skipped":
+            log(f"stage {stage.stage}: SKIPPED: {stage.reason}; on a GPU host run: {stage.rerun_on_gpu_host}")
         else:
-            where = out.root / stage["output"]
-            log(f"stage {stage['stage']}: {stage['status']} ({stage['seconds']}s) -> {where}")
+            log(f"stage {stage.stage}: {stage.status} ({stage.seconds}s) -> {out.root / str(stage.output)}")
     return manifest
 
 
 def _vision_engine_stage(
     ckpt: Checkpoint, tmp: BuildLayout, out: BuildLayout, limits: EngineLimits, dtype: str, log
-) -> dict:
+) -> StageRecord:
     """The plugin-variant export and its TensorRT engine where TensorRT and a GPU are; else a skip record."""
     problem = tensorrt_problem()
     if problem is not None:
@@ -114,36 +116,9 @@ def _vision_engine_stage(
             f"--output {out.vision_plugin} && qwen3vl-trt build-vision-engine --onnx {out.vision_plugin} "
             f"--output {out.vision_engine}"
         )
-        return {"stage": VISION_ENGINE_STAGE, "status": "skipped", "reason": problem, "rerun_on_gpu_host": rerun}
+        return StageRecord.skipped(VISION_ENGINE_STAGE, problem, rerun)
     start = time.perf_counter()
     export_vision(ckpt, tmp.vision_plugin, dtype=dtype, variant=PLUGIN, log=log)
     profile = VisionEngineProfile.for_visual_tokens(limits.max_visual_tokens, ckpt.info.vision.merge_unit)
     build_vision_engine(tmp.vision_plugin, tmp.vision_engine, profile, log=log)
-    return {**_done(VISION_ENGINE_STAGE, BuildLayout.VISION_ENGINE, start), "onnx": BuildLayout.VISION_PLUGIN}
-
-
-def _done(stage: str, output: str, start: float) -> dict:
-    return {"stage": stage, "status": "done", "output": output, "seconds": round(time.perf_counter() - start, 1)}
-
-
-def read_manifest(build_dir: str | os.PathLike[str], required_stages: tuple[str, ...] = ()) -> dict:
-    """A build directory's manifest.json; refuses one that is not a build manifest or whose
-    required stages did not run."""
-    path = BuildLayout(Path(build_dir)).manifest
-    manifest = read_json(
-        path, f"{build_dir} has no {BuildLayout.MANIFEST}: is it a `qwen3vl-trt build` output directory?"
-    )
-    stages = manifest.get("stages")
-    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
-        raise CheckpointError(
-            f"{path} is not a qwen3vl-trt build manifest (no list of stages); "
-            "rebuild it with `qwen3vl-trt build --force`"
-        )
-    done = {s.get("stage") for s in stages if s.get("status") == "done"}
-    missing = [stage for stage in required_stages if stage not in done]
-    if missing:
-        raise CheckpointError(
-            f"{build_dir} lacks the stage(s) {', '.join(missing)} (see {path}); "
-            "rebuild it with `qwen3vl-trt build --force`"
-        )
-    return manifest
+    return StageRecord.done(VISION_ENGINE_STAGE, BuildLayout.VISION_ENGINE, start, onnx=BuildLayout.VISION_PLUGIN)

@@ -18,7 +18,7 @@ from qwen3vl_trt.contracts import (
     VISION_SIDECAR_FILE,
 )
 from qwen3vl_trt.errors import CheckpointError, InputError, OutputExistsError, Qwen3VLTrtError
-from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision import VisionEncoder, VisionSidecar
 from qwen3vl_trt.vision.export import ONNX_OPSET, check_onnx, export_vision
 
 ELEM_TYPES = {
@@ -155,7 +155,8 @@ def test_sidecar_describes_the_graph(tiny_dense, exports):
 
 def test_verify_records_parity(tiny_dense, tmp_path):
     result = export_vision(tiny_dense, tmp_path / "v", verify=True, log=_quiet)
-    assert result.sidecar["verification"]["max_rel_error"] <= 1e-4
+    assert result.sidecar.raw["verification"]["max_rel_error"] <= 1e-4
+    assert VisionSidecar.load(tmp_path / "v") == result.sidecar
     assert {tuple(map(tuple, p.grids)) for p in result.parity} >= {((1, 2, 2),), ((2, 4, 6),)}
 
 

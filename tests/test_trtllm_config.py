@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from qwen3vl_trt.contracts import LLM_INPUTS, MROPE_POSITION_DELTAS, VISION_INPUTS
 from qwen3vl_trt.errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
@@ -131,6 +133,37 @@ def test_inputs_are_upstreams(tmp_path, model_data_type):
         assert spec.allow_ragged_batch == ragged, name
         assert optional or not spec.optional, f"{name} is required upstream"
     assert not inputs["input_lengths"].optional and not inputs["request_output_len"].optional
+
+
+def test_contract_tensors_take_the_engine_type_unless_the_backend_declares_another():
+    """The engine contract (TensorRT-LLM 1.2.1's inputs), the ensemble's tensors and the backend's config.pbtxt
+    agree: each contract tensor the tensorrt_llm model takes is carried in the contract's type, except where
+    upstream declares another; those, and only those, are recorded in BACKEND_DATA_TYPES."""
+    carried = {t.name: t for t in interface.LLM_INPUTS if t.contract is not None}
+    assert carried.keys() == {spec.name for spec in LLM_INPUTS}
+    differing = {}
+    for name, tensor in carried.items():
+        assert tensor.contract is not None and tensor.contract.name == name
+        upstream = UPSTREAM_INPUTS[name][0]
+        engine = interface.TRITON_DATA_TYPES[tensor.contract.dtype]
+        assert f"TYPE_{tensor.data_type}" == upstream or tensor.data_type == upstream == "MODEL", name
+        if upstream not in (f"TYPE_{engine}", engine):
+            differing[name] = upstream.removeprefix("TYPE_")
+    assert differing == interface.BACKEND_DATA_TYPES == {"mrope_position_deltas": "INT64"}
+    # The engine's int32 deltas, negative ones included, cross the ensemble as INT64 unchanged.
+    deltas = np.array([-1234, 0, 7], dtype=MROPE_POSITION_DELTAS.dtype)
+    carried_deltas = interface.MROPE_DELTAS.to_triton(deltas)
+    assert carried_deltas.dtype == np.int64 and carried_deltas.tolist() == [-1234, 0, 7]
+
+
+def test_every_tensor_named_after_a_contract_carries_it():
+    """No model declares a contract tensor by hand (its type or dims could drift from the contract's)."""
+    contracts = {spec.name: spec for spec in (*VISION_INPUTS, *LLM_INPUTS)}
+    tensors = {*interface.REQUEST_INPUTS, *interface.PREPROCESSING_OUTPUTS, *interface.LLM_INPUTS}
+    for tensor in tensors:
+        if tensor.name in contracts:
+            assert tensor.contract == contracts[tensor.name], tensor.name
+            assert len(tensor.dims) == len(tensor.contract.shape), tensor.name
 
 
 def test_outputs_are_upstreams(tmp_path):

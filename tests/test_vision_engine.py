@@ -12,15 +12,9 @@ import pytest
 from conftest import _quiet
 from qwen3vl_trt.contracts import BuildLayout
 from qwen3vl_trt.errors import CheckpointError, GpuStackMissingError, LimitsError, Qwen3VLTrtError
-from qwen3vl_trt.vision import VisionSidecar
-from qwen3vl_trt.vision.engine import (
-    VisionEngineProfile,
-    VisionEngineSidecar,
-    build_vision_engine,
-    engine_sidecar,
-    tensorrt_problem,
-)
+from qwen3vl_trt.vision.engine import build_vision_engine, tensorrt_problem
 from qwen3vl_trt.vision.export import export_vision
+from qwen3vl_trt.vision.sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 
 # What a machine without TensorRT or a GPU shows; GPU hosts build for real (scripts/device_check.sh).
 without_gpu_stack = pytest.mark.skipif(tensorrt_problem() is None, reason="TensorRT and a GPU are here")
@@ -109,13 +103,12 @@ def test_profile_shapes_cover_patches_segments_and_the_longest_segment(plugin_ex
 
 def _engine_dir(plugin_export, tmp_path, **changes):
     """An engine directory as build-vision-engine writes it (without a plan: the checks come first)."""
-    import shutil
-
     engine = tmp_path / "engine"
     engine.mkdir()
-    shutil.copyfile(plugin_export / "vision_config.json", engine / "vision_config.json")
-    export = VisionSidecar.load(engine)
-    sidecar = engine_sidecar(
+    export = VisionSidecar.load(plugin_export)
+    export.write(engine)
+    assert VisionSidecar.load(engine) == export
+    sidecar = VisionEngineSidecar.of_build(
         export,
         VisionEngineProfile(),
         tensorrt_version="10.14.1.48",
@@ -126,8 +119,7 @@ def _engine_dir(plugin_export, tmp_path, **changes):
         timing_cache="timing.cache",
         device_memory_bytes=3 << 30,
     )
-    sidecar.update(changes)
-    (engine / "vision_engine.json").write_text(json.dumps(sidecar))
+    VisionEngineSidecar({**sidecar.raw, **changes}).write(engine)
     return engine
 
 
@@ -136,6 +128,7 @@ def test_runner_accepts_a_matching_engine_sidecar(plugin_export, tmp_path):
     sidecar = VisionEngineSidecar.load(engine)
     sidecar.check_runtime(VisionSidecar.load(engine), "10.14.1.48", (9, 0))
     assert (sidecar.max_patches, sidecar.max_images) == (32768, 64)
+    assert sidecar.engine_file == "vision_encoder.plan" and sidecar.device_memory_bytes == 3 << 30
     assert sidecar.raw["plugin_arch"] == "sm_90" and sidecar.raw["strongly_typed"] is True
     assert sidecar.raw["profile"]["shapes"]["cu_seqlens"]["max"] == [65]
 
@@ -187,18 +180,20 @@ def test_the_runner_needs_the_gpu_stack(plugin_export, tmp_path):
 @pytest.mark.slow
 @without_gpu_stack
 def test_build_records_the_vision_engine_stage_as_skipped(tiny_dense, tmp_path):
-    from qwen3vl_trt.pipeline import VISION_ENGINE_STAGE, build
+    from qwen3vl_trt.manifest import VISION_ENGINE_STAGE, BuildManifest
+    from qwen3vl_trt.pipeline import build
 
     lines: list[str] = []
     manifest = build(tiny_dense, tmp_path / "b", log=lines.append)
-    stage = next(s for s in manifest["stages"] if s["stage"] == VISION_ENGINE_STAGE)
-    assert stage["status"] == "skipped" and "tensorrt is not importable" in stage["reason"]
+    stage = manifest.stage(VISION_ENGINE_STAGE)
+    assert stage is not None
+    assert stage.status == "skipped" and "tensorrt is not importable" in str(stage.reason)
     layout = BuildLayout(tmp_path / "b")
-    assert f"--variant plugin --dtype bf16 --output {layout.vision_plugin}" in stage["rerun_on_gpu_host"]
-    assert (
-        f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}"
-        in stage["rerun_on_gpu_host"]
+    assert f"--variant plugin --dtype bf16 --output {layout.vision_plugin}" in str(stage.rerun_on_gpu_host)
+    assert f"build-vision-engine --onnx {layout.vision_plugin} --output {layout.vision_engine}" in str(
+        stage.rerun_on_gpu_host
     )
     assert not layout.vision_plugin.exists() and not layout.vision_engine.exists()
     assert any(line.startswith(f"stage {VISION_ENGINE_STAGE}: SKIPPED") for line in lines)
-    assert json.loads(layout.manifest.read_text())["stages"] == manifest["stages"]
+    assert json.loads(layout.manifest.read_text())["stages"] == [s.as_json() for s in manifest.stages]
+    assert BuildManifest.read(layout.root) == manifest

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..contracts import BuildLayout
 from ..errors import CheckpointError
 from ..fsutil import read_json
+from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
 from ..preprocess import Preprocessor
 from ..vision.runner import VisionEncoder, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
@@ -93,11 +94,10 @@ class LocalPipeline:
         from tokenizers import Tokenizer
 
         from ..checkpoint import read_config
-        from ..pipeline import LLM_CHECKPOINT_STAGE, VISION_STAGE, read_manifest
 
         self.model_dir, build = Path(model_dir), BuildLayout(Path(build_dir))
         # Cheap checks first: a build of another checkpoint would answer with the wrong weights.
-        read_manifest(build.root, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
+        BuildManifest.read(build.root, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
         config_sha256 = hashlib.sha256(read_config(self.model_dir)[0]).hexdigest()
         rebuild = f"qwen3vl-trt build --model {self.model_dir} --output {build.root} --force"
         VisionSidecar.load(build.vision).check_source(self.model_dir, config_sha256, rebuild)

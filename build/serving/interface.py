@@ -6,11 +6,17 @@ carry the names of the contracts they implement: the vision encoder's inputs (co
 and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's `llm` declares too,
 so both targets route the same ensemble. Dims exclude the batch dimension (every model batches);
 scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm backend declares them.
+
+A tensor that implements a contract takes its name, dims and type from it (`_implementing`); where the
+receiving backend declares another type, the deployment carries the backend's (BACKEND_DATA_TYPES) and
+`Tensor.to_triton` converts the contract's arrays to it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..contracts import (
     LLM_INPUT_IDS,
@@ -23,6 +29,7 @@ from ..contracts import (
     PROMPT_TABLE_EXTRA_IDS,
     ROTARY_POS,
     SEGMENT_START,
+    TensorSpec,
 )
 
 PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
@@ -35,6 +42,18 @@ PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
 MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE)
 
 
+# Triton's DataType names (without TYPE_) of the contracts' dtypes; "model" is the LLM checkpoint's dtype.
+TRITON_DATA_TYPES = {"float32": "FP32", "int32": "INT32", "int64": "INT64", "uint64": "UINT64", "model": "MODEL"}
+NUMPY_DTYPES = {triton: np.dtype(name) for name, triton in TRITON_DATA_TYPES.items() if name != "model"}
+
+# Contract tensors that a backend declares with a type of its own, by name. TensorRT-LLM 1.2.1's engine takes
+# mrope_position_deltas as int32 (contracts), but the tensorrtllm backend's tensorrt_llm model declares it
+# TYPE_INT64 (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt) and reads it back as
+# the engine's int32 (utils.cc getMropeConfigFromTensors: extractSingleton<SizeType32>, the low half on
+# little-endian hosts): the ensemble, and the CPU target's llm that stands in for that model, carry INT64.
+BACKEND_DATA_TYPES = {MROPE_POSITION_DELTAS.name: "INT64"}
+
+
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -42,6 +61,19 @@ class Tensor:
     dims: tuple[int, ...]
     optional: bool = False
     scalar: bool = False  # one value per request: reshaped to [] where the tensorrt_llm backend does
+    contract: TensorSpec | None = None  # the stage contract this tensor carries, if any
+
+    def to_triton(self, array: np.ndarray) -> np.ndarray:
+        """An array of the contract's dtype as this tensor carries it (the backend's type, where it differs)."""
+        return np.asarray(array, dtype=NUMPY_DTYPES[self.data_type])
+
+
+def _implementing(spec: TensorSpec, optional: bool = False) -> Tensor:
+    """The tensor that carries a contract between models: its name, its type (the backend's, where it declares
+    another) and its dims, the contract's symbolic ones variable (-1)."""
+    dims = tuple(-1 if isinstance(d, str) else d for d in spec.shape)
+    data_type = BACKEND_DATA_TYPES.get(spec.name, TRITON_DATA_TYPES[spec.dtype])
+    return Tensor(spec.name, data_type, dims, optional=optional, contract=spec)
 
 
 def _scalar(name: str, data_type: str, optional: bool = True) -> Tensor:
@@ -90,11 +122,11 @@ OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
 REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT)
 
 # -- preprocessing -> vision_encoder ---------------------------------------------------------------
-VISION_PIXELS = Tensor(PIXEL_VALUES.name, "FP32", (-1, -1))
-VISION_POS_EMBED_IDX = Tensor(POS_EMBED_IDX.name, "INT32", (-1, 4))
-VISION_POS_EMBED_W = Tensor(POS_EMBED_W.name, "FP32", (-1, 4))
-VISION_ROTARY_POS = Tensor(ROTARY_POS.name, "INT32", (-1, 2))
-VISION_SEGMENT_START = Tensor(SEGMENT_START.name, "INT32", (-1,))
+VISION_PIXELS = _implementing(PIXEL_VALUES)
+VISION_POS_EMBED_IDX = _implementing(POS_EMBED_IDX)
+VISION_POS_EMBED_W = _implementing(POS_EMBED_W)
+VISION_ROTARY_POS = _implementing(ROTARY_POS)
+VISION_SEGMENT_START = _implementing(SEGMENT_START)
 IMAGE_GRID_THW = Tensor("image_grid_thw", "INT64", (-1, 3))
 VISUAL_TOKEN_COUNT = _scalar("visual_token_count", "INT32", optional=False)
 VISION_REQUEST: tuple[Tensor, ...] = (
@@ -108,10 +140,10 @@ VISION_REQUEST: tuple[Tensor, ...] = (
 )
 
 # -- vision_encoder -> llm (dtype: the LLM checkpoint's) -----------------------------------------
-PROMPT_TABLE = Tensor(PROMPT_EMBEDDING_TABLE.name, "MODEL", (-1, -1), optional=True)
+PROMPT_TABLE = _implementing(PROMPT_EMBEDDING_TABLE, optional=True)
 
 # -- preprocessing -> llm: the tensorrt_llm backend's input names ---------------------------------
-INPUT_IDS = Tensor(LLM_INPUT_IDS.name, "INT32", (-1,))
+INPUT_IDS = _implementing(LLM_INPUT_IDS)
 INPUT_LENGTHS = _scalar("input_lengths", "INT32", optional=False)
 REQUEST_OUTPUT_LEN = _scalar("request_output_len", "INT32", optional=False)
 END_ID = _scalar("end_id", "INT32")
@@ -125,9 +157,9 @@ STREAMING = _scalar("streaming", "BOOL")
 EXCLUDE_INPUT = _scalar("exclude_input_in_output", "BOOL")
 STOP_WORDS_LIST = Tensor("stop_words_list", "INT32", (2, -1), optional=True)
 BAD_WORDS_LIST = Tensor("bad_words_list", "INT32", (2, -1), optional=True)
-MROPE_COS_SIN = Tensor(MROPE_ROTARY_COS_SIN.name, "FP32", (-1,), optional=True)
-MROPE_DELTAS = Tensor(MROPE_POSITION_DELTAS.name, "INT64", (1,), optional=True)
-EXTRA_IDS = Tensor(PROMPT_TABLE_EXTRA_IDS.name, "UINT64", (-1,), optional=True)
+MROPE_COS_SIN = _implementing(MROPE_ROTARY_COS_SIN, optional=True)
+MROPE_DELTAS = _implementing(MROPE_POSITION_DELTAS, optional=True)
+EXTRA_IDS = _implementing(PROMPT_TABLE_EXTRA_IDS, optional=True)
 LLM_REQUEST: tuple[Tensor, ...] = (
     INPUT_IDS,
     INPUT_LENGTHS,

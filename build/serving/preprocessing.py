@@ -223,7 +223,7 @@ class Preprocessing:
             interface.INPUT_IDS.name: request.engine_input_ids,
             interface.INPUT_LENGTHS.name: np.array([length], np.int32),
             interface.MROPE_COS_SIN.name: np.ascontiguousarray(cos_sin, dtype=np.float32),
-            interface.MROPE_DELTAS.name: np.array([request.mrope_position_delta], np.int64),
+            interface.MROPE_DELTAS.name: interface.MROPE_DELTAS.to_triton(request.mrope_position_deltas),
             interface.EXTRA_IDS.name: request.prompt_table_extra_ids,
             **parsed.outputs,
         }

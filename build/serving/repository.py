@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -28,11 +27,11 @@ from ..errors import CheckpointError, LimitsError
 from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
 from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
+from ..manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
 from . import config as cfg
 from . import gpu_memory, interface
 from .gpu_memory import GpuMemoryPlan
 
-Target = Literal["gpu", "cpu"]
 REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
 MODEL_FILE = "model.py"
 
@@ -239,11 +238,6 @@ def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
             (version / MODEL_FILE).write_text(sources.joinpath(name, MODEL_FILE).read_text())
 
 
-def build_limits(manifest: dict) -> EngineLimits:
-    """The engine limits a build was made with (older builds recorded none: the defaults)."""
-    return EngineLimits(**manifest.get("limits", {}))
-
-
 def gpu_memory_plan(
     files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings
 ) -> GpuMemoryPlan:
@@ -292,17 +286,15 @@ def write_repository(
 ) -> Path:
     """Writes the repository for a `qwen3vl-trt build` directory (the checkpoint is the one the build
     was made from unless model_dir says otherwise)."""
-    from ..pipeline import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, read_manifest
-
     build = BuildLayout(Path(build_dir).absolute())
     target = target or default_target()
     engines = (LLM_ENGINE_STAGE, VISION_ENGINE_STAGE) if target == "gpu" else ()
     required = (VISION_STAGE, LLM_CHECKPOINT_STAGE, *engines)
-    manifest = read_manifest(build.root, required_stages=required)
-    model = Path(model_dir or manifest["model"]).absolute()
+    manifest = BuildManifest.read(build.root, required_stages=required)
+    model = Path(model_dir or manifest.model).absolute()
     read_config(model)  # the tokenizer and processor files must be there at serving time
     _, llm = read_trtllm_config(build.llm_checkpoint)
-    limits = build_limits(manifest)
+    limits = manifest.limits
     memory = gpu_memory_plan(build, limits, llm, settings) if target == "gpu" else None
     if memory is not None:
         log(memory.describe())

@@ -12,94 +12,22 @@ hash) and the timing cache, written atomically like every stage's output.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .. import __version__
-from ..contracts import (
-    CU_SEQLENS,
-    MAX_SEQLEN_CARRIER,
-    PIXEL_VALUES,
-    PLUGIN,
-    VISION_ENGINE_FILE,
-    VISION_ENGINE_SIDECAR_FILE,
-    VISION_SIDECAR_FILE,
-    VISION_TIMING_CACHE_FILE,
-    contract_sha256,
-)
+from ..contracts import PLUGIN, VISION_ENGINE_FILE, VISION_SIDECAR_FILE, VISION_TIMING_CACHE_FILE
 from ..errors import CheckpointError, GpuStackMissingError, LimitsError, Qwen3VLTrtError
-from ..fsutil import atomic_output_dir, json_entry, read_json
-from .runner import VisionSidecar
+from ..fsutil import atomic_output_dir
+from .sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-ENGINE_FORMAT_VERSION = 1
 DEFAULT_OPTIMIZATION_LEVEL = 3  # TensorRT's default; 0..5
-
-
-@dataclass(frozen=True)
-class VisionEngineProfile:
-    """The batch shapes an engine accepts: patches of all images of a run, and its attention segments
-    (images; a video counts once per temporal patch). TensorRT tunes for opt: one image of opt_patches."""
-
-    min_patches: int = 4
-    opt_patches: int = 4096
-    max_patches: int = 32768
-    max_images: int = 64
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LimitsError(f"vision engine {name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if not self.min_patches <= self.opt_patches <= self.max_patches:
-            raise LimitsError(
-                f"vision engine patches must satisfy min <= opt <= max, got {self.min_patches}, "
-                f"{self.opt_patches}, {self.max_patches}"
-            )
-
-    @classmethod
-    def for_visual_tokens(cls, max_visual_tokens: int, merge_unit: int) -> VisionEngineProfile:
-        """A profile whose largest run is one request with the most visual tokens the LLM engine takes."""
-        max_patches = max_visual_tokens * merge_unit
-        return cls(min_patches=merge_unit, opt_patches=min(cls.opt_patches, max_patches), max_patches=max_patches)
-
-    def check_merge_unit(self, merge_unit: int) -> None:
-        """Batches hold whole merge blocks, so every profile size must be a multiple of merge_unit."""
-        odd = {k: v for k, v in asdict(self).items() if k.endswith("_patches") and v % merge_unit}
-        if odd:
-            raise LimitsError(
-                f"vision engine patch counts must be multiples of {merge_unit} (one merge block): "
-                + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in odd.items())
-            )
-
-    def dim_ranges(self) -> dict[str, tuple[int, int, int]]:
-        """(min, opt, max) of each dynamic dim of the vision contracts."""
-        return {
-            str(PIXEL_VALUES.shape[0]): (self.min_patches, self.opt_patches, self.max_patches),
-            str(CU_SEQLENS.shape[0]): (2, 2, self.max_images + 1),
-            # A segment can be as short as one merge block, whatever min_patches says.
-            str(MAX_SEQLEN_CARRIER.shape[0]): (1, self.opt_patches, self.max_patches),
-        }
-
-    def input_shapes(self, inputs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
-        """{input: {"min"|"opt"|"max": shape}} for resolved contract inputs (fixed dims as they are)."""
-        ranges = self.dim_ranges()
-        shapes: dict[str, dict[str, list[int]]] = {}
-        for spec in inputs:
-            by_point: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
-            for dim in spec["shape"]:
-                for i, point in enumerate(by_point):
-                    by_point[point].append(ranges[dim][i] if isinstance(dim, str) else int(dim))
-            shapes[str(spec["name"])] = by_point
-        return shapes
 
 
 def tensorrt_problem() -> str | None:
@@ -126,76 +54,6 @@ def require_gpu_stack(what: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class VisionEngineSidecar:
-    """What vision_engine.json says about a built engine."""
-
-    raw: dict
-
-    @classmethod
-    def load(cls, engine_dir: str | os.PathLike[str]) -> VisionEngineSidecar:
-        path = Path(engine_dir) / VISION_ENGINE_SIDECAR_FILE
-        raw = read_json(path, f"{engine_dir} has no {VISION_ENGINE_SIDECAR_FILE}: is it a build-vision-engine output?")
-        fix = "build the engine again with `qwen3vl-trt build-vision-engine`"
-        if raw.get("format_version") != ENGINE_FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has format_version {raw.get('format_version')!r}, this version reads "
-                f"{ENGINE_FORMAT_VERSION}; {fix}"
-            )
-        for key, kind in _ENGINE_SIDECAR_ENTRIES.items():
-            json_entry(raw, key, kind, str(path), fix)
-        return cls(raw)
-
-    @property
-    def max_patches(self) -> int:
-        return int(self.raw["profile"]["max_patches"])
-
-    @property
-    def max_images(self) -> int:
-        return int(self.raw["profile"]["max_images"])
-
-    @property
-    def device_memory_bytes(self) -> int:
-        """Activation memory of one execution context at the profile's largest run (device_memory_size_v2)."""
-        return int(self.raw["device_memory_bytes"])
-
-    def check_runtime(self, export: VisionSidecar, tensorrt_version: str, compute_capability: tuple[int, int]) -> None:
-        """Refuses an engine that this code, this TensorRT or this GPU cannot run as built."""
-        rebuild = "rebuild it on this host with `qwen3vl-trt build-vision-engine` (or `qwen3vl-trt build`)"
-        if self.raw["contract_sha256"] != export.contract_sha256():
-            raise CheckpointError(
-                f"the vision engine was built for another input/output contract (sha256 "
-                f"{self.raw['contract_sha256'][:12]}) than this version's {export.graph_variant} graph "
-                f"({export.contract_sha256()[:12]}): export and build it again with this version"
-            )
-        if self.raw["tensorrt_version"] != tensorrt_version:
-            raise CheckpointError(
-                f"the vision engine was built with TensorRT {self.raw['tensorrt_version']}, this host has "
-                f"{tensorrt_version} (engines do not carry across versions); {rebuild}"
-            )
-        built_for = self.raw["gpu"]["compute_capability"]
-        here = f"{compute_capability[0]}.{compute_capability[1]}"
-        if built_for != here:
-            raise CheckpointError(
-                f"the vision engine was built for compute capability {built_for} ({self.raw['gpu']['name']}), "
-                f"this GPU is {here}; {rebuild}"
-            )
-
-
-# Entries the runner reads, with their types ("a.b" is entry b of object a).
-_ENGINE_SIDECAR_ENTRIES: dict[str, type] = {
-    "engine_file": str,
-    "graph_variant": str,
-    "tensorrt_version": str,
-    "contract_sha256": str,
-    "gpu.name": str,
-    "gpu.compute_capability": str,
-    "profile.max_patches": int,
-    "profile.max_images": int,
-    "device_memory_bytes": int,
-}
-
-
 def build_vision_engine(
     onnx_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -214,8 +72,7 @@ def build_vision_engine(
     profile = profile or VisionEngineProfile()
     onnx_dir, output = Path(onnx_dir), Path(output_dir)
     export = VisionSidecar.load(onnx_dir)
-    recorded = contract_sha256([*export.raw.get("inputs", []), *export.raw.get("outputs", [])])
-    if recorded != export.contract_sha256():
+    if not export.records_this_contract():
         raise CheckpointError(
             f"{onnx_dir / VISION_SIDECAR_FILE} records inputs/outputs other than this version's {export.graph_variant} "
             "graph contract: export it again with `qwen3vl-trt export-vision`"
@@ -258,7 +115,7 @@ def build_vision_engine(
             from ..plugins.registration import register_plugins
 
             register_plugins(plugin_sm)
-        onnx_file = onnx_dir / str(export.raw["onnx_file"])
+        onnx_file = onnx_dir / export.onnx_file
         # A cache of an earlier output may come from another TensorRT or GPU (the rebuild check_runtime asks for):
         # then the build starts a new one; a cache the user named must be usable.
         plan, cache = _build_plan(
@@ -270,8 +127,8 @@ def build_vision_engine(
             (tmp / VISION_TIMING_CACHE_FILE).write_bytes(cache)
         else:
             _replace_file(given_cache, cache)
-        shutil.copyfile(onnx_dir / VISION_SIDECAR_FILE, tmp / VISION_SIDECAR_FILE)
-        sidecar = engine_sidecar(
+        export.write(tmp)  # the runner checks the engine against the export it was built from
+        VisionEngineSidecar.of_build(
             export,
             profile,
             tensorrt_version=trt.__version__,
@@ -281,42 +138,9 @@ def build_vision_engine(
             optimization_level=optimization_level,
             timing_cache=str(given_cache) if given_cache else VISION_TIMING_CACHE_FILE,
             device_memory_bytes=device_memory,
-        )
-        (tmp / VISION_ENGINE_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+        ).write(tmp)
         log(f"built {len(plan) / 2**20:.1f} MiB engine in {time.perf_counter() - start:.1f}s")
     return output
-
-
-def engine_sidecar(
-    export: VisionSidecar,
-    profile: VisionEngineProfile,
-    tensorrt_version: str,
-    gpu_name: str,
-    compute_capability: tuple[int, int],
-    plugin_capability: int,
-    optimization_level: int,
-    timing_cache: str,
-    device_memory_bytes: int,
-) -> dict:
-    """vision_engine.json of an engine built from `export` with these settings on this GPU; device_memory_bytes is
-    what one execution context allocates for activations (the GPU memory plan of the deployment counts it)."""
-    return {
-        "format_version": ENGINE_FORMAT_VERSION,
-        "engine_file": VISION_ENGINE_FILE,
-        "graph_variant": export.graph_variant,
-        "dtype": export.dtype,
-        "contract_sha256": export.contract_sha256(),
-        "tensorrt_version": tensorrt_version,
-        "gpu": {"name": gpu_name, "compute_capability": f"{compute_capability[0]}.{compute_capability[1]}"},
-        "plugin_arch": f"sm_{plugin_capability}" if export.graph_variant == PLUGIN else None,
-        "builder_optimization_level": optimization_level,
-        "strongly_typed": True,
-        "profile": {**asdict(profile), "shapes": profile.input_shapes(export.contract()["inputs"])},
-        "timing_cache": timing_cache,
-        "device_memory_bytes": device_memory_bytes,
-        "source_checkpoint": export.raw["source_checkpoint"],
-        "built_with": {"qwen3vl_trt": __version__},
-    }
 
 
 def _plugin_capability(arch: str | None) -> int | None:

@@ -31,9 +31,9 @@ from ..contracts import (
     VISION_INPUTS,
 )
 from ..errors import CheckpointError, InputError
-from .engine import VisionEngineSidecar, require_gpu_stack
+from .engine import require_gpu_stack
 from .metadata import attention_segments
-from .runner import VisionSidecar
+from .sidecar import VisionEngineSidecar, VisionSidecar
 
 _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32}
 
@@ -52,7 +52,7 @@ class VisionEngine:
         self.sidecar.check_runtime(self.export, trt.__version__, torch.cuda.get_device_capability(self.device))
         self.variant = self.export.graph_variant
         self.merge_unit = self.export.spatial_merge_size**2
-        plan_path = self.engine_dir / str(self.sidecar.raw["engine_file"])
+        plan_path = self.engine_dir / self.sidecar.engine_file
         plan = plan_path.read_bytes()
         self._logger = trt.Logger(trt.Logger.WARNING)
         with torch.cuda.device(self.device):

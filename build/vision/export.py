@@ -10,7 +10,6 @@ N x N mask; ONNX Runtime runs it through a Python custom op, see ort_plugin).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -23,7 +22,6 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from .. import __version__
 from ..checkpoint import Checkpoint, VisionConfig, tensors_sha256
 from ..contracts import (
     DEEPSTACK_EMBEDS,
@@ -34,16 +32,15 @@ from ..contracts import (
     VISION_ONNX_DATA_FILE,
     VISION_ONNX_FILE,
     VISION_OUTPUTS,
-    VISION_SIDECAR_FILE,
-    vision_graph_contract,
 )
-from ..dtypes import DTYPE_NAMES, TORCH_DTYPES
+from ..dtypes import TORCH_DTYPES
 from ..errors import Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
 from ..plugins import PLUGIN_NAME, PLUGIN_NAMESPACE
 from .metadata import graph_feeds, num_patches, vision_metadata
 from .model import PluginVisionTower, VisionTower
 from .plugin_op import ONNX_TRANSLATION, PLUGIN_DOMAIN_VERSION, PLUGIN_NODE_ATTRIBUTES
+from .sidecar import VisionSidecar
 
 # The tower module of each graph variant.
 TOWERS: dict[str, type[VisionTower]] = {PORTABLE: VisionTower, PLUGIN: PluginVisionTower}
@@ -74,7 +71,7 @@ class Parity:
 class VisionExport:
     output_dir: Path
     dtype: str
-    sidecar: dict
+    sidecar: VisionSidecar
     parity: list[Parity] = field(default_factory=list)
 
 
@@ -155,56 +152,6 @@ def check_onnx(path: Path) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
 
 
-def _sidecar(ckpt: Checkpoint, dtype: str, weights_sha256: str, variant: str) -> dict:
-    cfg = ckpt.info.vision
-    contract = vision_graph_contract(
-        variant, DTYPE_NAMES[dtype], cfg.patch_dim, cfg.out_hidden_size, len(cfg.deepstack_visual_indexes)
-    )
-    plugin = {
-        "attention_plugin": {
-            "op_type": PLUGIN_NAME,
-            "domain": PLUGIN_NAMESPACE,
-            "domain_version": PLUGIN_DOMAIN_VERSION,
-            "attributes": PLUGIN_NODE_ATTRIBUTES,
-        }
-    }
-    return {
-        "format_version": 1,
-        "graph_variant": variant,
-        **(plugin if variant == PLUGIN else {}),
-        "onnx_file": VISION_ONNX_FILE,
-        "external_data_file": VISION_ONNX_DATA_FILE,
-        "opset": ONNX_OPSET,
-        "dtype": dtype,
-        "fp32_islands": ["rope", "layernorm", "softmax", "pos_embed"],
-        **contract,
-        "patch_dim": cfg.patch_dim,
-        "patch_size": cfg.patch_size,
-        "temporal_patch_size": cfg.temporal_patch_size,
-        "spatial_merge_size": cfg.spatial_merge_size,
-        "num_grid_per_side": cfg.num_grid_per_side,
-        "depth": cfg.depth,
-        "hidden_size": cfg.hidden_size,
-        "num_heads": cfg.num_heads,
-        "head_dim": cfg.head_dim,
-        "out_hidden_size": cfg.out_hidden_size,
-        "deepstack_count": len(cfg.deepstack_visual_indexes),
-        "deepstack_visual_indexes": list(cfg.deepstack_visual_indexes),
-        "source_checkpoint": {
-            "path": str(ckpt.path.absolute()),
-            "model_type": ckpt.info.model_type,
-            "size": ckpt.info.size_name,
-            "config_sha256": ckpt.config_sha256(),
-            "visual_weights_sha256": weights_sha256,
-        },
-        "exported_with": {
-            "qwen3vl_trt": __version__,
-            "torch": torch.__version__,
-            "onnx": onnx.__version__,
-        },
-    }
-
-
 def verify_against_transformers(
     onnx_dir: Path, ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | None = None, seed: int = 0
 ) -> list[Parity]:
@@ -268,10 +215,24 @@ def export_vision(
         check_onnx(tmp / VISION_ONNX_FILE)
         log(f"exported and checked in {time.perf_counter() - start:.1f}s")
 
-        sidecar = _sidecar(ckpt, dtype, weights_sha256, variant)
+        attention_plugin = {
+            "op_type": PLUGIN_NAME,
+            "domain": PLUGIN_NAMESPACE,
+            "domain_version": PLUGIN_DOMAIN_VERSION,
+            "attributes": PLUGIN_NODE_ATTRIBUTES,
+        }
+        sidecar = VisionSidecar.of_export(
+            ckpt,
+            dtype,
+            variant,
+            weights_sha256,
+            opset=ONNX_OPSET,
+            attention_plugin=attention_plugin if variant == PLUGIN else None,
+            exported_with={"torch": torch.__version__, "onnx": onnx.__version__},
+        )
         parity: list[Parity] = []
         if verify:
-            (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+            sidecar.write(tmp)  # the runner that checks the export reads it
             parity = verify_against_transformers(tmp, ckpt, tensors)
             for p in parity:
                 log(
@@ -281,16 +242,18 @@ def export_vision(
                 )
             worst = max(p.max_rel for p in parity)
             log(f"verified against transformers: max relative error {worst:.2e} (tolerance {FP32_REL_TOLERANCE:.0e})")
-            sidecar["verification"] = {
-                "reference": "transformers vision tower, fp32, CPU",
-                "max_rel_error": worst,
-                "tolerance": FP32_REL_TOLERANCE,
-                "cases": [p.__dict__ for p in parity],
-            }
+            sidecar = sidecar.with_verification(
+                {
+                    "reference": "transformers vision tower, fp32, CPU",
+                    "max_rel_error": worst,
+                    "tolerance": FP32_REL_TOLERANCE,
+                    "cases": [p.__dict__ for p in parity],
+                }
+            )
             if worst > FP32_REL_TOLERANCE:
                 raise Qwen3VLTrtError(
                     f"vision export does not match transformers: max relative error {worst:.2e} > "
                     f"{FP32_REL_TOLERANCE:.0e}; nothing was written"
                 )
-        (tmp / VISION_SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2) + "\n")
+        sidecar.write(tmp)
     return VisionExport(Path(output_dir), dtype, sidecar, parity)

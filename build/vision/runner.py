@@ -11,119 +11,15 @@ Python custom op (ort_plugin: verification, not serving).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..contracts import (
-    DEEPSTACK_EMBEDS,
-    IMAGE_EMBEDS,
-    PIXEL_VALUES,
-    PLUGIN,
-    VISION_GRAPH_INPUTS,
-    VISION_INPUTS,
-    VISION_ONNX_FILE,
-    VISION_SIDECAR_FILE,
-    contract_sha256,
-    vision_graph_contract,
-)
-from ..dtypes import DTYPE_NAMES
+from ..contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, PLUGIN, VISION_INPUTS, VISION_ONNX_FILE
 from ..errors import CheckpointError, InputError, Qwen3VLTrtError
-from ..fsutil import read_json
 from .metadata import check_grid_thw, graph_feeds, num_patches, vision_metadata
-
-# Sidecar entries the runtimes read, with their types; "a.b" is entry b of object a.
-_SIDECAR_ENTRIES: dict[str, type] = {
-    "graph_variant": str,
-    "patch_dim": int,
-    "spatial_merge_size": int,
-    "num_grid_per_side": int,
-    "num_heads": int,
-    "out_hidden_size": int,
-    "deepstack_count": int,
-    "dtype": str,
-    "source_checkpoint.path": str,
-    "source_checkpoint.config_sha256": str,
-}
-
-
-@dataclass(frozen=True)
-class VisionSidecar:
-    """What vision_config.json says about an exported encoder."""
-
-    raw: dict
-
-    @classmethod
-    def load(cls, onnx_dir: str | os.PathLike[str]) -> VisionSidecar:
-        path = Path(onnx_dir) / VISION_SIDECAR_FILE
-        raw = read_json(path, f"{onnx_dir} has no {VISION_SIDECAR_FILE}: is it an export-vision output directory?")
-        problems = [
-            f"'{key}' is not a {kind.__name__}" for key, kind in _SIDECAR_ENTRIES.items() if not _has(raw, key, kind)
-        ]
-        if raw.get("graph_variant") not in (*VISION_GRAPH_INPUTS, None):
-            problems.append(f"graph_variant {raw['graph_variant']!r} is none of {', '.join(VISION_GRAPH_INPUTS)}")
-        if raw.get("dtype") not in (*DTYPE_NAMES, None):
-            problems.append(f"dtype {raw['dtype']!r} is none of {', '.join(DTYPE_NAMES)}")
-        if problems:
-            raise CheckpointError(
-                f"{path} is not a vision export sidecar this version reads ({'; '.join(problems)}); "
-                "export again with `qwen3vl-trt export-vision` (or `qwen3vl-trt build`)"
-            )
-        return cls(raw)
-
-    @property
-    def patch_dim(self) -> int:
-        return int(self.raw["patch_dim"])
-
-    @property
-    def spatial_merge_size(self) -> int:
-        return int(self.raw["spatial_merge_size"])
-
-    @property
-    def num_grid_per_side(self) -> int:
-        return int(self.raw["num_grid_per_side"])
-
-    @property
-    def dtype(self) -> str:
-        return str(self.raw["dtype"])
-
-    @property
-    def graph_variant(self) -> str:
-        return str(self.raw["graph_variant"])
-
-    def contract(self) -> dict[str, list[dict[str, object]]]:
-        """The graph's inputs and outputs as this version's contracts define them for this export."""
-        return vision_graph_contract(
-            self.graph_variant,
-            DTYPE_NAMES[self.dtype],
-            self.patch_dim,
-            int(self.raw["out_hidden_size"]),
-            int(self.raw["deepstack_count"]),
-        )
-
-    def contract_sha256(self) -> str:
-        contract = self.contract()
-        return contract_sha256(contract["inputs"] + contract["outputs"])
-
-    def check_source(self, model_dir: Path, config_sha256: str, rebuild: str) -> None:
-        """Refuses a model directory whose config.json (its sha256) is not the exported checkpoint's;
-        `rebuild` is the command that would make a matching export."""
-        source = self.raw["source_checkpoint"]
-        if source["config_sha256"] != config_sha256:
-            raise CheckpointError(
-                f"the vision export was made from the checkpoint {source['path']} (config.json sha256 "
-                f"{source['config_sha256'][:12]}), but {model_dir} has config.json sha256 {config_sha256[:12]}: "
-                f"pass that checkpoint, or rebuild for this one with `{rebuild}`"
-            )
-
-
-def _has(raw: dict, key: str, kind: type) -> bool:
-    value: object = raw
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return isinstance(value, kind) and not isinstance(value, bool)
+from .sidecar import VisionSidecar
 
 
 def _as_numpy(x: Any) -> np.ndarray:

@@ -1,0 +1,133 @@
+"""The build manifest: what `qwen3vl-trt build` writes is what its readers get back, manifests of earlier
+versions still read, and a damaged one is refused with a message that says how to fix it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.errors import CheckpointError
+from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.manifest import (
+    LLM_CHECKPOINT_STAGE,
+    LLM_ENGINE_STAGE,
+    STAGES,
+    TRITON_REPO_STAGE,
+    VISION_ENGINE_STAGE,
+    VISION_STAGE,
+    BuildManifest,
+    StageRecord,
+)
+
+# A manifest as version 0.1.0 wrote it before the manifest had a module of its own (pipeline.build's dict).
+WRITTEN_BY_0_1_0 = {
+    "qwen3vl_trt": "0.1.0",
+    "model": "/models/Qwen3-VL-2B-Instruct",
+    "model_type": "qwen3_vl",
+    "size": "2B",
+    "limits": {
+        "max_batch_size": 4,
+        "max_input_len": 2048,
+        "max_seq_len": 4096,
+        "max_num_tokens": 4096,
+        "max_visual_tokens": 1024,
+        "tokens_per_block": 32,
+    },
+    "target": "cpu",
+    "stages": [
+        {"stage": "vision-onnx", "status": "done", "output": "vision", "seconds": 12.5, "verification": 3.1e-06},
+        {"stage": "llm-checkpoint", "status": "done", "output": "llm_checkpoint", "seconds": 4.0},
+        {
+            "stage": "llm-engine",
+            "status": "skipped",
+            "reason": "tensorrt_llm is not importable (No module named 'tensorrt_llm')",
+            "rerun_on_gpu_host": "qwen3vl-trt build-llm-engine --checkpoint b/llm_checkpoint --output b/llm_engine",
+        },
+        {
+            "stage": "vision-engine",
+            "status": "skipped",
+            "reason": "tensorrt is not importable (No module named 'tensorrt')",
+            "rerun_on_gpu_host": "qwen3vl-trt export-vision ... && qwen3vl-trt build-vision-engine ...",
+        },
+        {"stage": "triton-repo", "status": "done", "output": "triton_repo", "seconds": 0.1, "target": "cpu"},
+    ],
+}
+
+
+def _write(build: Path, content: object) -> Path:
+    build.mkdir(exist_ok=True)
+    BuildLayout(build).manifest.write_text(json.dumps(content))
+    return build
+
+
+def test_reads_a_manifest_written_before_the_module(tmp_path):
+    build = _write(tmp_path / "b", WRITTEN_BY_0_1_0)
+    manifest = BuildManifest.read(build, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
+    assert manifest.model == Path("/models/Qwen3-VL-2B-Instruct") and manifest.target == "cpu"
+    assert manifest.limits == EngineLimits(4, 2048, 4096, 4096, 1024, 32)
+    assert [s.stage for s in manifest.stages] == list(STAGES)
+    assert manifest.done_stages() == (VISION_STAGE, LLM_CHECKPOINT_STAGE, TRITON_REPO_STAGE)
+    vision = manifest.stage(VISION_STAGE)
+    assert vision is not None and vision.verification == 3.1e-06 and vision.output == BuildLayout.VISION
+    engine = manifest.stage(LLM_ENGINE_STAGE)
+    assert engine is not None and engine.status == "skipped" and "build-llm-engine" in str(engine.rerun_on_gpu_host)
+    # Written again, it is the same file.
+    assert manifest.as_json() == WRITTEN_BY_0_1_0
+
+
+def test_reads_a_manifest_without_limits_or_target_as_the_defaults(tmp_path):
+    older = {k: v for k, v in WRITTEN_BY_0_1_0.items() if k not in ("limits", "target")}
+    manifest = BuildManifest.read(_write(tmp_path / "b", older))
+    assert manifest.limits == EngineLimits() and manifest.target is None
+
+
+def test_round_trips_what_it_writes(tmp_path):
+    started = time.perf_counter()
+    manifest = BuildManifest(
+        model=Path("/models/m"),
+        limits=EngineLimits(max_batch_size=2),
+        stages=(
+            StageRecord.done(VISION_STAGE, BuildLayout.VISION, started, verification=None),
+            StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, started),
+            StageRecord.skipped(LLM_ENGINE_STAGE, "no GPU", "qwen3vl-trt build-llm-engine ..."),
+            StageRecord.done(VISION_ENGINE_STAGE, BuildLayout.VISION_ENGINE, started, onnx=BuildLayout.VISION_PLUGIN),
+            StageRecord.done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, started, target="gpu"),
+        ),
+        target="gpu",
+        model_type="qwen3_vl_moe",
+        size="30B-A3B",
+    )
+    (tmp_path / "b").mkdir()
+    path = manifest.write(tmp_path / "b")
+    assert path == BuildLayout(tmp_path / "b").manifest
+    assert BuildManifest.read(tmp_path / "b") == manifest
+    # An unverified export says so (null), as every manifest so far has.
+    assert json.loads(path.read_text())["stages"][0]["verification"] is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"stages": [{"status": "done"}]}, "'stage' is None"),
+        ({"stages": [{"stage": "vision-onnx", "status": "finished"}]}, "'status' is 'finished'"),
+        ({"stages": [{"stage": "vision-onnx", "status": "done", "seconds": "5"}]}, "'seconds' is '5'"),
+        ({"model": None}, "'model' must be the checkpoint's path"),
+        ({"target": "tpu"}, "'target' must be one of gpu, cpu"),
+        ({"limits": {"max_batch_size": 0}}, "EngineLimits.max_batch_size must be a positive integer"),
+        ({"limits": {"max_beams": 2}}, "'limits' is not a set of engine limits"),
+    ],
+)
+def test_refuses_a_damaged_manifest(tmp_path, change, message):
+    build = _write(tmp_path / "b", {**WRITTEN_BY_0_1_0, **change})
+    with pytest.raises(CheckpointError, match="rebuild it with `qwen3vl-trt build --force`") as raised:
+        BuildManifest.read(build)
+    assert message in str(raised.value)
+
+
+def test_later_versions_entries_are_ignored(tmp_path):
+    later = {**WRITTEN_BY_0_1_0, "stages": [{**WRITTEN_BY_0_1_0["stages"][0], "gpu": "H200"}]}
+    (stage,) = BuildManifest.read(_write(tmp_path / "b", later)).stages
+    assert stage == StageRecord("vision-onnx", "done", output="vision", seconds=12.5, verification=3.1e-06)
