@@ -28,6 +28,7 @@ from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
 from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
 from ..manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
+from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
 from . import config as cfg
 from . import gpu_memory, interface
 from .gpu_memory import GpuMemoryPlan
@@ -242,9 +243,6 @@ def gpu_memory_plan(
     files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings
 ) -> GpuMemoryPlan:
     """The GPU memory plan of a build's engines (read from `files`, the build as it is on disk now)."""
-    from ..vision.engine import VisionEngineSidecar
-    from ..vision.runner import VisionSidecar
-
     gpu = settings.python_models_gpu
     total = settings.gpu_memory_bytes or gpu_memory.device_memory_bytes(gpu)
     if total is None:

@@ -150,7 +150,7 @@ class _OnnxRuntimeRuns:
 
     def __init__(self, vision_dir: str | Path, attention_budget_bytes: int, cost: RunCost):
         self.encoder = VisionEncoder(vision_dir)
-        heads = int(self.encoder.sidecar.raw["num_heads"])
+        heads = self.encoder.sidecar.num_heads
         # The largest run whose attention tensors fit the budget: _ATTENTION_COPIES fp32 [heads, N, N].
         self.max_run_patches = math.isqrt(attention_budget_bytes // (_ATTENTION_COPIES * 4 * heads))
         self.cost = cost
