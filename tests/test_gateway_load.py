@@ -155,6 +155,15 @@ def test_oversized_bodies_and_deep_json_are_refused_before_parsing(limited):
     assert status.startswith(b"HTTP/1.1 400") and seconds < 2.0, (status, seconds)
     assert _status(f"{limited.url}/v1/models") == 200
 
+    # Text far over what the prompt limit can hold is refused without tokenizing it (which would take
+    # seconds and hundreds of MB here).
+    rss_before = _rss(limited)
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as raised:
+        limited.client().chat.completions.create(model="dense", messages=_user("word " * 700_000), max_tokens=2)
+    assert time.monotonic() - started < 2.0 and raised.value.code == "context_length_exceeded"
+    assert _rss(limited) - rss_before < 64 * 2**20
+
 
 def test_a_request_past_its_deadline_ends_with_an_error_and_is_cancelled(limited, served):
     cancelled = "cancelled by its client"

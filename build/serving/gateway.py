@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import RequestError, ServingError
+from ..errors import PromptTooLongError, RequestError, ServingError
 from ..limits import EngineLimits
 from ..preprocess import Preprocessor
 from ..preprocess.prompts import normalize_messages
@@ -390,6 +390,11 @@ class Gateway:
         self.settings = settings
         self.metrics = metrics
         self.preprocessor = Preprocessor.from_pretrained(settings.model_dir, limits=settings.limits.request_limits())
+        # A byte-level BPE token covers at most its longest vocabulary entry's bytes, so text longer than
+        # this cannot fit the prompt limit: refused before tokenizing it (the tokenizer's memory grows with
+        # the text, gigabytes for tens of megabytes).
+        vocabulary = self.preprocessor.prompts.tokenizer.get_vocab()
+        self.max_prompt_chars = settings.limits.max_input_len * max(map(len, vocabulary))
         self._client: AsyncClient | None = None
 
     @property
@@ -425,6 +430,11 @@ class Gateway:
         messages = await self._fetch_remote_images(body.messages)
         try:
             chat, images = normalize_messages(messages, settings.limits.request_limits().max_image_bytes)
+            if _text_chars(chat) > self.max_prompt_chars:
+                raise PromptTooLongError(
+                    f"the messages hold over {self.max_prompt_chars:,} characters of text, more than a prompt of "
+                    f"{settings.limits.max_input_len} tokens can; the limit is {settings.limits.max_input_len} tokens"
+                )
             prompt_tokens = self._count_tokens(chat, images)
         except RequestError as e:
             raise request_error(e) from None
@@ -622,6 +632,18 @@ class Gateway:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in the strings among the values (not the keys) of a JSON-like value; its depth is bounded
+    (MAX_JSON_DEPTH) before it gets here."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def _remote_image_url(part: Any) -> str | None:
