@@ -234,6 +234,8 @@ def json_too_deep(body: bytes, limit: int) -> bool:
     """Whether the JSON text nests arrays and objects more than limit deep, found without parsing it (so a
     body of nested brackets costs a scan, not a recursion): strings are removed, then the brackets left
     are counted, a chunk at a time."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # a chat request's few brackets: no scan needed
     structure = _JSON_STRING.sub(b"", body)
     depth = 0
     for start in range(0, len(structure), _DEPTH_CHUNK):
