@@ -437,7 +437,8 @@ class Gateway:
                     f"the messages hold over {self.max_prompt_chars:,} characters of text, more than a prompt of "
                     f"{settings.limits.max_input_len} tokens can; the limit is {settings.limits.max_input_len} tokens"
                 )
-            prompt_tokens = self._count_tokens(chat, images)
+            # On a worker thread: tens of milliseconds for a long prompt would stall every stream on the loop.
+            prompt_tokens = await anyio.to_thread.run_sync(self._count_tokens, chat, images)
         except RequestError as e:
             raise request_error(e) from None
         room = settings.limits.max_seq_len - prompt_tokens
@@ -473,7 +474,6 @@ class Gateway:
         )
 
     def _count_tokens(self, chat: list[dict[str, Any]], images: list[bytes]) -> int:
-        """On the event loop: a fast tokenizer and image headers take well under a millisecond a request."""
         pending = iter(images)
         filled = [
             {**m, "content": [{**p, "image": next(pending)} if p["type"] == "image" else p for p in m["content"]]}
