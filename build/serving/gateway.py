@@ -706,12 +706,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return ModelList(data=[Model(id=settings.served_model_name, owned_by="qwen3vl-trt")])
 
     @app.post(CHAT_PATH, response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletion | StreamingResponse:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         record: RequestRecord = request.scope[RECORD]
         plan = await gateway.plan(body, record.started)
         if body.stream:
             return await gateway.stream(plan, record)
-        return await gateway.complete(plan)
+        # Serialized by pydantic directly (FastAPI's jsonable_encoder walks the model in Python first).
+        return Response((await gateway.complete(plan)).model_dump_json(), media_type="application/json")
 
     app.state.gateway = gateway
     app.state.metrics = metrics
