@@ -171,7 +171,15 @@ def _write_repo(args: argparse.Namespace) -> None:
 
 
 def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
-    return GatewayOptions(served_model_name=args.served_model_name, allow_remote_images=args.allow_remote_images)
+    return GatewayOptions(
+        served_model_name=args.served_model_name,
+        allow_remote_images=args.allow_remote_images,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_wait_s=args.max_queue_wait,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout,
+    )
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
@@ -209,6 +217,27 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
     parser.add_argument(
@@ -218,6 +247,31 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-remote-images",
         action="store_true",
         help="fetch http(s) image URLs in messages (default: only data: URLs are accepted)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        help="chat requests served at once (default: twice the engine's max_batch_size)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        help="requests that wait for a slot beyond those; more are refused with 429 (default: 8 x max_batch_size)",
+    )
+    parser.add_argument(
+        "--max-queue-wait",
+        type=_positive_float,
+        help="seconds a queued request waits for a slot before it is refused with 429 (default: 30)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        help="larger request bodies are refused with 413 (default: max images x max image bytes as base64, plus 4 MiB)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        help="seconds a request may take; then it ends with an error and is cancelled on the server (default: 600)",
     )
 
 

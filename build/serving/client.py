@@ -10,11 +10,12 @@ stream=True each response carries the new text, which `on_text` receives as it a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,17 @@ class ServerUnavailableError(InferenceError):
     """No answer from the server: unreachable, or it stopped responding within the timeout."""
 
 
+class ServerBusyError(ServerUnavailableError):
+    """The server refused the request because a model's queue is full (its dynamic batcher's
+    max_queue_size); the request may succeed when retried later."""
+
+
+# Triton core's dynamic batcher refuses a request over its queue policy's max_queue_size with this message
+# (core r24.10 src/scheduler_utils.cc, status UNAVAILABLE); on a stream it arrives as the response's
+# error_message, without the status.
+QUEUE_FULL = "Exceeds maximum queue size"
+
+
 @dataclass(frozen=True)
 class Answer:
     text: str
@@ -43,13 +55,29 @@ class Answer:
 
 
 def _server_error(url: str, error: Any) -> InferenceError:
-    message = error.message() if hasattr(error, "message") else str(error)
-    status = str(error.status()) if hasattr(error, "status") else ""
-    if interface.REJECTED_REQUEST in (message or ""):
+    """tritonclient's InferenceServerException, or grpc's RpcError (the asyncio stream raises it unwrapped)."""
+    if hasattr(error, "details"):  # grpc.RpcError
+        message, status = error.details() or "", str(error.code())
+    else:
+        message = error.message() if hasattr(error, "message") else str(error)
+        status = str(error.status()) if hasattr(error, "status") else ""
+    message = message or ""
+    if interface.REJECTED_REQUEST in message:
         return RequestRejectedError(f"{url}: {message}")
+    if QUEUE_FULL in message:
+        return ServerBusyError(f"{url} is busy: {message}")
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return ServerUnavailableError(f"{url} is unavailable: {message}")
     return InferenceError(f"{url}: {message}")
+
+
+def _answer(result: Any) -> Answer | None:
+    """The new text and token ids one response carries (None for the empty final response)."""
+    text = result.as_numpy(interface.TEXT_OUTPUT.name)
+    if text is None:
+        return None
+    ids = result.as_numpy(interface.OUTPUT_IDS_OUT.name).reshape(-1)
+    return Answer(b"".join(text.reshape(-1)).decode(), [int(t) for t in ids])
 
 
 _CANCELLED = object()
@@ -89,10 +117,9 @@ class Generation:
                 if error is not None:
                     self._close(cancel=False)
                     raise _server_error(client.url, error)
-                text = result.as_numpy(interface.TEXT_OUTPUT.name)
-                if text is not None:
-                    ids = result.as_numpy(interface.OUTPUT_IDS_OUT.name).reshape(-1)
-                    yield Answer(b"".join(text.reshape(-1)).decode(), [int(t) for t in ids])
+                answer = _answer(result)
+                if answer is not None:
+                    yield answer
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     self._close(cancel=False)
@@ -118,6 +145,7 @@ _NUMPY_TYPES = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOO
 
 
 def _input(tensor: interface.Tensor, values: Sequence[Any]) -> Any:
+    # tritonclient.grpc.aio re-exports this same InferInput class, so both clients send these inputs.
     import tritonclient.grpc as grpcclient
 
     array = np.array([list(values)], dtype=_NUMPY_TYPES[tensor.data_type])
@@ -128,7 +156,65 @@ def _input(tensor: interface.Tensor, values: Sequence[Any]) -> Any:
     return spec
 
 
+def request_inputs(
+    prompt: str,
+    images: Sequence[bytes] = (),
+    max_tokens: int | None = 64,
+    *,
+    stream: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    min_tokens: int | None = None,
+    stop_words: Sequence[str] = (),
+    bad_words: Sequence[str] = (),
+    messages: list[dict[str, Any]] | None = None,
+    raw_prompt: bool = False,
+    exclude_input_in_output: bool = True,
+) -> list[Any]:
+    """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that)."""
+    values: list[tuple[interface.Tensor, Sequence[Any]]] = [
+        (interface.TEXT_INPUT, [prompt.encode()]),
+        (interface.STREAM, [stream]),
+        (interface.EXCLUDE_INPUT_IN, [exclude_input_in_output]),
+    ]
+    optional = {
+        interface.MAX_TOKENS: max_tokens,
+        interface.TEMPERATURE_IN: temperature,
+        interface.TOP_K: top_k,
+        interface.TOP_P: top_p,
+        interface.SEED_IN: seed,
+        interface.MIN_TOKENS_IN: min_tokens,
+        interface.MESSAGES: None if messages is None else json.dumps(messages).encode(),
+        interface.RAW_PROMPT: raw_prompt or None,
+    }
+    values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
+    for tensor, items in (
+        (interface.IMAGES, images),
+        (interface.STOP_WORDS, stop_words),
+        (interface.BAD_WORDS, bad_words),
+    ):
+        if items:
+            values.append((tensor, [i if isinstance(i, bytes) else str(i).encode() for i in items]))
+    return [_input(tensor, items) for tensor, items in values]
+
+
+def stop_inputs() -> list[Any]:
+    """The llm's inputs that end the request sent with the same id, as the tensorrt_llm backend takes them
+    (its `stop` input): Triton's ensembles end a cancelled request between steps but do not pass the
+    cancellation on to the step in flight, which for the llm is the whole generation."""
+    return [
+        _input(interface.STOP, [True]),
+        _input(interface.INPUT_IDS, [0]),
+        _input(interface.INPUT_LENGTHS, [1]),
+        _input(interface.REQUEST_OUTPUT_LEN, [1]),
+    ]
+
+
 class Client:
+    """The blocking client (`qwen3vl-trt infer`, scripts): one request at a time per Client."""
+
     def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE, timeout_s: float = 600.0):
         import tritonclient.grpc as grpcclient
 
@@ -140,50 +226,6 @@ class Client:
             return bool(self.grpc.is_server_ready() and self.grpc.is_model_ready(self.model))
         except Exception:  # tritonclient raises its own error types for an unreachable server
             return False
-
-    def request_inputs(
-        self,
-        prompt: str,
-        images: Sequence[bytes] = (),
-        max_tokens: int | None = 64,
-        *,
-        stream: bool = False,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        min_tokens: int | None = None,
-        stop_words: Sequence[str] = (),
-        bad_words: Sequence[str] = (),
-        messages: list[dict[str, Any]] | None = None,
-        raw_prompt: bool = False,
-        exclude_input_in_output: bool = True,
-    ) -> list[Any]:
-        """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that)."""
-        values: list[tuple[interface.Tensor, Sequence[Any]]] = [
-            (interface.TEXT_INPUT, [prompt.encode()]),
-            (interface.STREAM, [stream]),
-            (interface.EXCLUDE_INPUT_IN, [exclude_input_in_output]),
-        ]
-        optional = {
-            interface.MAX_TOKENS: max_tokens,
-            interface.TEMPERATURE_IN: temperature,
-            interface.TOP_K: top_k,
-            interface.TOP_P: top_p,
-            interface.SEED_IN: seed,
-            interface.MIN_TOKENS_IN: min_tokens,
-            interface.MESSAGES: None if messages is None else json.dumps(messages).encode(),
-            interface.RAW_PROMPT: raw_prompt or None,
-        }
-        values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
-        for tensor, items in (
-            (interface.IMAGES, images),
-            (interface.STOP_WORDS, stop_words),
-            (interface.BAD_WORDS, bad_words),
-        ):
-            if items:
-                values.append((tensor, [i if isinstance(i, bytes) else str(i).encode() for i in items]))
-        return [_input(tensor, items) for tensor, items in values]
 
     def stream(
         self,
@@ -197,7 +239,7 @@ class Client:
         """Starts one request (request_id: what the server logs it as; default a new uuid) and returns its
         responses as they arrive (see Generation). A Client runs one request at a time: use one Client per
         concurrent request."""
-        return Generation(self, self.request_inputs(prompt, images, max_tokens, **options), request_id)
+        return Generation(self, request_inputs(prompt, images, max_tokens, **options), request_id)
 
     def generate(
         self,
@@ -219,22 +261,16 @@ class Client:
         return Answer("".join(pieces), token_ids)
 
     def stop(self, request_id: str, timeout_s: float = 5.0) -> None:
-        """Tells the llm to end the request with this id, as the tensorrt_llm backend takes it (its `stop`
-        input): Triton's ensembles end a cancelled request between steps but do not pass the
-        cancellation on to the step in flight, which for the llm is the whole generation."""
+        """Tells the llm to end the request with this id (see stop_inputs)."""
         import tritonclient.grpc as grpcclient
 
-        inputs = [
-            _input(interface.STOP, [True]),
-            _input(interface.INPUT_IDS, [0]),
-            _input(interface.INPUT_LENGTHS, [1]),
-        ]
-        inputs.append(_input(interface.REQUEST_OUTPUT_LEN, [1]))
         answered = threading.Event()
         grpc = grpcclient.InferenceServerClient(self.url)  # the request's own stream is closed by now
         try:
             grpc.start_stream(callback=lambda result, error: answered.set())
-            grpc.async_stream_infer(interface.LLM, inputs, request_id=request_id, enable_empty_final_response=True)
+            grpc.async_stream_infer(
+                interface.LLM, stop_inputs(), request_id=request_id, enable_empty_final_response=True
+            )
             answered.wait(timeout_s)
             grpc.stop_stream(cancel_requests=True)
         except Exception:  # tritonclient's own error types: the server is gone, so is the request
@@ -244,3 +280,109 @@ class Client:
 
     def close(self) -> None:
         self.grpc.close()
+
+
+class AsyncClient:
+    """The asyncio client (the OpenAI gateway): one gRPC channel that every request and health probe shares,
+    each request on its own gRPC stream over it. Create, use and close it on one event loop (grpc.aio binds
+    the channel to the loop it first runs on).
+
+    Only API that the installed tritonclient 2.73 and the GPU image's 2.68 both have is used: `stream_infer`
+    over an async iterator of request dicts, `is_server_ready`/`is_model_ready`/`get_model_config` with
+    client_timeout, `close`. Its request dicts cannot ask for the empty final response (`triton_` parameters
+    are reserved, as tritonclient/grpc/_utils.py checks), so a request's end is the end of its stream: the
+    iterator sends one request and then half-closes, and Triton's gRPC server finishes a half-closed stream
+    once the requests on it are complete.
+    """
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE):
+        import tritonclient.grpc.aio as grpcclient
+
+        self.url, self.model = url, model
+        self.grpc = grpcclient.InferenceServerClient(url)
+        self._stopping: set[asyncio.Future[None]] = set()
+
+    async def is_ready(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return bool(
+                await self.grpc.is_server_ready(client_timeout=timeout_s)
+                and await self.grpc.is_model_ready(self.model, client_timeout=timeout_s)
+            )
+        except Exception:  # tritonclient raises its own error types for an unreachable server
+            return False
+
+    async def model_config(self, model: str, timeout_s: float = 10.0) -> Any:
+        """The model's ModelConfig (model_config_pb2); InferenceError when the server cannot tell."""
+        try:
+            return (await self.grpc.get_model_config(model, client_timeout=timeout_s)).config
+        except Exception as e:  # tritonclient's own error types
+            raise _server_error(self.url, e) from e
+
+    async def stream(
+        self,
+        prompt: str,
+        images: Sequence[bytes] = (),
+        max_tokens: int | None = 64,
+        *,
+        request_id: str,
+        **options: Any,
+    ) -> AsyncGenerator[Answer, None]:
+        """One request's responses as they arrive (options as request_inputs takes them). Leaving the
+        iteration early, or cancelling the task iterating it, cancels the stream and stops the request on
+        the llm (stop)."""
+        inputs = request_inputs(prompt, images, max_tokens, **options)
+        responses = self._send(self.model, inputs, request_id)
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True  # the server ended the request itself
+                    raise _server_error(self.url, error)
+                answer = _answer(result)
+                if answer is not None:
+                    yield answer
+            finished = True
+        except _rpc_errors() as e:
+            finished = True
+            raise _server_error(self.url, e) from e
+        finally:
+            if not finished:
+                responses.cancel()
+                # In the background, so that a caller being cancelled (a client that went away) still stops it.
+                stopping = asyncio.ensure_future(self.stop(request_id))
+                self._stopping.add(stopping)  # asyncio keeps only weak references to tasks
+                stopping.add_done_callback(self._stopping.discard)
+
+    async def stop(self, request_id: str, timeout_s: float = 5.0) -> None:
+        """Tells the llm to end the request with this id (see stop_inputs); waits up to timeout_s for its answer."""
+        responses = self._send(interface.LLM, stop_inputs(), request_id)
+
+        async def drain() -> None:
+            async for _ in responses:
+                pass
+
+        gone_or_slow: tuple[type[Exception], ...] = (asyncio.TimeoutError, *_rpc_errors())
+        try:
+            await asyncio.wait_for(drain(), timeout_s)
+        except gone_or_slow:  # the server is gone or slow: the request ends anyway
+            responses.cancel()
+
+    def _send(self, model: str, inputs: list[Any], request_id: str) -> Any:
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+        return self.grpc.stream_infer(one_request())
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the channel once the stop requests still under way are answered (or timeout_s passed)."""
+        if self._stopping:
+            await asyncio.wait(self._stopping, timeout=timeout_s)
+        await self.grpc.close()
+
+
+def _rpc_errors() -> tuple[type[Exception], ...]:
+    """What a broken or refused call raises: grpc's own error (the asyncio stream's iteration) or tritonclient's."""
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    return (grpc.RpcError, InferenceServerException)

@@ -17,10 +17,21 @@ class ServerPorts:
 @dataclass(frozen=True)
 class GatewayOptions:
     """served_model_name: the `model` clients ask for (None: the checkpoint's folder name).
-    allow_remote_images: fetch http(s) image URLs in messages (else only data: URLs)."""
+    allow_remote_images: fetch http(s) image URLs in messages (else only data: URLs).
+
+    Back-pressure and bounds; None takes the default the deployment's limits imply (see GatewaySettings):
+    max_concurrent_requests: chat requests served at once. max_queued_requests: more that wait for a slot,
+    each at most max_queue_wait_s; beyond, requests are refused at once (429 with Retry-After).
+    max_request_bytes: a larger request body is refused (413) before it is read. request_timeout_s: a
+    request still generating after it ends with an error and is cancelled on the server."""
 
     served_model_name: str | None = None
     allow_remote_images: bool = False
+    max_concurrent_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_queue_wait_s: float | None = None
+    max_request_bytes: int | None = None
+    request_timeout_s: float | None = None
 
 
 DEFAULT_PORTS = ServerPorts()

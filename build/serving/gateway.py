@@ -7,59 +7,93 @@ Each request is checked here with the deployment's own preprocessing code from t
 alone (no pixel is decoded): bad messages or images, too many images and prompts over the limit are
 answered 400 before Triton sees them, and the prompt's token count that `usage` reports is the one
 the server runs. Stop strings are matched in the decoded text, as the OpenAI API defines them (the
-server also gets them as stop words, so it usually stops by itself); a match, or a client that goes
-away mid-stream, cancels the request on the server.
+server also gets them as stop words, so it usually stops by itself); a match, a client that goes
+away mid-stream, or the request's deadline cancels the request on the server.
+
+It runs on one event loop with one gRPC channel to Triton (AsyncClient) that every request and health
+probe shares. Requests are admitted up to a concurrency limit, a bounded queue waits behind it, and the
+rest are refused at once (429 with Retry-After); request bodies are bounded in size and JSON depth before
+they are parsed. GET /metrics serves Prometheus metrics (gateway_metrics).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import re
 import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import (
-    ImageDecodeError,
-    ImageShapeError,
-    ImageTooLargeError,
-    PromptTooLongError,
-    RequestError,
-    ServingError,
-    TooManyImagesError,
-)
+from ..errors import PromptTooLongError, RequestError, ServingError
 from ..limits import EngineLimits
 from ..preprocess import Preprocessor
 from ..preprocess.prompts import normalize_messages
 from . import config as serving_config
 from . import interface
-from .client import Answer, Client, InferenceError, RequestRejectedError, ServerUnavailableError
+from .client import (
+    Answer,
+    AsyncClient,
+    Client,
+    InferenceError,
+    RequestRejectedError,
+    ServerBusyError,
+    ServerUnavailableError,
+)
 from .endpoints import NO_GATEWAY_OPTIONS, GatewayOptions, host_port
+from .gateway_metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
+from .openai_protocol import (
+    APIError,
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    FinishReason,
+    Model,
+    ModelList,
+    StopFinder,
+    Usage,
+    overloaded,
+    refuse_unsupported,
+    request_error,
+    stop_strings,
+)
 
-MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 DEFAULT_PORT = 9000
-# Each request in flight waits for its next response on a worker thread (the gRPC client blocks); anyio's
-# default of 40 would queue the 41st concurrent stream's tokens behind the others.
-WORKER_THREADS = 512
+CHAT_PATH = "/v1/chat/completions"
+# A chat request nests about 5 deep (body, messages, message, content, part, image_url); nothing needs 32.
+MAX_JSON_DEPTH = 32
+# Besides its images, a request's body holds text, which the prompt's token limit bounds far below this.
+BODY_SLACK_BYTES = 4 * 2**20
+RETRY_AFTER_S = 1  # a refusal under load: the next slot frees within about a request's time
+RETRY_UNAVAILABLE_S = 5  # the deployment is down or starting
+# Connections uvicorn accepts beyond the admitted and queued requests (health probes, scrapes, and the
+# requests it refuses itself with 429) before it answers 503 on its own (uvicorn's limit_concurrency).
+CONNECTION_HEADROOM = 1024
+GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, streams still open after this are cut (uvicorn's timeout_graceful_shutdown)
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
     """triton_url: the deployment's gRPC endpoint. model_dir and limits: the checkpoint and engine limits
     the deployment's preprocessing runs with (read from its model config). served_model_name: the
-    `model` clients ask for."""
+    `model` clients ask for. The rest as GatewayOptions describes them, resolved (see resolve)."""
 
     triton_url: str
     model_dir: Path
@@ -68,19 +102,39 @@ class GatewaySettings:
     allow_remote_images: bool = False
     remote_image_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
+    max_concurrent_requests: int = 16
+    max_queued_requests: int = 32
+    max_queue_wait_s: float = 30.0
+    max_request_bytes: int = 64 * 2**20
+
+    @classmethod
+    def resolve(
+        cls, triton_url: str, model_dir: Path, limits: EngineLimits, options: GatewayOptions = NO_GATEWAY_OPTIONS
+    ) -> GatewaySettings:
+        """Options as given, else defaults from the limits: twice max_batch_size in flight (one batch
+        generating, the next being preprocessed), four times that queued; bodies up to max_images images
+        of max_image_bytes each as base64, plus slack."""
+        images = limits.request_limits()
+        base64_image = 4 * -(-images.max_image_bytes // 3)
+        return cls(
+            triton_url,
+            model_dir,
+            limits,
+            options.served_model_name or model_dir.name,
+            allow_remote_images=options.allow_remote_images,
+            request_timeout_s=_given(options.request_timeout_s, cls.request_timeout_s),
+            max_concurrent_requests=_given(options.max_concurrent_requests, 2 * limits.max_batch_size),
+            max_queued_requests=_given(options.max_queued_requests, 8 * limits.max_batch_size),
+            max_queue_wait_s=_given(options.max_queue_wait_s, cls.max_queue_wait_s),
+            max_request_bytes=_given(options.max_request_bytes, images.max_images * base64_image + BODY_SLACK_BYTES),
+        )
 
     @classmethod
     def from_preprocessing_parameters(
         cls, triton_url: str, parameters: dict[str, str], options: GatewayOptions = NO_GATEWAY_OPTIONS
     ) -> GatewaySettings:
-        model_dir = Path(parameters["model_dir"])
-        return cls(
-            triton_url,
-            model_dir,
-            EngineLimits(**json.loads(parameters["limits"])),
-            options.served_model_name or model_dir.name,
-            allow_remote_images=options.allow_remote_images,
-        )
+        limits = EngineLimits(**json.loads(parameters["limits"]))
+        return cls.resolve(triton_url, Path(parameters["model_dir"]), limits, options)
 
     @classmethod
     def from_repository(
@@ -91,7 +145,7 @@ class GatewaySettings:
 
     @classmethod
     def from_server(cls, triton_url: str, options: GatewayOptions = NO_GATEWAY_OPTIONS) -> GatewaySettings:
-        """Asks the running deployment for its preprocessing model's configuration."""
+        """Asks the running deployment for its preprocessing model's configuration (once, before serving)."""
         client = Client(triton_url)
         try:
             config = client.grpc.get_model_config(interface.PREPROCESSING).config
@@ -105,123 +159,196 @@ class GatewaySettings:
         return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _string_parameters(parameters: Any) -> dict[str, str]:
     return {key: value.string_value for key, value in parameters.items()}
 
 
-# -- the protocol ---------------------------------------------------------------------------------
+# -- admission --------------------------------------------------------------------------------------
 
 
-class APIError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+class Overloaded(Exception):
+    pass
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class Admission:
+    """At most max_in_flight requests at once; up to max_queued more wait, first come first served, at most
+    max_wait_s each; beyond that, requests are refused at once (Overloaded)."""
+
+    def __init__(self, max_in_flight: int, max_queued: int, max_wait_s: float):
+        self.max_in_flight, self.max_queued, self.max_wait_s = max_in_flight, max_queued, max_wait_s
+        self.in_flight = 0
+        self._waiting: collections.deque[anyio.Event] = collections.deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self.in_flight < self.max_in_flight and not self._waiting:
+            self.in_flight += 1
+        elif len(self._waiting) >= self.max_queued:
+            raise Overloaded(f"{self.in_flight} requests in flight and {self.queued} waiting, the most it takes")
+        else:
+            await self._wait()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _wait(self) -> None:
+        """Returns holding a slot that a finishing request passed on (_release), or raises Overloaded."""
+        turn = anyio.Event()
+        self._waiting.append(turn)
+        try:
+            with anyio.move_on_after(self.max_wait_s):
+                await turn.wait()
+        except BaseException:  # cancelled: the client went away
+            if turn.is_set():
+                self._release()  # the slot came just as it left: pass it on
+            else:
+                self._waiting.remove(turn)
+            raise
+        if not turn.is_set():
+            self._waiting.remove(turn)
+            raise Overloaded(f"no request slot freed within {self.max_wait_s:g} s")
+
+    def _release(self) -> None:
+        if self._waiting:  # the slot passes to the first waiter: in_flight stays
+            self._waiting.popleft().set()
+        else:
+            self.in_flight -= 1
 
 
-class ChatCompletionRequest(BaseModel):
-    """The chat-completions fields the gateway serves; others that would change the answer are refused
-    (see _refuse_unsupported), the rest (user, metadata, ...) are ignored."""
+# -- request bodies ---------------------------------------------------------------------------------
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # an extension vLLM and TensorRT-LLM's servers take too
-    min_tokens: int | None = Field(None, ge=0)  # idem
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_DEPTH_CHUNK = 2**20
 
 
-# Fields whose non-default values ask for something the deployment does not do.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": bool,
-    "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
-    "logprobs": bool,
-    "top_logprobs": lambda v: v is not None,
-    "logit_bias": bool,
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
-    "audio": lambda v: v is not None,
-    "modalities": lambda v: v not in (None, ["text"]),
-}
+def json_too_deep(body: bytes, limit: int) -> bool:
+    """Whether the JSON text nests arrays and objects more than limit deep, found without parsing it (so a
+    body of nested brackets costs a scan, not a recursion): strings are removed, then the brackets left
+    are counted, a chunk at a time."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # a chat request's few brackets: no scan needed
+    structure = _JSON_STRING.sub(b"", body)
+    depth = 0
+    for start in range(0, len(structure), _DEPTH_CHUNK):
+        chunk = np.frombuffer(structure, np.uint8, count=min(_DEPTH_CHUNK, len(structure) - start), offset=start)
+        steps = np.isin(chunk, _OPENING).astype(np.int32) - np.isin(chunk, _CLOSING).astype(np.int32)
+        levels = np.cumsum(steps, dtype=np.int64) + depth
+        if levels.size and int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1]) if levels.size else depth
+    return False
 
 
-def _refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.n != 1:
-        raise APIError(400, f"n = {body.n} is not supported: this deployment returns one choice per request", param="n")
-    extra = body.model_extra or {}
-    for name, asks in _UNSUPPORTED.items():
-        if name in extra and asks(extra[name]):
-            raise APIError(400, f"{name} is not supported by this deployment", param=name, code="unsupported_parameter")
+_OPENING = np.frombuffer(b"[{", np.uint8)
+_CLOSING = np.frombuffer(b"]}", np.uint8)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+RECORD = "qwen3vl_trt.request"  # the scope key of a chat request's RequestRecord
 
 
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS or not all(stops):
-        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    return stops
+class ChatRequestGuard:
+    """ASGI middleware in front of the chat endpoint: counts the request's outcome, admits it (Admission),
+    then reads its body up to max_request_bytes (refused 413 from Content-Length at once, or as soon as
+    the body read so far passes the limit) and checks its JSON depth, all before the app parses it."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, admission: Admission, metrics: GatewayMetrics):
+        self.app, self.settings, self.admission, self.metrics = app, settings, admission, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != CHAT_PATH or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(started=time.monotonic())
+        scope[RECORD] = record
+
+        async def recording_send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, recording_send, record)
+        finally:
+            self.metrics.finish(record, time.monotonic())
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord) -> None:
+        limit = self.settings.max_request_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._refuse(scope, receive, send, _too_large(limit), "request_too_large")
+            return
+        try:
+            async with self.admission.slot():
+                body = await _read_body(receive, limit)
+                if body is None:
+                    record.outcome = "cancelled"
+                    return
+                if len(body) > limit:
+                    await self._refuse(scope, receive, send, _too_large(limit), "request_too_large")
+                    return
+                if json_too_deep(body, MAX_JSON_DEPTH):
+                    error = APIError(400, f"the request's JSON nests more than {MAX_JSON_DEPTH} levels deep")
+                    await self._refuse(scope, receive, send, error, "json_too_deep")
+                    return
+                await self.app(scope, _replay(body, receive), send)
+        except Overloaded as e:
+            await self._refuse(scope, receive, send, overloaded(f"the gateway is at capacity: {e}", RETRY_AFTER_S),
+                               "overloaded")  # fmt: skip
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError, reason: str) -> None:
+        self.metrics.refusals.labels(reason).inc()
+        # Connection: close, so that the server drops the rest of a body it did not read.
+        await _error_response(error, {"Connection": "close"})(scope, receive, send)
 
 
-_ERROR_CODES: list[tuple[type[RequestError], str]] = [
-    (PromptTooLongError, "context_length_exceeded"),
-    (TooManyImagesError, "too_many_images"),
-    (ImageTooLargeError, "image_too_large"),
-    (ImageDecodeError, "invalid_image"),
-    (ImageShapeError, "invalid_image"),
-]
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request's body, or its first bytes past limit; None if the client went away."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit or not message.get("more_body", False):
+            return b"".join(chunks)
 
 
-def _request_error(error: RequestError) -> APIError:
-    code = next((c for kind, c in _ERROR_CODES if isinstance(error, kind)), None)
-    return APIError(400, str(error), param="messages", code=code)
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The receive channel with the body already read given back first (then the client's, for disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> MutableMapping[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
-class StopFinder:
-    """Finds the first stop string in text that arrives in pieces, and holds back the tail that could
-    be the start of one, so that no streamed delta ever shows a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        """The text that can be sent now; sets `stopped` once a stop string appears (text from it on is dropped)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over this gateway's limit of {limit:,} bytes", code="request_too_large")
 
 
-# -- serving --------------------------------------------------------------------------------------
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        error.response().model_dump(), status_code=error.status, headers={**error.headers(), **(headers or {})}
+    )
+
+
+# -- serving ----------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -238,54 +365,60 @@ class _Plan:
     options: dict[str, Any]
     stops: list[str]
     include_usage: bool
+    deadline: float  # time.monotonic() by which the request ends
     completion_tokens: int = 0
-    finish_reason: Literal["stop", "length"] = "stop"
+    finish_reason: FinishReason = "stop"
     stop_finder: StopFinder = field(init=False)
 
     def __post_init__(self) -> None:
         self.stop_finder = StopFinder(self.stops)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-
-_END = object()
+    def chunk(self, delta: Delta, finish_reason: FinishReason | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)],
+        )
+        return _event(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}, exclude_none=False))
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings):
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics):
         self.settings = settings
+        self.metrics = metrics
         self.preprocessor = Preprocessor.from_pretrained(settings.model_dir, limits=settings.limits.request_limits())
+        # A byte-level BPE token covers at most its longest vocabulary entry's bytes, so text longer than
+        # this cannot fit the prompt limit: refused before tokenizing it (the tokenizer's memory grows with
+        # the text, gigabytes for tens of megabytes).
+        vocabulary = self.preprocessor.prompts.tokenizer.get_vocab()
+        self.max_prompt_chars = settings.limits.max_input_len * max(map(len, vocabulary))
+        self._client: AsyncClient | None = None
 
-    def client(self) -> Client:
-        return Client(self.settings.triton_url, timeout_s=self.settings.request_timeout_s)
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            raise ServingError("the gateway is not started")
+        return self._client
+
+    async def start(self) -> None:
+        """Opens the channel to Triton (on the serving event loop, which grpc.aio binds it to)."""
+        self._client = AsyncClient(self.settings.triton_url)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
 
     async def ready(self) -> bool:
-        def probe() -> bool:
-            client = self.client()
-            try:
-                return client.is_ready()
-            finally:
-                client.close()
-
-        return await anyio.to_thread.run_sync(probe)
+        return await self.client.is_ready()
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def plan(self, body: ChatCompletionRequest) -> _Plan:
+    async def plan(self, body: ChatCompletionRequest, started: float) -> _Plan:
         settings = self.settings
         if body.model != settings.served_model_name:
             raise APIError(
@@ -294,14 +427,20 @@ class Gateway:
                 param="model",
                 code="model_not_found",
             )
-        _refuse_unsupported(body)
-        stops = _stop_strings(body.stop)
+        refuse_unsupported(body)
+        stops = stop_strings(body.stop)
         messages = await self._fetch_remote_images(body.messages)
         try:
             chat, images = normalize_messages(messages, settings.limits.request_limits().max_image_bytes)
+            if _text_chars(chat) > self.max_prompt_chars:
+                raise PromptTooLongError(
+                    f"the messages hold over {self.max_prompt_chars:,} characters of text, more than a prompt of "
+                    f"{settings.limits.max_input_len} tokens can; the limit is {settings.limits.max_input_len} tokens"
+                )
+            # On a worker thread: tens of milliseconds for a long prompt would stall every stream on the loop.
             prompt_tokens = await anyio.to_thread.run_sync(self._count_tokens, chat, images)
         except RequestError as e:
-            raise _request_error(e) from None
+            raise request_error(e) from None
         room = settings.limits.max_seq_len - prompt_tokens
         asked = body.max_completion_tokens or body.max_tokens
         if asked is not None and asked > room:
@@ -331,6 +470,7 @@ class Gateway:
             options=options,
             stops=stops,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            deadline=started + settings.request_timeout_s,
         )
 
     def _count_tokens(self, chat: list[dict[str, Any]], images: list[bytes]) -> int:
@@ -374,6 +514,7 @@ class Gateway:
             return data
 
         try:
+            # urllib blocks; only gateways that allow remote images get here, and anyio's pool bounds the threads.
             return await anyio.to_thread.run_sync(get)
         except OSError as e:
             raise APIError(400, f"cannot fetch the image at {url}: {e}", param="messages", code="invalid_image") from e
@@ -381,43 +522,43 @@ class Gateway:
     # -- generation -------------------------------------------------------------------------------
 
     async def _pieces(self, plan: _Plan) -> AsyncGenerator[Answer, None]:
-        """The deployment's responses for one request; leaving early (stop string, disconnect) cancels it."""
-        client = self.client()
-        try:
-            generation = await anyio.to_thread.run_sync(
-                lambda: client.stream(
-                    "",
-                    plan.images,
-                    plan.max_tokens,
-                    request_id=plan.id,
-                    stream=True,
-                    messages=plan.chat,
-                    **plan.options,
-                )
-            )
-        except InferenceError as e:
-            client.close()
-            raise await self._inference_error(e) from None
-        responses = iter(generation)
+        """The deployment's responses for one request, until its deadline; leaving early (stop string,
+        disconnect, deadline) cancels it on the server."""
+        self.metrics.prompt_tokens.inc(plan.prompt_tokens)
+        responses = self.client.stream(
+            "", plan.images, plan.max_tokens, request_id=plan.id, stream=True, messages=plan.chat, **plan.options
+        )
         try:
             while True:
                 try:
-                    piece = await anyio.to_thread.run_sync(next, responses, _END, abandon_on_cancel=True)
+                    with anyio.fail_after(max(0.0, plan.deadline - time.monotonic())):
+                        piece = await responses.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise APIError(
+                        504,
+                        f"the request did not finish within this gateway's {self.settings.request_timeout_s:g} s "
+                        "limit; it was cancelled on the server",
+                        type="server_error",
+                        code="timeout",
+                    ) from None
                 except InferenceError as e:
                     raise await self._inference_error(e) from None
-                if not isinstance(piece, Answer):  # _END
-                    return
                 yield piece
         finally:
-            with anyio.CancelScope(shield=True):  # also when the client went away and this task is cancelled
-                await anyio.to_thread.run_sync(generation.cancel)
-            client.close()
+            await responses.aclose()  # cancels the request on the server unless it finished
 
     async def _inference_error(self, error: InferenceError) -> APIError:
         if isinstance(error, RequestRejectedError):
             return APIError(400, str(error), param="messages")
+        if isinstance(error, ServerBusyError):
+            self.metrics.refusals.labels("server_busy").inc()
+            return overloaded(f"the deployment is at capacity: {error}", RETRY_AFTER_S, status=503)
         if isinstance(error, ServerUnavailableError) or not await self.ready():
-            return APIError(503, f"the deployment is not ready: {error}", type="server_error", code="unavailable")
+            self.metrics.refusals.labels("server_unavailable").inc()
+            return APIError(503, f"the deployment is not ready: {error}", type="server_error", code="unavailable",
+                            retry_after_s=RETRY_UNAVAILABLE_S)  # fmt: skip
         return APIError(500, str(error), type="server_error")
 
     async def _texts(self, plan: _Plan) -> AsyncGenerator[str, None]:
@@ -437,27 +578,21 @@ class Gateway:
             if plan.completion_tokens >= plan.max_tokens:
                 plan.finish_reason = "length"
         finally:
-            await pieces.aclose()
+            with anyio.CancelScope(shield=True):  # also when the client went away and this task is cancelled
+                await pieces.aclose()
+            self.metrics.completion_tokens.inc(plan.completion_tokens)
 
-    async def complete(self, plan: _Plan) -> dict[str, Any]:
+    async def complete(self, plan: _Plan) -> ChatCompletion:
         text = "".join([t async for t in self._texts(plan)])
-        return {
-            "id": plan.id,
-            "object": "chat.completion",
-            "created": plan.created,
-            "model": plan.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": plan.finish_reason,
-                }
-            ],
-            "usage": plan.usage(),
-        }
+        return ChatCompletion(
+            id=plan.id,
+            created=plan.created,
+            model=plan.model,
+            choices=[Choice(message=AssistantMessage(content=text), finish_reason=plan.finish_reason)],
+            usage=plan.usage(),
+        )
 
-    async def stream(self, plan: _Plan) -> StreamingResponse:
+    async def stream(self, plan: _Plan, record: RequestRecord) -> StreamingResponse:
         texts = self._texts(plan)
         # The first delta comes before the response starts, so a request the deployment refuses still
         # gets its HTTP error status.
@@ -466,26 +601,51 @@ class Gateway:
         except StopAsyncIteration:
             first = None
         except BaseException:
-            await texts.aclose()
+            with anyio.CancelScope(shield=True):
+                await texts.aclose()
             raise
+        metrics = self.metrics
 
         async def events() -> AsyncIterator[str]:
+            last = time.monotonic()
+            record.outcome = "cancelled"  # until it ends otherwise
             try:
-                yield _event(plan.chunk({"role": "assistant", "content": ""}))
+                yield plan.chunk(Delta(role="assistant", content=""))
                 if first is not None:
-                    yield _event(plan.chunk({"content": first}))
+                    metrics.time_to_first_token.observe(last - record.started)
+                    yield plan.chunk(Delta(content=first))
                     async for text in texts:
-                        yield _event(plan.chunk({"content": text}))
-                yield _event(plan.chunk({}, plan.finish_reason))
+                        now = time.monotonic()
+                        metrics.inter_token_latency.observe(now - last)
+                        last = now
+                        yield plan.chunk(Delta(content=text))
+                yield plan.chunk(Delta(), plan.finish_reason)
                 if plan.include_usage:
-                    yield _event({**plan.chunk({}), "choices": [], "usage": plan.usage()})
+                    usage = ChatCompletionChunk(id=plan.id, created=plan.created, model=plan.model, choices=[],
+                                                usage=plan.usage())  # fmt: skip
+                    yield _event(usage.model_dump_json())
+                record.outcome = "completed"
             except APIError as e:
-                yield _event(e.body())
+                record.outcome = "timed_out" if e.status == 504 else "failed"
+                yield _event(e.response().model_dump_json())
             finally:
-                await texts.aclose()
+                with anyio.CancelScope(shield=True):
+                    await texts.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in the strings among the values (not the keys) of a JSON-like value; its depth is bounded
+    (MAX_JSON_DEPTH) before it gets here."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def _remote_image_url(part: Any) -> str | None:
@@ -496,25 +656,32 @@ def _remote_image_url(part: Any) -> str | None:
     return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _event(payload: str) -> str:
+    return f"data: {payload}\n\n"
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
-    gateway = Gateway(settings)
+    metrics = GatewayMetrics()
+    gateway = Gateway(settings, metrics)
+    admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
+    metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
-        yield
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
 
     app = FastAPI(
         title="qwen3vl-trt", summary="OpenAI-compatible chat completions over a Triton deployment", lifespan=lifespan
     )
+    app.add_middleware(ChatRequestGuard, settings=settings, admission=admission, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return _error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -522,7 +689,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         first = problems[0] if problems else {}
         location = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in problems)
-        return JSONResponse(APIError(400, message or "invalid request body", param=location).body(), status_code=400)
+        return _error_response(APIError(400, message or "invalid request body", param=location))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -530,19 +697,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready", "triton_url": settings.triton_url}, status_code=503)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        model = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "qwen3vl-trt"}
-        return {"object": "list", "data": [model]}
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
-        plan = await gateway.plan(body)
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[Model(id=settings.served_model_name, owned_by="qwen3vl-trt")])
+
+    @app.post(CHAT_PATH, response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        record: RequestRecord = request.scope[RECORD]
+        plan = await gateway.plan(body, record.started)
         if body.stream:
-            return await gateway.stream(plan)
-        return await gateway.complete(plan)
+            return await gateway.stream(plan, record)
+        # Serialized by pydantic directly (FastAPI's jsonable_encoder walks the model in Python first).
+        return Response((await gateway.complete(plan)).model_dump_json(), media_type="application/json")
 
     app.state.gateway = gateway
+    app.state.metrics = metrics
     return app
 
 
@@ -553,7 +726,15 @@ class GatewayServer:
         import uvicorn
 
         self.url = f"http://{host_port(host, port)}"
-        config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            create_app(settings),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            limit_concurrency=settings.max_concurrent_requests + settings.max_queued_requests + CONNECTION_HEADROOM,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
@@ -572,14 +753,15 @@ class GatewayServer:
     def stop(self) -> None:
         self.server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=GRACEFUL_SHUTDOWN_S + 20)
 
 
 def run_openai(
     triton_url: str, repo: Path | None, options: GatewayOptions, address: str = "127.0.0.1", port: int = DEFAULT_PORT
 ) -> int:
     """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment (its settings read from the
-    repository when given, else asked of the server)."""
+    repository when given, else asked of the server). SIGINT or SIGTERM stops it within GRACEFUL_SHUTDOWN_S
+    (uvicorn handles both)."""
     if repo is not None:
         settings = GatewaySettings.from_repository(triton_url, repo, options)
     else:
