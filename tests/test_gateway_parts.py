@@ -14,7 +14,15 @@ from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
 from qwen3vl_trt.serving.endpoints import GatewayOptions
-from qwen3vl_trt.serving.gateway import MAX_JSON_DEPTH, Admission, GatewaySettings, Overloaded, json_too_deep
+from qwen3vl_trt.serving.gateway import (
+    BODY_SLACK_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    MAX_JSON_DEPTH,
+    Admission,
+    GatewaySettings,
+    Overloaded,
+    json_too_deep,
+)
 from tritonclient.utils import InferenceServerException
 
 
@@ -88,7 +96,9 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
     assert settings.served_model_name == "checkpoint"
     assert settings.max_concurrent_requests == 2 * LIMITS.max_batch_size
     assert settings.max_queued_requests == 8 * LIMITS.max_batch_size
-    assert settings.max_request_bytes > images.max_images * images.max_image_bytes * 4 // 3
+    assert settings.max_request_bytes == min(
+        DEFAULT_MAX_REQUEST_BYTES, 4 * -(-images.max_image_bytes // 3) * images.max_images + BODY_SLACK_BYTES
+    )
 
     args = parser().parse_args(
         ["openai", "--max-concurrent-requests", "3", "--max-queued-requests", "0", "--max-queue-wait", "2.5"]

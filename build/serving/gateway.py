@@ -81,6 +81,10 @@ CHAT_PATH = "/v1/chat/completions"
 MAX_JSON_DEPTH = 32
 # Besides its images, a request's body holds text, which the prompt's token limit bounds far below this.
 BODY_SLACK_BYTES = 4 * 2**20
+# The default body cap at most: several camera photos as base64 data URLs fit (a 12 MP JPEG is ~5 MB, ~7 MB
+# as base64); the limits' worst case (max_images images of max_image_bytes each) is over a gigabyte, and
+# parsing a body takes several times its size in memory. --max-request-bytes raises it.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 RETRY_AFTER_S = 1  # a refusal under load: the next slot frees within about a request's time
 RETRY_UNAVAILABLE_S = 5  # the deployment is down or starting
 # Connections uvicorn accepts beyond the admitted and queued requests (health probes, scrapes, and the
@@ -113,7 +117,7 @@ class GatewaySettings:
     ) -> GatewaySettings:
         """Options as given, else defaults from the limits: twice max_batch_size in flight (one batch
         generating, the next being preprocessed), four times that queued; bodies up to max_images images
-        of max_image_bytes each as base64, plus slack."""
+        of max_image_bytes each as base64, plus slack, and at most DEFAULT_MAX_REQUEST_BYTES."""
         images = limits.request_limits()
         base64_image = 4 * -(-images.max_image_bytes // 3)
         return cls(
@@ -126,7 +130,10 @@ class GatewaySettings:
             max_concurrent_requests=_given(options.max_concurrent_requests, 2 * limits.max_batch_size),
             max_queued_requests=_given(options.max_queued_requests, 8 * limits.max_batch_size),
             max_queue_wait_s=_given(options.max_queue_wait_s, cls.max_queue_wait_s),
-            max_request_bytes=_given(options.max_request_bytes, images.max_images * base64_image + BODY_SLACK_BYTES),
+            max_request_bytes=_given(
+                options.max_request_bytes,
+                min(images.max_images * base64_image + BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES),
+            ),
         )
 
     @classmethod
