@@ -24,25 +24,23 @@ import tritonclient.grpc as grpcclient
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
-from qwen3vl_trt.serving import server
+from qwen3vl_trt.serving import tritonserver_install
 from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
 from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
-from qwen3vl_trt.serving.server import (
-    ServeOptions,
-    TritonInstall,
-    TritonServer,
+from qwen3vl_trt.serving.launch import (
     cuda_pool_flags,
-    find_tritonserver,
     launch_command,
+    model_control_flags,
     mpi_command,
-    serve,
     server_command,
     world_size,
 )
+from qwen3vl_trt.serving.server import ServeOptions, TritonServer, serve
+from qwen3vl_trt.serving.tritonserver_install import TritonInstall, find_tritonserver
 from tritonclient.grpc import model_config_pb2 as mc
 
-WHEEL_ROOT = server._pytriton_dir()
+WHEEL_ROOT = tritonserver_install._pytriton_dir()
 
 
 def _script(path: Path, body: str = "exec sleep 60") -> Path:
@@ -52,16 +50,26 @@ def _script(path: Path, body: str = "exec sleep 60") -> Path:
     return path
 
 
-def _group_gone(pgid: int, within: float = 5.0) -> bool:
-    """Whether the process group empties within `within` seconds (killed orphans are reaped by init, later)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+def group_alive(pgid: int) -> list[psutil.Process]:
+    """The processes of group `pgid` still running (killed orphans stay zombies until init reaps them)."""
+    alive = []
+    for process in psutil.process_iter():
         try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return alive
+
+
+def _group_gone(pgid: int, within: float = 5.0) -> bool:
+    """Whether the process group's processes all end within `within` seconds."""
+    deadline = time.monotonic() + within
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 @pytest.fixture
@@ -70,8 +78,8 @@ def nowhere(tmp_path, monkeypatch):
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", os.pathsep.join([str(empty), "/usr/bin", "/bin"]))  # the python backend runs bash
-    monkeypatch.delenv(server.ENV_VAR, raising=False)
-    monkeypatch.setattr(server, "NGC_INSTALL", tmp_path / "no-opt")
+    monkeypatch.delenv(tritonserver_install.ENV_VAR, raising=False)
+    monkeypatch.setattr(tritonserver_install, "NGC_INSTALL", tmp_path / "no-opt")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
@@ -81,16 +89,16 @@ def test_discovery_order(nowhere, monkeypatch):
     from_env = _script(nowhere / "env-bin" / "tritonserver")
     explicit = _script(nowhere / "explicit-bin" / "tritonserver")
     opt = _script(nowhere / "opt" / "bin" / "tritonserver")
-    monkeypatch.setattr(server, "NGC_INSTALL", nowhere / "opt")
+    monkeypatch.setattr(tritonserver_install, "NGC_INSTALL", nowhere / "opt")
     assert find_tritonserver() == TritonInstall(opt, None, {}, str(nowhere / "opt"))
     monkeypatch.setenv("PATH", str(on_path.parent))  # first on PATH
     assert find_tritonserver() == TritonInstall(on_path, None, {}, "PATH")
-    monkeypatch.setenv(server.ENV_VAR, str(from_env))
+    monkeypatch.setenv(tritonserver_install.ENV_VAR, str(from_env))
     assert find_tritonserver() == TritonInstall(from_env, None, {}, "$QWEN3VL_TRITONSERVER")
     assert find_tritonserver(str(explicit)) == TritonInstall(explicit, None, {}, "--tritonserver")
     with pytest.raises(ServingError, match="--tritonserver names .*/missing, which is not an executable file"):
         find_tritonserver(str(nowhere / "missing"))
-    monkeypatch.setenv(server.ENV_VAR, str(nowhere))  # a directory
+    monkeypatch.setenv(tritonserver_install.ENV_VAR, str(nowhere))  # a directory
     with pytest.raises(ServingError, match=r"\$QWEN3VL_TRITONSERVER names .* not an executable file"):
         find_tritonserver()
 
@@ -132,14 +140,14 @@ def test_wheel_fallback_prepares_a_backend_directory_for_this_interpreter(nowher
 
 
 def test_wheel_refusals(nowhere, monkeypatch):
-    monkeypatch.setattr(server, "_numpy_version", lambda: "2.1.3")
+    monkeypatch.setattr(tritonserver_install, "_numpy_version", lambda: "2.1.3")
     with pytest.raises(ServingError, match=r'numpy 2\.1\.3 .* corrupts tensors .*`pip install "numpy<2"`'):
         find_tritonserver()
-    monkeypatch.setattr(server, "_numpy_version", lambda: "1.26.4")
-    monkeypatch.setattr(server, "_interpreter_version", lambda: "3.7")
+    monkeypatch.setattr(tritonserver_install, "_numpy_version", lambda: "1.26.4")
+    monkeypatch.setattr(tritonserver_install, "_interpreter_version", lambda: "3.7")
     with pytest.raises(ServingError, match=r"no python backend stub for Python 3\.7 \(it has 3\.10, 3\.11, .*3\.8"):
         find_tritonserver()
-    monkeypatch.setattr(server, "_pytriton_dir", lambda: None)
+    monkeypatch.setattr(tritonserver_install, "_pytriton_dir", lambda: None)
     with pytest.raises(ServingError) as e:
         find_tritonserver()
     message = str(e.value)
@@ -243,7 +251,12 @@ def test_world_size_and_mpi_command(tmp_path):
         "--model-control-mode=explicit",
         f"--load-model={LLM}",
     ]
-    assert launch_command(INSTALL, tmp_path / "cpu", ports) == server_command(INSTALL, tmp_path / "cpu", ports)
+    explicit = ["--model-control-mode=explicit", "--load-model=*"]
+    assert model_control_flags(True) == explicit and model_control_flags(False) == explicit[:1]
+    single = server_command(INSTALL, tmp_path / "cpu", ports, extra=explicit)
+    assert launch_command(INSTALL, tmp_path / "cpu", ports) == single
+    loaded_later = server_command(INSTALL, tmp_path / "cpu", ports, extra=explicit[:1])
+    assert launch_command(INSTALL, tmp_path / "cpu", ports, load_at_start=False) == loaded_later
 
 
 def test_world_size_errors(tmp_path):
@@ -265,8 +278,7 @@ def test_not_ready_in_time_and_a_server_that_ignores_sigterm(tmp_path):
     # A "server" that never listens and ignores SIGTERM, with a child in its group: the readiness timeout
     # names its log, and stop() escalates to SIGKILL for the whole group.
     stubborn = _script(tmp_path / "tritonserver", "trap '' TERM\necho loading\nsleep 60 &\nsleep 60")
-    launched = TritonServer(tmp_path, free_ports(), tritonserver=str(stubborn), ready_timeout=0.5)
-    launched.stop_timeout = 0.5
+    launched = TritonServer(tmp_path, free_ports(), tritonserver=str(stubborn), ready_timeout=0.5, stop_grace=0.5)
     with pytest.raises(ServingError, match=r"not ready after 0\.5 s .*\n.*loading"):
         with launched:
             pass
@@ -286,7 +298,8 @@ def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
         client = grpcclient.InferenceServerClient(running.url)
         assert client.is_server_live() and client.is_server_ready()
         client.close()
-        listening = [c.laddr.ip for c in psutil.Process(running.pid).net_connections("inet") if c.status == "LISTEN"]
+        (tritonserver,) = psutil.Process(running.pid).children()  # under its guard
+        listening = [c.laddr.ip for c in tritonserver.net_connections("inet") if c.status == "LISTEN"]
         assert len(listening) == 3 and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in listening)
     assert running.wait() == 0 and _group_gone(running.pid)
 
@@ -349,7 +362,7 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         assert lines[-1] == (
             f"ready: gRPC 127.0.0.1:{ports.grpc}, HTTP 127.0.0.1:{ports.http}, metrics 127.0.0.1:{ports.metrics}\n"
         )
-        (tritonserver,) = psutil.Process(serving.pid).children()
+        (guard,) = psutil.Process(serving.pid).children()
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
         text = grpcclient.InferInput(TEXT_INPUT.name, [1], "BYTES")
         sent = np.array(["Qwen3-VL über Triton ✓".encode()], dtype=object)
@@ -359,7 +372,7 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         assert result.tolist() == sent.tolist()  # the python stub under this interpreter's numpy keeps tensors intact
         serving.send_signal(signal.SIGTERM)
         assert serving.wait(timeout=60) == 0
-        assert _group_gone(tritonserver.pid)
+        assert _group_gone(guard.pid)
     finally:
         serving.kill()
         serving.wait()
@@ -380,7 +393,7 @@ def test_serve_print_command(tmp_path, nowhere, capsys):
     printed = shlex.split(capsys.readouterr().out)
     install = find_tritonserver()
     assert printed[:2] == [f"{name}={value}" for name, value in install.env.items()]
-    assert printed[2:] == server_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
+    assert printed[2:] == launch_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
 
     with pytest.raises(ServingError, match="has no qwen3vl/config.pbtxt; write one with `qwen3vl-trt write-repo`"):
         serve(_serve_args("--repo", str(tmp_path), "--print-command"))
