@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
+from deployment import SERVE_SCRIPT, echo_repository, group_gone
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
@@ -48,28 +48,6 @@ def _script(path: Path, body: str = "exec sleep 60") -> Path:
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(0o755)
     return path
-
-
-def group_alive(pgid: int) -> list[psutil.Process]:
-    """The processes of group `pgid` still running (killed orphans stay zombies until init reaps them)."""
-    alive = []
-    for process in psutil.process_iter():
-        try:
-            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    return alive
-
-
-def _group_gone(pgid: int, within: float = 5.0) -> bool:
-    """Whether the process group's processes all end within `within` seconds."""
-    deadline = time.monotonic() + within
-    while group_alive(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture
@@ -282,7 +260,7 @@ def test_not_ready_in_time_and_a_server_that_ignores_sigterm(tmp_path):
     with pytest.raises(ServingError, match=r"not ready after 0\.5 s .*\n.*loading"):
         with launched:
             pass
-    assert _group_gone(launched.pid)
+    assert group_gone(launched.pid)
 
 
 def test_server_that_exits_reports_its_log(tmp_path, nowhere):
@@ -301,58 +279,15 @@ def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
         (tritonserver,) = psutil.Process(running.pid).children()  # under its guard
         listening = [c.laddr.ip for c in tritonserver.net_connections("inet") if c.status == "LISTEN"]
         assert len(listening) == 3 and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in listening)
-    assert running.wait() == 0 and _group_gone(running.pid)
-
-
-ECHO_MODEL = textwrap.dedent(
-    f"""
-    import triton_python_backend_utils as pb_utils
-
-
-    class TritonPythonModel:
-        def execute(self, requests):
-            texts = [pb_utils.get_input_tensor_by_name(r, "{TEXT_INPUT.name}").as_numpy() for r in requests]
-            return [pb_utils.InferenceResponse([pb_utils.Tensor("{TEXT_OUTPUT.name}", t)]) for t in texts]
-    """
-)
-
-
-def _echo_repo(root: Path) -> Path:
-    """A `qwen3vl` ensemble over a python model that echoes the text: the launcher's end of a real repository."""
-    io = dict(input=[serving_config.model_input(TEXT_INPUT)], output=[serving_config.model_output(TEXT_OUTPUT)])
-    echo = mc.ModelConfig(name="echo", backend="python", max_batch_size=0, **io)
-    (root / "echo" / "1").mkdir(parents=True)
-    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
-    serving_config.write(root / "echo", echo)
-    step = mc.ModelEnsembling.Step(
-        model_name="echo",
-        model_version=-1,
-        input_map={TEXT_INPUT.name: TEXT_INPUT.name},
-        output_map={TEXT_OUTPUT.name: TEXT_OUTPUT.name},
-    )
-    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0, **io)
-    ensemble.ensemble_scheduling.step.append(step)
-    (root / ENSEMBLE / "1").mkdir(parents=True)
-    serving_config.write(root / ENSEMBLE, ensemble)
-    return root
-
-
-SERVE = (
-    "import argparse, sys\n"
-    "from qwen3vl_trt.cli import add_serve_arguments, serve_options\n"
-    "from qwen3vl_trt.serving.server import serve\n"
-    "parser = argparse.ArgumentParser()\n"
-    "add_serve_arguments(parser)\n"
-    "sys.exit(serve(serve_options(parser.parse_args())))\n"
-)
+    assert running.wait() == 0 and group_gone(running.pid)
 
 
 def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, nowhere):
-    repo = _echo_repo(tmp_path / "repo")
+    repo = echo_repository(tmp_path / "repo")
     ports = free_ports()
     flags = ["--repo", str(repo), "--grpc-port", str(ports.grpc), "--http-port", str(ports.http)]
     flags += ["--metrics-port", str(ports.metrics)]
-    serving = subprocess.Popen([sys.executable, "-c", SERVE, *flags], stdout=subprocess.PIPE, text=True)
+    serving = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         lines = []
@@ -372,7 +307,7 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         assert result.tolist() == sent.tolist()  # the python stub under this interpreter's numpy keeps tensors intact
         serving.send_signal(signal.SIGTERM)
         assert serving.wait(timeout=60) == 0
-        assert _group_gone(guard.pid)
+        assert group_gone(guard.pid)
     finally:
         serving.kill()
         serving.wait()
@@ -386,7 +321,7 @@ def _serve_args(*argv: str) -> ServeOptions:
 
 
 def test_serve_print_command(tmp_path, nowhere, capsys):
-    repo = _echo_repo(tmp_path / "repo")
+    repo = echo_repository(tmp_path / "repo")
     assert (
         serve(_serve_args("--repo", str(repo), "--grpc-port", "9101", "--address", "0.0.0.0", "--print-command")) == 0
     )
