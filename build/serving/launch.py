@@ -158,13 +158,13 @@ def repository_models(repo: Path) -> list[str]:
 
 
 def queue_overrides(repo: Path, max_queue_size: int) -> dict[str, str]:
-    """The configs (JSON, as the repository API's load takes them) of the repository's dynamically batched
-    models with their queue bounded to `max_queue_size` requests."""
+    """The configs (JSON, as the repository API's load takes them) of the repository's models whose queue is
+    bounded (write-repo bounds the batched models the requests enter) with that bound set to `max_queue_size`."""
     overrides = {}
     for model in repository_models(repo):
         config = serving_config.read(Path(repo) / model)
-        if config.HasField("dynamic_batching"):
-            policy = config.dynamic_batching.default_queue_policy
+        policy = config.dynamic_batching.default_queue_policy
+        if policy.max_queue_size:
             serving_config.queue_policy(config, max_queue_size, policy.default_timeout_microseconds)
             overrides[model] = serving_config.to_json(config)
     return overrides

@@ -96,6 +96,7 @@ def _python_model(
     kind: str,
     params: dict[str, object],
     decoupled: bool = False,
+    bounded_queue: bool = True,
 ) -> mc.ModelConfig:
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
     config.input.extend(inputs)
@@ -104,7 +105,8 @@ def _python_model(
     config.instance_group.append(cfg.instance_group(kind, gpus=[settings.python_models_gpu] if kind == "gpu" else []))
     if settings.dynamic_batching:
         config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
-        cfg.queue_policy(config, queue_size(limits, settings), settings.queue_timeout_us)
+        if bounded_queue:
+            cfg.queue_policy(config, queue_size(limits, settings), settings.queue_timeout_us)
     if decoupled:
         config.model_transaction_policy.decoupled = True
     cfg.parameters(config, params)
@@ -205,6 +207,9 @@ def model_configs(
         [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
         "cpu",  # tokenizers run on the host
         {**common},
+        # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
+        # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
+        bounded_queue=False,
     )
     configs[interface.ENSEMBLE] = _ensemble(limits)
     for config in configs.values():

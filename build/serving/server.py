@@ -31,7 +31,7 @@ from . import config as serving_config
 from .endpoints import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from .interface import ENSEMBLE
 from .launch import launch_command, queue_overrides, repository_models
-from .supervisor import StageSupervisor, reload_model
+from .supervisor import StageSupervisor
 from .tritonserver_install import NGC_IMAGE, find_tritonserver
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class TritonServer:
         self.ports = ports
         self.address = address
         self.install = find_tritonserver(tritonserver)
+        self.max_queue_size = max_queue_size
         self.overrides = {} if max_queue_size is None else queue_overrides(self.repo, max_queue_size)
         self.command = launch_command(
             self.install, self.repo, ports, address, log_verbose, load_at_start=not self.overrides
@@ -183,7 +184,7 @@ class TritonServer:
                     raise ServingError(f"tritonserver {self._exited(status)} before it was ready; {self._log_tail()}")
                 try:
                     if not loaded and client.is_server_live(client_timeout=2.0):
-                        self._load_all(client, deadline)
+                        self._load(client, repository_models(self.repo), deadline - time.monotonic())
                         loaded = True
                     if loaded and client.is_server_ready(client_timeout=2.0):
                         break
@@ -198,20 +199,47 @@ class TritonServer:
         finally:
             client.close()
         if self.supervisor_enabled and self.supervisor is None:
-            self.supervisor = StageSupervisor(self.pid, reload_model(self.url, self.overrides), self.log)
+            self.supervisor = StageSupervisor(self.pid, self._reload, self.log)
             self.supervisor.start()
 
-    def _load_all(self, client: InferenceServerClient, deadline: float) -> None:
-        """Every model of the repository through the repository API, each with its override if it has one."""
+    def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
+        """Loads `models` through the repository API, each with its config override if it has one. Loading an
+        ensemble may load its composing models again from their config.pbtxt (seen with tritonserver 2.51),
+        so overrides are checked after and applied once more where that happened."""
         from tritonclient.utils import InferenceServerException
 
-        for model in repository_models(self.repo):
-            try:
+        deadline = time.monotonic() + timeout
+        try:
+            for model in models:
                 client.load_model(
                     model, config=self.overrides.get(model), client_timeout=max(1.0, deadline - time.monotonic())
                 )
-            except InferenceServerException as e:
-                raise ServingError(f"tritonserver could not load {model}: {e.message()}; {self._log_tail()}") from None
+            for model in [m for m in self.overrides if not self._overridden(client, m)]:
+                client.load_model(
+                    model, config=self.overrides[model], client_timeout=max(1.0, deadline - time.monotonic())
+                )
+        except InferenceServerException as e:
+            raise ServingError(f"tritonserver could not load {model}: {e.message()}; {self._log_tail()}") from None
+        reverted = [m for m in self.overrides if not self._overridden(client, m)]
+        if reverted:
+            raise ServingError(f"tritonserver did not keep the queue size override of {', '.join(reverted)}")
+
+    def _overridden(self, client: InferenceServerClient, model: str) -> bool:
+        served = client.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size
+        return served == self.max_queue_size
+
+    def _reload(self, model: str) -> None:
+        """Unloads and loads a stage again (the supervisor's remedy for a dead stub)."""
+        from tritonclient.grpc import InferenceServerClient
+
+        client = InferenceServerClient(self.url)
+        try:
+            # Unloading returns at once (the old instance finishes, or stays with the requests its dead stub
+            # held); the model is then not ready until it is loaded again.
+            client.unload_model(model)
+            self._load(client, [model], self.ready_timeout)
+        finally:
+            client.close()
 
     def signal(self, signum: int) -> None:
         """Sends `signum` to the server's process group."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,36 +34,50 @@ class Stub:
     instance: str
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and process group, from /proc/<pid>/stat; None if it is gone."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """A process's state letter, process group and exit status (waitpid's form, set once it exited) from
+    /proc/<pid>/stat (proc(5)); None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return fields[0], int(fields[2])
+    return fields[0], int(fields[2]), int(fields[-1])
 
 
-def group_stubs(group: int) -> dict[int, Stub]:
-    """The live (not exited) python-backend stubs in process group `group`, by pid.
+def _ended(status: int) -> str:
+    return f"killed by signal {status & 0x7F}" if status & 0x7F else f"exited with status {status >> 8}"
+
+
+@dataclass(frozen=True)
+class GroupStubs:
+    live: dict[int, Stub]  # by pid
+    exited: dict[int, str]  # pids of processes that exited and are not yet reaped: how they ended
+
+
+def group_stubs(group: int) -> GroupStubs:
+    """The python-backend stubs in process group `group`, and its exited, unreaped processes.
 
     The stub's arguments (python_backend r24.10 src/stub_launcher.cc Launch): the model's model.py path, the
     shared-memory region, its sizes, the parent pid, the python library, the IPC handle, the instance name."""
-    stubs = {}
+    live, exited = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
         stat = _stat(pid)
-        if stat is None or stat[1] != group or stat[0] in ("Z", "X"):
+        if stat is None or stat[1] != group:
+            continue
+        if stat[0] in ("Z", "X"):
+            exited[pid] = _ended(stat[2])
             continue
         try:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         if len(argv) > 8 and Path(argv[0]).name == STUB_BINARY:
-            stubs[pid] = Stub(pid, Path(argv[1]).parent.parent.name, argv[8])
-    return stubs
+            live[pid] = Stub(pid, Path(argv[1]).parent.parent.name, argv[8])
+    return GroupStubs(live, exited)
 
 
 class StageSupervisor:
@@ -89,21 +103,28 @@ class StageSupervisor:
             self._thread.join()
 
     def _run(self) -> None:
-        known = group_stubs(self.group)
+        # A stub the server stops is reaped at once (stub_launcher.cc WaitForStubProcess); one that died on
+        # its own stays a zombie, unreaped until its model unloads. A stub is taken as crashed when it has
+        # been a zombie for two looks in a row; its pid is remembered from when it ran (a zombie's
+        # command line is empty).
+        known = group_stubs(self.group).live
+        suspects: set[int] = set()
+        handled: set[int] = set()  # crashed stubs already dealt with (the llm's may stay zombies for good)
         while not self._stopping.wait(POLL_INTERVAL_S):
-            live = group_stubs(self.group)
-            lost = [stub for pid, stub in known.items() if pid not in live]
-            known = live
-            for model in dict.fromkeys(stub.model for stub in lost):
-                gone = ", ".join(f"{s.instance} (pid {s.pid})" for s in lost if s.model == model)
+            scan = group_stubs(self.group)
+            crashed = [known[pid] for pid in scan.exited if pid in suspects and pid not in handled]
+            suspects = {pid for pid in scan.exited if pid in known}
+            known = {**{pid: s for pid, s in known.items() if pid in scan.exited}, **scan.live}
+            for model in dict.fromkeys(stub.model for stub in crashed):
+                gone = ", ".join(
+                    f"{s.instance} (pid {s.pid}, {scan.exited[s.pid]})" for s in crashed if s.model == model
+                )
                 self._log(f"stage '{model}' lost its python stub {gone}: unloading and loading it again")
+                handled.update(s.pid for s in crashed if s.model == model)
                 self._recover(model)
                 if self._stopping.is_set():
                     return
-                # The model's instances are all new now; another model's stub that died meanwhile is still
-                # in `known`, so the next look finds it gone.
-                fresh = {pid: s for pid, s in group_stubs(self.group).items() if s.model == model}
-                known = {pid: s for pid, s in known.items() if s.model != model} | fresh
+                known.update(group_stubs(self.group).live)
 
     def _recover(self, model: str) -> None:
         started = time.monotonic()
@@ -118,21 +139,3 @@ class StageSupervisor:
             self.recoveries.append((model, elapsed))
             self._log(f"stage '{model}' is back after {elapsed:.1f} s")
             return
-
-
-def reload_model(url: str, configs: Mapping[str, str]) -> Callable[[str], None]:
-    """Unloads and loads a model over gRPC (tritonclient), with its config override from `configs` if any."""
-
-    def reload(model: str) -> None:
-        from tritonclient.grpc import InferenceServerClient
-
-        client = InferenceServerClient(url)
-        try:
-            # Unloading returns at once (the old instance finishes, or stays with requests its dead stub
-            # held); the model is then not ready until the load below completes.
-            client.unload_model(model)
-            client.load_model(model, config=configs.get(model))
-        finally:
-            client.close()
-
-    return reload
