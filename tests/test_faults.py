@@ -28,7 +28,15 @@ from images import jpeg
 from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.endpoints import free_ports
-from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT, VISION_ENCODER
+from qwen3vl_trt.serving.interface import (
+    ENSEMBLE,
+    LLM,
+    POSTPROCESSING,
+    PREPROCESSING,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    VISION_ENCODER,
+)
 from qwen3vl_trt.serving.repository import QUEUED_BATCHES
 from qwen3vl_trt.serving.server import TritonServer
 from qwen3vl_trt.serving.supervisor import group_stubs
@@ -107,6 +115,7 @@ def test_overload_is_refused_at_once_and_the_server_stays_ready(supervised, repo
     policy = serving_config.read(repo / PREPROCESSING).dynamic_batching.default_queue_policy
     assert policy.max_queue_size == QUEUED_BATCHES * LIMITS.max_batch_size
     assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    assert not serving_config.read(repo / POSTPROCESSING).dynamic_batching.default_queue_policy.max_queue_size
     # Served with the override of serve --max-queue-size.
     probe = grpcclient.InferenceServerClient(supervised.url)
     for model in (PREPROCESSING, VISION_ENCODER, LLM):

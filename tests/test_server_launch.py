@@ -21,6 +21,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from deployment import SERVE_SCRIPT, echo_repository, group_gone
+from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
@@ -33,6 +34,8 @@ from qwen3vl_trt.serving.launch import (
     launch_command,
     model_control_flags,
     mpi_command,
+    queue_overrides,
+    repository_models,
     server_command,
     world_size,
 )
@@ -336,3 +339,34 @@ def test_serve_print_command(tmp_path, nowhere, capsys):
         serve(_serve_args("--repo", str(tmp_path / "missing")))
     with pytest.raises(SystemExit):
         _serve_args("--repo", str(repo), "--http-port", "70000")
+
+
+def test_serve_options_for_faults_and_back_pressure(tmp_path):
+    options = _serve_args("--repo", str(tmp_path), "--stop-grace", "7.5", "--max-queue-size", "3")
+    assert options.stop_grace == 7.5 and options.max_queue_size == 3
+    defaults = _serve_args("--repo", str(tmp_path))
+    assert defaults.stop_grace == 30.0 and defaults.max_queue_size is None
+    with pytest.raises(SystemExit):
+        _serve_args("--repo", str(tmp_path), "--max-queue-size", "0")
+
+
+def test_queue_overrides_reach_only_the_bounded_models(tmp_path):
+    """serve --max-queue-size replaces the bound write-repo set, on the models that have one; the ensemble
+    loads last, after the models it names."""
+    bounded = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
+    serving_config.queue_policy(bounded, 32, timeout_us=500)
+    unbounded = mc.ModelConfig(name="postprocessing", backend="python", max_batch_size=8)
+    unbounded.dynamic_batching.max_queue_delay_microseconds = 100
+    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=8)
+    for config in (bounded, unbounded, ensemble):
+        (tmp_path / config.name).mkdir()
+        serving_config.write(tmp_path / config.name, config)
+    assert repository_models(tmp_path) == ["postprocessing", PREPROCESSING, ENSEMBLE]
+    overrides = queue_overrides(tmp_path, 2)
+    assert list(overrides) == [PREPROCESSING]
+    served = json_format.Parse(overrides[PREPROCESSING], mc.ModelConfig())
+    policy = served.dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (2, 500)
+    assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    served.dynamic_batching.default_queue_policy.max_queue_size = 32
+    assert served == bounded  # nothing else changes
