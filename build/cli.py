@@ -135,7 +135,7 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queue-size",
         type=_positive_int,
-        help="requests each batched python model holds waiting; more are refused at once (UNAVAILABLE) "
+        help="requests preprocessing, vision_encoder and llm each hold waiting; more are refused at once (UNAVAILABLE) "
         f"(default: {QUEUED_BATCHES} x --max-batch-size)",
     )
     g.add_argument(
@@ -276,7 +276,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue-size",
         type=_positive_int,
-        help="requests each batched python model holds waiting, more are refused at once "
+        help="requests preprocessing, vision_encoder and llm each hold waiting, more are refused at once "
         "(default: as build/write-repo set it)",
     )
     parser.add_argument(

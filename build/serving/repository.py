@@ -41,9 +41,9 @@ MODEL_FILE = "model.py"
 class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
     waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
-    max_queue_size: how many requests each batched python model holds waiting, beyond which Triton refuses
-    at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a request that waited this long
-    in that queue (0: no limit but the queue's size).
+    max_queue_size: how many requests preprocessing, vision_encoder and the python llm each hold waiting,
+    beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
+    request that waited this long in such a queue (0: no limit but the queue's size).
     attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
     GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None

@@ -81,7 +81,7 @@ def group_stubs(group: int) -> GroupStubs:
 
 
 class StageSupervisor:
-    """A thread that reloads, through the server's model repository API, every model whose stub exits.
+    """A thread that reloads, through the server's model repository API, every model whose stub dies.
 
     `reload(model)` unloads and loads the model again (raising on failure); `log` gets one line per event."""
 
@@ -112,6 +112,7 @@ class StageSupervisor:
         handled: set[int] = set()  # crashed stubs already dealt with (the llm's may stay zombies for good)
         while not self._stopping.wait(POLL_INTERVAL_S):
             scan = group_stubs(self.group)
+            handled &= scan.exited.keys()  # a reaped pid may come back as another process
             crashed = [known[pid] for pid in scan.exited if pid in suspects and pid not in handled]
             suspects = {pid for pid in scan.exited if pid in known}
             known = {**{pid: s for pid, s in known.items() if pid in scan.exited}, **scan.live}
@@ -132,7 +133,8 @@ class StageSupervisor:
             try:
                 self._reload(model)
             except Exception as e:  # the server's refusal, e.g. initialize failing again; keep trying
-                self._log(f"stage '{model}' failed to load again ({e}); retrying in {RETRY_DELAY_S:g} s")
+                first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._log(f"stage '{model}' failed to load again ({first_line}); retrying in {RETRY_DELAY_S:g} s")
                 self._stopping.wait(RETRY_DELAY_S)
                 continue
             elapsed = time.monotonic() - started
