@@ -194,6 +194,7 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
             "restart or cleanup for it), so only the client's deadline or cancellation ends it"
         )
     assert request.done.wait(max(0.0, killed + IN_FLIGHT_ERROR_S - time.monotonic())) or request.done.is_set()
+    print(f"{stage}: the request in flight failed {request.ended - killed:.1f} s after the kill: {request.error}")
     assert request.ended - killed <= IN_FLIGHT_ERROR_S
     assert request.error is not None and f"Stub process '{stub.instance}' is not healthy" in str(request.error)
 
