@@ -121,7 +121,7 @@ def _tensorrt_llm() -> str | None:
 
 def _tritonserver() -> str | None:
     from .errors import ServingError
-    from .serving.server import find_tritonserver
+    from .serving.tritonserver_install import find_tritonserver
 
     try:
         find_tritonserver()

@@ -115,6 +115,8 @@ def _repository_settings(args: argparse.Namespace):
     return RepositorySettings(
         max_queue_delay_us=args.max_queue_delay_us,
         dynamic_batching=not args.no_dynamic_batching,
+        max_queue_size=args.max_queue_size,
+        queue_timeout_us=int(args.queue_timeout_ms * 1000),
         attention_budget_bytes=args.vision_attention_mib * 2**20,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         python_models_gpu=args.python_models_gpu,
@@ -123,13 +125,25 @@ def _repository_settings(args: argparse.Namespace):
 
 
 def _add_repository_options(s: argparse.ArgumentParser) -> None:
-    from .serving.repository import RepositorySettings
+    from .serving.repository import QUEUED_BATCHES, RepositorySettings
 
     d = RepositorySettings()
     g = s.add_argument_group("Triton repository")
     g.add_argument("--target", choices=["gpu", "cpu"], help="default: gpu where the GPU stack is present, else cpu")
     g.add_argument("--max-queue-delay-us", type=int, default=d.max_queue_delay_us, help="dynamic batching delay")
     g.add_argument("--no-dynamic-batching", action="store_true", help="one request per model execution")
+    g.add_argument(
+        "--max-queue-size",
+        type=_positive_int,
+        help="requests preprocessing, vision_encoder and llm each hold waiting; more are refused at once (UNAVAILABLE) "
+        f"(default: {QUEUED_BATCHES} x --max-batch-size)",
+    )
+    g.add_argument(
+        "--queue-timeout-ms",
+        type=float,
+        default=d.queue_timeout_us / 1000,
+        help="refuse a request that waited this long in a model's queue (default 0: only the queue's size bounds it)",
+    )
     g.add_argument(
         "--vision-attention-mib",
         type=int,
@@ -195,6 +209,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         ready_timeout=args.ready_timeout,
         openai_port=args.openai_port,
         gateway=_gateway_options(args),
+        stop_grace=args.stop_grace,
+        max_queue_size=args.max_queue_size,
     )
 
 
@@ -208,6 +224,13 @@ def _openai(args: argparse.Namespace) -> int:
     from .serving.gateway import run_openai
 
     return run_openai(args.triton_url, args.repo, _gateway_options(args), args.address, args.port)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
 
 def _port(text: str) -> int:
@@ -276,7 +299,8 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from .serving.server import ENV_VAR, NGC_INSTALL
+    from .serving.server import STOP_GRACE_S
+    from .serving.tritonserver_install import ENV_VAR, NGC_INSTALL
 
     defaults = ServerPorts()
     parser.add_argument(
@@ -297,6 +321,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-command", action="store_true", help="print the server command and exit")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose logging level")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=STOP_GRACE_S,
+        help="seconds a stop (SIGTERM, Ctrl-C) waits for a clean shutdown before killing the server",
+    )
+    parser.add_argument(
+        "--max-queue-size",
+        type=_positive_int,
+        help="requests preprocessing, vision_encoder and llm each hold waiting, more are refused at once "
+        "(default: as build/write-repo set it)",
+    )
     parser.add_argument(
         "--openai-port",
         type=_port,

@@ -1,13 +1,22 @@
-"""The CPU deployment the serving and gateway tests run: small limits keep the too-long-prompt cases
-cheap, and the queue delay lets concurrent requests meet in one batch."""
+"""The deployments the server tests run: the CPU target of a tiny checkpoint (small limits keep the
+too-long-prompt cases cheap, and the queue delay lets concurrent requests meet in one batch), and a
+`qwen3vl` ensemble over one python model that echoes the text (the launcher's end of a real repository,
+loaded in seconds)."""
 
 from __future__ import annotations
 
+import os
+import textwrap
+import time
 from pathlib import Path
 
+import psutil
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.serving import config as serving_config
+from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_INPUT, TEXT_OUTPUT
 from qwen3vl_trt.serving.repository import RepositorySettings
+from tritonclient.grpc import model_config_pb2 as mc
 
 LIMITS = EngineLimits(
     max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
@@ -23,3 +32,84 @@ def build_cpu_repository(model_dir: Path, root: Path) -> Path:
     """`qwen3vl-trt build --target cpu` of the checkpoint under root; the Triton model repository's path."""
     build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet)
     return root / "build" / "triton_repo"
+
+
+ECHO_MODEL = textwrap.dedent(
+    f"""
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            texts = [pb_utils.get_input_tensor_by_name(r, "{TEXT_INPUT.name}").as_numpy() for r in requests]
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("{TEXT_OUTPUT.name}", t)]) for t in texts]
+    """
+)
+
+
+def echo_repository(root: Path) -> Path:
+    """A `qwen3vl` ensemble over a python model that echoes the text: the launcher's end of a real repository."""
+    io = dict(input=[serving_config.model_input(TEXT_INPUT)], output=[serving_config.model_output(TEXT_OUTPUT)])
+    echo = mc.ModelConfig(name="echo", backend="python", max_batch_size=0, **io)
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    serving_config.write(root / "echo", echo)
+    step = mc.ModelEnsembling.Step(
+        model_name="echo",
+        model_version=-1,
+        input_map={TEXT_INPUT.name: TEXT_INPUT.name},
+        output_map={TEXT_OUTPUT.name: TEXT_OUTPUT.name},
+    )
+    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0, **io)
+    ensemble.ensemble_scheduling.step.append(step)
+    (root / ENSEMBLE / "1").mkdir(parents=True)
+    serving_config.write(root / ENSEMBLE, ensemble)
+    return root
+
+
+SERVE_SCRIPT = (
+    "import argparse, sys\n"
+    "from qwen3vl_trt.cli import add_serve_arguments, serve_options\n"
+    "from qwen3vl_trt.serving.server import serve\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_serve_arguments(parser)\n"
+    "sys.exit(serve(serve_options(parser.parse_args())))\n"
+)
+
+
+def group_alive(pgid: int) -> list[psutil.Process]:
+    """The processes of group `pgid` still running (killed orphans stay zombies until init reaps them)."""
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return alive
+
+
+def group_gone(pgid: int, within: float = 5.0) -> bool:
+    """Whether the process group's processes all end within `within` seconds."""
+    deadline = time.monotonic() + within
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def repository_processes(repo: Path) -> list[psutil.Process]:
+    """The running tritonservers and python stubs that serve `repo` (its path is on their command lines)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            argv = process.cmdline()
+        except psutil.Error:
+            continue
+        if argv and Path(argv[0]).name in ("tritonserver", "triton_python_backend_stub"):
+            if any(str(repo) in arg for arg in argv):
+                found.append(process)
+    return found

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import time
 from pathlib import Path
 
@@ -21,28 +20,30 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
+from deployment import SERVE_SCRIPT, echo_repository, group_gone
+from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.serving import config as serving_config
-from qwen3vl_trt.serving import server
+from qwen3vl_trt.serving import tritonserver_install
 from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
 from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
-from qwen3vl_trt.serving.server import (
-    ServeOptions,
-    TritonInstall,
-    TritonServer,
+from qwen3vl_trt.serving.launch import (
     cuda_pool_flags,
-    find_tritonserver,
     launch_command,
+    model_control_flags,
     mpi_command,
-    serve,
+    queue_overrides,
+    repository_models,
     server_command,
     world_size,
 )
+from qwen3vl_trt.serving.server import ServeOptions, TritonServer, serve
+from qwen3vl_trt.serving.tritonserver_install import TritonInstall, find_tritonserver
 from tritonclient.grpc import model_config_pb2 as mc
 
-WHEEL_ROOT = server._pytriton_dir()
+WHEEL_ROOT = tritonserver_install._pytriton_dir()
 
 
 def _script(path: Path, body: str = "exec sleep 60") -> Path:
@@ -52,26 +53,14 @@ def _script(path: Path, body: str = "exec sleep 60") -> Path:
     return path
 
 
-def _group_gone(pgid: int, within: float = 5.0) -> bool:
-    """Whether the process group empties within `within` seconds (killed orphans are reaped by init, later)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture
 def nowhere(tmp_path, monkeypatch):
     """No tritonserver on PATH, in the environment or in /opt: discovery falls through to the wheel."""
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", os.pathsep.join([str(empty), "/usr/bin", "/bin"]))  # the python backend runs bash
-    monkeypatch.delenv(server.ENV_VAR, raising=False)
-    monkeypatch.setattr(server, "NGC_INSTALL", tmp_path / "no-opt")
+    monkeypatch.delenv(tritonserver_install.ENV_VAR, raising=False)
+    monkeypatch.setattr(tritonserver_install, "NGC_INSTALL", tmp_path / "no-opt")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
@@ -81,16 +70,16 @@ def test_discovery_order(nowhere, monkeypatch):
     from_env = _script(nowhere / "env-bin" / "tritonserver")
     explicit = _script(nowhere / "explicit-bin" / "tritonserver")
     opt = _script(nowhere / "opt" / "bin" / "tritonserver")
-    monkeypatch.setattr(server, "NGC_INSTALL", nowhere / "opt")
+    monkeypatch.setattr(tritonserver_install, "NGC_INSTALL", nowhere / "opt")
     assert find_tritonserver() == TritonInstall(opt, None, {}, str(nowhere / "opt"))
     monkeypatch.setenv("PATH", str(on_path.parent))  # first on PATH
     assert find_tritonserver() == TritonInstall(on_path, None, {}, "PATH")
-    monkeypatch.setenv(server.ENV_VAR, str(from_env))
+    monkeypatch.setenv(tritonserver_install.ENV_VAR, str(from_env))
     assert find_tritonserver() == TritonInstall(from_env, None, {}, "$QWEN3VL_TRITONSERVER")
     assert find_tritonserver(str(explicit)) == TritonInstall(explicit, None, {}, "--tritonserver")
     with pytest.raises(ServingError, match="--tritonserver names .*/missing, which is not an executable file"):
         find_tritonserver(str(nowhere / "missing"))
-    monkeypatch.setenv(server.ENV_VAR, str(nowhere))  # a directory
+    monkeypatch.setenv(tritonserver_install.ENV_VAR, str(nowhere))  # a directory
     with pytest.raises(ServingError, match=r"\$QWEN3VL_TRITONSERVER names .* not an executable file"):
         find_tritonserver()
 
@@ -132,14 +121,14 @@ def test_wheel_fallback_prepares_a_backend_directory_for_this_interpreter(nowher
 
 
 def test_wheel_refusals(nowhere, monkeypatch):
-    monkeypatch.setattr(server, "_numpy_version", lambda: "2.1.3")
+    monkeypatch.setattr(tritonserver_install, "_numpy_version", lambda: "2.1.3")
     with pytest.raises(ServingError, match=r'numpy 2\.1\.3 .* corrupts tensors .*`pip install "numpy<2"`'):
         find_tritonserver()
-    monkeypatch.setattr(server, "_numpy_version", lambda: "1.26.4")
-    monkeypatch.setattr(server, "_interpreter_version", lambda: "3.7")
+    monkeypatch.setattr(tritonserver_install, "_numpy_version", lambda: "1.26.4")
+    monkeypatch.setattr(tritonserver_install, "_interpreter_version", lambda: "3.7")
     with pytest.raises(ServingError, match=r"no python backend stub for Python 3\.7 \(it has 3\.10, 3\.11, .*3\.8"):
         find_tritonserver()
-    monkeypatch.setattr(server, "_pytriton_dir", lambda: None)
+    monkeypatch.setattr(tritonserver_install, "_pytriton_dir", lambda: None)
     with pytest.raises(ServingError) as e:
         find_tritonserver()
     message = str(e.value)
@@ -243,7 +232,12 @@ def test_world_size_and_mpi_command(tmp_path):
         "--model-control-mode=explicit",
         f"--load-model={LLM}",
     ]
-    assert launch_command(INSTALL, tmp_path / "cpu", ports) == server_command(INSTALL, tmp_path / "cpu", ports)
+    explicit = ["--model-control-mode=explicit", "--load-model=*"]
+    assert model_control_flags(True) == explicit and model_control_flags(False) == explicit[:1]
+    single = server_command(INSTALL, tmp_path / "cpu", ports, extra=explicit)
+    assert launch_command(INSTALL, tmp_path / "cpu", ports) == single
+    loaded_later = server_command(INSTALL, tmp_path / "cpu", ports, extra=explicit[:1])
+    assert launch_command(INSTALL, tmp_path / "cpu", ports, load_at_start=False) == loaded_later
 
 
 def test_world_size_errors(tmp_path):
@@ -265,12 +259,11 @@ def test_not_ready_in_time_and_a_server_that_ignores_sigterm(tmp_path):
     # A "server" that never listens and ignores SIGTERM, with a child in its group: the readiness timeout
     # names its log, and stop() escalates to SIGKILL for the whole group.
     stubborn = _script(tmp_path / "tritonserver", "trap '' TERM\necho loading\nsleep 60 &\nsleep 60")
-    launched = TritonServer(tmp_path, free_ports(), tritonserver=str(stubborn), ready_timeout=0.5)
-    launched.stop_timeout = 0.5
+    launched = TritonServer(tmp_path, free_ports(), tritonserver=str(stubborn), ready_timeout=0.5, stop_grace=0.5)
     with pytest.raises(ServingError, match=r"not ready after 0\.5 s .*\n.*loading"):
         with launched:
             pass
-    assert _group_gone(launched.pid)
+    assert group_gone(launched.pid)
 
 
 def test_server_that_exits_reports_its_log(tmp_path, nowhere):
@@ -286,60 +279,18 @@ def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
         client = grpcclient.InferenceServerClient(running.url)
         assert client.is_server_live() and client.is_server_ready()
         client.close()
-        listening = [c.laddr.ip for c in psutil.Process(running.pid).net_connections("inet") if c.status == "LISTEN"]
+        (tritonserver,) = psutil.Process(running.pid).children()  # under its guard
+        listening = [c.laddr.ip for c in tritonserver.net_connections("inet") if c.status == "LISTEN"]
         assert len(listening) == 3 and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in listening)
-    assert running.wait() == 0 and _group_gone(running.pid)
-
-
-ECHO_MODEL = textwrap.dedent(
-    f"""
-    import triton_python_backend_utils as pb_utils
-
-
-    class TritonPythonModel:
-        def execute(self, requests):
-            texts = [pb_utils.get_input_tensor_by_name(r, "{TEXT_INPUT.name}").as_numpy() for r in requests]
-            return [pb_utils.InferenceResponse([pb_utils.Tensor("{TEXT_OUTPUT.name}", t)]) for t in texts]
-    """
-)
-
-
-def _echo_repo(root: Path) -> Path:
-    """A `qwen3vl` ensemble over a python model that echoes the text: the launcher's end of a real repository."""
-    io = dict(input=[serving_config.model_input(TEXT_INPUT)], output=[serving_config.model_output(TEXT_OUTPUT)])
-    echo = mc.ModelConfig(name="echo", backend="python", max_batch_size=0, **io)
-    (root / "echo" / "1").mkdir(parents=True)
-    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
-    serving_config.write(root / "echo", echo)
-    step = mc.ModelEnsembling.Step(
-        model_name="echo",
-        model_version=-1,
-        input_map={TEXT_INPUT.name: TEXT_INPUT.name},
-        output_map={TEXT_OUTPUT.name: TEXT_OUTPUT.name},
-    )
-    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0, **io)
-    ensemble.ensemble_scheduling.step.append(step)
-    (root / ENSEMBLE / "1").mkdir(parents=True)
-    serving_config.write(root / ENSEMBLE, ensemble)
-    return root
-
-
-SERVE = (
-    "import argparse, sys\n"
-    "from qwen3vl_trt.cli import add_serve_arguments, serve_options\n"
-    "from qwen3vl_trt.serving.server import serve\n"
-    "parser = argparse.ArgumentParser()\n"
-    "add_serve_arguments(parser)\n"
-    "sys.exit(serve(serve_options(parser.parse_args())))\n"
-)
+    assert running.wait() == 0 and group_gone(running.pid)
 
 
 def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, nowhere):
-    repo = _echo_repo(tmp_path / "repo")
+    repo = echo_repository(tmp_path / "repo")
     ports = free_ports()
     flags = ["--repo", str(repo), "--grpc-port", str(ports.grpc), "--http-port", str(ports.http)]
     flags += ["--metrics-port", str(ports.metrics)]
-    serving = subprocess.Popen([sys.executable, "-c", SERVE, *flags], stdout=subprocess.PIPE, text=True)
+    serving = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         lines = []
@@ -349,7 +300,7 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         assert lines[-1] == (
             f"ready: gRPC 127.0.0.1:{ports.grpc}, HTTP 127.0.0.1:{ports.http}, metrics 127.0.0.1:{ports.metrics}\n"
         )
-        (tritonserver,) = psutil.Process(serving.pid).children()
+        (guard,) = psutil.Process(serving.pid).children()
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
         text = grpcclient.InferInput(TEXT_INPUT.name, [1], "BYTES")
         sent = np.array(["Qwen3-VL über Triton ✓".encode()], dtype=object)
@@ -359,7 +310,7 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
         assert result.tolist() == sent.tolist()  # the python stub under this interpreter's numpy keeps tensors intact
         serving.send_signal(signal.SIGTERM)
         assert serving.wait(timeout=60) == 0
-        assert _group_gone(tritonserver.pid)
+        assert group_gone(guard.pid)
     finally:
         serving.kill()
         serving.wait()
@@ -373,14 +324,14 @@ def _serve_args(*argv: str) -> ServeOptions:
 
 
 def test_serve_print_command(tmp_path, nowhere, capsys):
-    repo = _echo_repo(tmp_path / "repo")
+    repo = echo_repository(tmp_path / "repo")
     assert (
         serve(_serve_args("--repo", str(repo), "--grpc-port", "9101", "--address", "0.0.0.0", "--print-command")) == 0
     )
     printed = shlex.split(capsys.readouterr().out)
     install = find_tritonserver()
     assert printed[:2] == [f"{name}={value}" for name, value in install.env.items()]
-    assert printed[2:] == server_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
+    assert printed[2:] == launch_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
 
     with pytest.raises(ServingError, match="has no qwen3vl/config.pbtxt; write one with `qwen3vl-trt write-repo`"):
         serve(_serve_args("--repo", str(tmp_path), "--print-command"))
@@ -388,3 +339,34 @@ def test_serve_print_command(tmp_path, nowhere, capsys):
         serve(_serve_args("--repo", str(tmp_path / "missing")))
     with pytest.raises(SystemExit):
         _serve_args("--repo", str(repo), "--http-port", "70000")
+
+
+def test_serve_options_for_faults_and_back_pressure(tmp_path):
+    options = _serve_args("--repo", str(tmp_path), "--stop-grace", "7.5", "--max-queue-size", "3")
+    assert options.stop_grace == 7.5 and options.max_queue_size == 3
+    defaults = _serve_args("--repo", str(tmp_path))
+    assert defaults.stop_grace == 30.0 and defaults.max_queue_size is None
+    with pytest.raises(SystemExit):
+        _serve_args("--repo", str(tmp_path), "--max-queue-size", "0")
+
+
+def test_queue_overrides_reach_only_the_bounded_models(tmp_path):
+    """serve --max-queue-size replaces the bound write-repo set, on the models that have one; the ensemble
+    loads last, after the models it names."""
+    bounded = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
+    serving_config.queue_policy(bounded, 32, timeout_us=500)
+    unbounded = mc.ModelConfig(name="postprocessing", backend="python", max_batch_size=8)
+    unbounded.dynamic_batching.max_queue_delay_microseconds = 100
+    ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=8)
+    for config in (bounded, unbounded, ensemble):
+        (tmp_path / config.name).mkdir()
+        serving_config.write(tmp_path / config.name, config)
+    assert repository_models(tmp_path) == ["postprocessing", PREPROCESSING, ENSEMBLE]
+    overrides = queue_overrides(tmp_path, 2)
+    assert list(overrides) == [PREPROCESSING]
+    served = json_format.Parse(overrides[PREPROCESSING], mc.ModelConfig())
+    policy = served.dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (2, 500)
+    assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    served.dynamic_batching.default_queue_policy.max_queue_size = 32
+    assert served == bounded  # nothing else changes

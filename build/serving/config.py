@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..errors import Qwen3VLTrtError
@@ -48,6 +48,21 @@ def instance_group(kind: str, count: int = 1, gpus: Iterable[int] = ()) -> mc.Mo
     group = mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.Kind.Value(f"KIND_{kind.upper()}"), count=count)
     group.gpus.extend(gpus)
     return group
+
+
+def queue_policy(config: mc.ModelConfig, max_queue_size: int, timeout_us: int = 0) -> None:
+    """Bounds a dynamic batcher's queue: a request beyond `max_queue_size` waiting, or waiting longer than
+    `timeout_us` (0: no limit), is refused (UNAVAILABLE, "Exceeds maximum queue size" / "Request timeout
+    expired") instead of waiting without bound (core r24.10 src/scheduler_utils.cc, dynamic_batch_scheduler.cc)."""
+    policy = config.dynamic_batching.default_queue_policy
+    policy.max_queue_size = max_queue_size
+    policy.timeout_action = mc.ModelQueuePolicy.REJECT
+    policy.default_timeout_microseconds = timeout_us
+
+
+def to_json(config: mc.ModelConfig) -> str:
+    """The configuration as the repository API's load takes it (tritonserver's model config JSON)."""
+    return json_format.MessageToJson(config, preserving_proto_field_name=True)
 
 
 def to_text(config: mc.ModelConfig) -> str:

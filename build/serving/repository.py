@@ -41,6 +41,9 @@ MODEL_FILE = "model.py"
 class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
     waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
+    max_queue_size: how many requests preprocessing, vision_encoder and the python llm each hold waiting,
+    beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
+    request that waited this long in such a queue (0: no limit but the queue's size).
     attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
     GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
@@ -48,6 +51,8 @@ class RepositorySettings:
 
     max_queue_delay_us: int = 2000
     dynamic_batching: bool = True
+    max_queue_size: int | None = None
+    queue_timeout_us: int = 0
     attention_budget_bytes: int = 1 << 30
     kv_cache_free_gpu_mem_fraction: float | None = None
     python_models_gpu: int = 0
@@ -58,11 +63,23 @@ class RepositorySettings:
             raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
         if self.python_models_gpu < 0:
             raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
+        if self.max_queue_size is not None and self.max_queue_size < 1:
+            raise LimitsError(f"max_queue_size must be at least 1, got {self.max_queue_size!r}")
+        if self.queue_timeout_us < 0:
+            raise LimitsError(f"queue_timeout_us must not be negative, got {self.queue_timeout_us!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise LimitsError(f"the GPU's memory must be positive, got {self.gpu_memory_bytes!r} bytes")
         fraction = self.kv_cache_free_gpu_mem_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
+
+
+QUEUED_BATCHES = 4  # the default queue of a batched model: this many full batches wait, more are refused
+
+
+def queue_size(limits: EngineLimits, settings: RepositorySettings) -> int:
+    """How many requests a batched python model holds waiting for an instance."""
+    return settings.max_queue_size or QUEUED_BATCHES * limits.max_batch_size
 
 
 def _internal(producer: str, tensor: interface.Tensor) -> str:
@@ -79,6 +96,7 @@ def _python_model(
     kind: str,
     params: dict[str, object],
     decoupled: bool = False,
+    bounded_queue: bool = True,
 ) -> mc.ModelConfig:
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
     config.input.extend(inputs)
@@ -87,6 +105,8 @@ def _python_model(
     config.instance_group.append(cfg.instance_group(kind, gpus=[settings.python_models_gpu] if kind == "gpu" else []))
     if settings.dynamic_batching:
         config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
+        if bounded_queue:
+            cfg.queue_policy(config, queue_size(limits, settings), settings.queue_timeout_us)
     if decoupled:
         config.model_transaction_policy.decoupled = True
     cfg.parameters(config, params)
@@ -187,6 +207,9 @@ def model_configs(
         [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
         "cpu",  # tokenizers run on the host
         {**common},
+        # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
+        # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
+        bounded_queue=False,
     )
     configs[interface.ENSEMBLE] = _ensemble(limits)
     for config in configs.values():

@@ -1,0 +1,170 @@
+"""The command lines `serve` runs: one tritonserver, or one per rank under MPI.
+
+A repository whose `llm` is a TensorRT-LLM engine of TP x PP > 1 runs one tritonserver per rank under MPI,
+the way TensorRT-LLM's `triton_backend/scripts/launch_triton_server.py` (v1.2.1) launches them. Every
+endpoint binds to loopback unless another address is asked for: the bundled server listens on all
+interfaces by default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ServingError
+from ..fsutil import json_entry, read_json
+from . import config as serving_config
+from .endpoints import ServerPorts
+from .gpu_memory import CUDA_POOL_PARAMETER
+from .interface import LLM, PREPROCESSING
+from .tritonserver_install import TritonInstall
+
+
+def server_command(
+    install: TritonInstall,
+    repo: Path,
+    ports: ServerPorts,
+    address: str = "127.0.0.1",
+    log_verbose: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """One tritonserver's arguments (flags of tritonserver 2.51 and the NGC images')."""
+    command = [str(install.binary), f"--model-repository={Path(repo).absolute()}"]
+    if install.backend_dir is not None:
+        command.append(f"--backend-directory={install.backend_dir}")
+    return [
+        *command,
+        f"--grpc-address={address}",
+        f"--http-address={address}",
+        f"--metrics-address={address}",
+        f"--grpc-port={ports.grpc}",
+        f"--http-port={ports.http}",
+        f"--metrics-port={ports.metrics}",
+        "--exit-on-error=true",
+        "--strict-readiness=true",  # ready only when every model is
+        f"--log-verbose={log_verbose}",
+        *extra,
+    ]
+
+
+def world_size(repo: Path) -> int:
+    """How many ranks the repository's `llm` runs on: the TensorRT-LLM engine's world size (TP x PP x CP, as
+    its config.json records it); 1 for the CPU target's python `llm` or a repository without one."""
+    if not (Path(repo) / LLM / serving_config.CONFIG_FILE).is_file():
+        return 1
+    llm = serving_config.read(Path(repo) / LLM)
+    if llm.backend != "tensorrtllm":
+        return 1
+    engine = llm.parameters["gpt_model_path"].string_value if "gpt_model_path" in llm.parameters else ""
+    if not engine:
+        raise ServingError(
+            f"{repo / LLM / serving_config.CONFIG_FILE} has no gpt_model_path parameter; write the "
+            "repository again with `qwen3vl-trt write-repo`"
+        )
+    # Relative paths resolve against the working directory, as the backend in the launched server reads them.
+    path = Path(engine) / "config.json"
+    content = read_json(
+        path,
+        f"the LLM engine config {path} does not exist; build the engine (build-llm-engine) "
+        "or point gpt_model_path at it",
+    )
+    where, fix = f"{path} pretrained_config.mapping", "rebuild the engine with TensorRT-LLM 1.2.1"
+    mapping = json_entry(content, "pretrained_config.mapping", dict, str(path), fix)
+    if "world_size" in mapping:  # tensorrt_llm/mapping.py Mapping.to_dict writes it
+        return json_entry(mapping, "world_size", int, where, fix)
+    sizes = [json_entry(mapping, key, int, where, fix) for key in ("tp_size", "pp_size", "cp_size") if key in mapping]
+    if len(sizes) < 2:
+        raise ServingError(f"{where} has neither world_size nor tp_size and pp_size; {fix}")
+    return math.prod(sizes)
+
+
+def mpi_command(
+    install: TritonInstall,
+    repo: Path,
+    ports: ServerPorts,
+    world: int,
+    address: str = "127.0.0.1",
+    log_verbose: int = 0,
+    rank0_extra: Sequence[str] = (),
+) -> list[str]:
+    """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
+    triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
+    the others load only `llm`, whose backend keeps them in its worker loop (leader mode), so they never get
+    to open the ports they are given. Every rank gets its own python-backend shared-memory prefix and no
+    config auto-completion; rank0_extra (the CUDA memory pool of the python models) goes to rank 0 only, as
+    launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes."""
+    command = ["mpirun", "--allow-run-as-root"]
+    for rank in range(world):
+        own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        if rank > 0:
+            own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
+        verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
+        command += [":", "-n", "1"] if rank else ["-n", "1"]
+        command += server_command(install, repo, ports, address, verbose, [*own, *(rank0_extra if rank == 0 else ())])
+    return command
+
+
+def cuda_pool_flags(repo: Path) -> list[str]:
+    """`--cuda-memory-pool-byte-size=<gpu>:<bytes>` for the GPU of the repository's python models, sized by
+    write-repo (serving.gpu_memory); none for the CPU target. Triton's default pool is 64 MB per GPU
+    (command_line_parser.cc), below which python_backend passes device tensors by CUDA IPC."""
+    path = Path(repo) / PREPROCESSING
+    if not (path / serving_config.CONFIG_FILE).is_file():
+        return []
+    config = serving_config.read(path)
+    if CUDA_POOL_PARAMETER not in config.parameters:
+        return []
+    gpus = [gpu for group in config.instance_group for gpu in group.gpus]
+    pool = config.parameters[CUDA_POOL_PARAMETER].string_value
+    if len(set(gpus)) != 1 or not pool.isdigit():
+        raise ServingError(
+            f"{path / serving_config.CONFIG_FILE}: expected one GPU and a byte count for the CUDA memory pool, "
+            f"got gpus {gpus} and {pool!r}; write the repository again with `qwen3vl-trt write-repo`"
+        )
+    return [f"--cuda-memory-pool-byte-size={gpus[0]}:{int(pool)}"]
+
+
+def model_control_flags(load_at_start: bool) -> list[str]:
+    """Explicit model control, so the launcher can unload and load one stage of a running server (the
+    supervisor, a config override); `load_at_start`: every model in the repository loads at start, else the
+    launcher loads them through the repository API."""
+    return ["--model-control-mode=explicit", *(["--load-model=*"] if load_at_start else [])]
+
+
+def launch_command(
+    install: TritonInstall,
+    repo: Path,
+    ports: ServerPorts,
+    address: str = "127.0.0.1",
+    log_verbose: int = 0,
+    load_at_start: bool = True,
+) -> list[str]:
+    """One server, or one per rank under MPI when the engine is split over several GPUs. The single server runs
+    under explicit model control (model_control_flags); the MPI ranks as TensorRT-LLM launches them."""
+    world = world_size(repo)
+    pool = cuda_pool_flags(repo)
+    if world == 1:
+        return server_command(install, repo, ports, address, log_verbose, [*model_control_flags(load_at_start), *pool])
+    return mpi_command(install, repo, ports, world, address, log_verbose, pool)
+
+
+def repository_models(repo: Path) -> list[str]:
+    """The models of a repository (directories with a config.pbtxt), ensembles last: loading an ensemble loads
+    the models it names, which must already carry their overrides."""
+    models = sorted(p.parent.name for p in Path(repo).glob(f"*/{serving_config.CONFIG_FILE}"))
+    ensembles = [m for m in models if serving_config.read(Path(repo) / m).platform == "ensemble"]
+    return [m for m in models if m not in ensembles] + ensembles
+
+
+def queue_overrides(repo: Path, max_queue_size: int) -> dict[str, str]:
+    """The configs (JSON, as the repository API's load takes them) of the repository's models whose queue is
+    bounded (write-repo bounds the batched models the requests enter) with that bound set to `max_queue_size`."""
+    overrides = {}
+    for model in repository_models(repo):
+        config = serving_config.read(Path(repo) / model)
+        policy = config.dynamic_batching.default_queue_policy
+        if policy.max_queue_size:
+            serving_config.queue_policy(config, max_queue_size, policy.default_timeout_microseconds)
+            overrides[model] = serving_config.to_json(config)
+    return overrides

@@ -1,0 +1,143 @@
+"""Brings back a stage whose python-backend stub died, without restarting the server.
+
+tritonserver 2.51's python backend (python_backend r24.10) notices a dead stub only when it next talks to it:
+src/stub_launcher.cc ReceiveMessageFromStub fails a waiting execute with "Stub process '<instance>' is not
+healthy." within about two seconds, but nothing restarts the stub (src/python_be.cc
+TRITONBACKEND_ModelInstanceExecute: "TODO: Implement restart on decoupled"), and the model and the server keep
+reporting ready. So the launcher runs the server under explicit model control and this supervisor watches the
+stub processes in the server's process group (/proc, Linux): when one exits, it unloads that model, which makes
+the model and (with --strict-readiness) the server not ready, and loads it again, which brings readiness back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STUB_BINARY = "triton_python_backend_stub"
+# A dead stub is noticed within two looks (1 s); the stage is back after that plus its own load time (its
+# model.py initialize: 5-10 s for the CPU target's models on two cores), or, while loading fails, retried
+# every RETRY_DELAY_S.
+POLL_INTERVAL_S = 0.5
+RETRY_DELAY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Stub:
+    """A running python-backend stub: the model it serves and its instance name (`llm_0_0`)."""
+
+    pid: int
+    model: str
+    instance: str
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """A process's state letter, process group and exit status (waitpid's form, set once it exited) from
+    /proc/<pid>/stat (proc(5)); None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
+    return fields[0], int(fields[2]), int(fields[-1])
+
+
+def _ended(status: int) -> str:
+    return f"killed by signal {status & 0x7F}" if status & 0x7F else f"exited with status {status >> 8}"
+
+
+@dataclass(frozen=True)
+class GroupStubs:
+    live: dict[int, Stub]  # by pid
+    exited: dict[int, str]  # pids of processes that exited and are not yet reaped: how they ended
+
+
+def group_stubs(group: int) -> GroupStubs:
+    """The python-backend stubs in process group `group`, and its exited, unreaped processes.
+
+    The stub's arguments (python_backend r24.10 src/stub_launcher.cc Launch): the model's model.py path, the
+    shared-memory region, its sizes, the parent pid, the python library, the IPC handle, the instance name."""
+    live, exited = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        stat = _stat(pid)
+        if stat is None or stat[1] != group:
+            continue
+        if stat[0] in ("Z", "X"):
+            exited[pid] = _ended(stat[2])
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 8 and Path(argv[0]).name == STUB_BINARY:
+            live[pid] = Stub(pid, Path(argv[1]).parent.parent.name, argv[8])
+    return GroupStubs(live, exited)
+
+
+class StageSupervisor:
+    """A thread that reloads, through the server's model repository API, every model whose stub dies.
+
+    `reload(model)` unloads and loads the model again (raising on failure); `log` gets one line per event."""
+
+    def __init__(self, group: int, reload: Callable[[str], None], log: Callable[[str], None]) -> None:
+        self.group = group
+        self._reload = reload
+        self._log = log
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stage-supervisor", daemon=True)
+        self.recoveries: list[tuple[str, float]] = []  # (model, seconds until it was back), for callers
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stops watching; `wait`: until a reload in progress has ended too (it ends with the server)."""
+        self._stopping.set()
+        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        # A stub the server stops is reaped at once (stub_launcher.cc WaitForStubProcess); one that died on
+        # its own stays a zombie, unreaped until its model unloads. A stub is taken as crashed when it has
+        # been a zombie for two looks in a row; its pid is remembered from when it ran (a zombie's
+        # command line is empty).
+        known = group_stubs(self.group).live
+        suspects: set[int] = set()
+        handled: set[int] = set()  # crashed stubs already dealt with (the llm's may stay zombies for good)
+        while not self._stopping.wait(POLL_INTERVAL_S):
+            scan = group_stubs(self.group)
+            handled &= scan.exited.keys()  # a reaped pid may come back as another process
+            crashed = [known[pid] for pid in scan.exited if pid in suspects and pid not in handled]
+            suspects = {pid for pid in scan.exited if pid in known}
+            known = {**{pid: s for pid, s in known.items() if pid in scan.exited}, **scan.live}
+            for model in dict.fromkeys(stub.model for stub in crashed):
+                gone = ", ".join(
+                    f"{s.instance} (pid {s.pid}, {scan.exited[s.pid]})" for s in crashed if s.model == model
+                )
+                self._log(f"stage '{model}' lost its python stub {gone}: unloading and loading it again")
+                handled.update(s.pid for s in crashed if s.model == model)
+                self._recover(model)
+                if self._stopping.is_set():
+                    return
+                known.update(group_stubs(self.group).live)
+
+    def _recover(self, model: str) -> None:
+        started = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                self._reload(model)
+            except Exception as e:  # the server's refusal, e.g. initialize failing again; keep trying
+                first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._log(f"stage '{model}' failed to load again ({first_line}); retrying in {RETRY_DELAY_S:g} s")
+                self._stopping.wait(RETRY_DELAY_S)
+                continue
+            elapsed = time.monotonic() - started
+            self.recoveries.append((model, elapsed))
+            self._log(f"stage '{model}' is back after {elapsed:.1f} s")
+            return
