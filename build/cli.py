@@ -226,13 +226,6 @@ def _openai(args: argparse.Namespace) -> int:
     return run_openai(args.triton_url, args.repo, _gateway_options(args), args.address, args.port)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
-
-
 def _port(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
