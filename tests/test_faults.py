@@ -93,9 +93,13 @@ class InFlight:
             self.done.set()
 
 
-def _stub(server: TritonServer, model: str):
-    (stub,) = [s for s in group_stubs(server.pid).live.values() if s.model == model]
-    return stub
+def _stub(server: TritonServer, model: str, within: float = 30.0):
+    """The model's one stub (a reloaded model's previous stub may take a moment to exit)."""
+    deadline = time.monotonic() + within
+    while len(stubs := [s for s in group_stubs(server.pid).live.values() if s.model == model]) != 1:
+        assert time.monotonic() < deadline, stubs
+        time.sleep(0.1)
+    return stubs[0]
 
 
 def _busy(pid: int, within: float = 60.0) -> bool:
@@ -186,17 +190,18 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
     images = [] if stage == LLM else VISION_WORK[:1]
     assert Client(supervised.url, timeout_s=120).generate("Hello again.", images, max_tokens=4).token_ids
 
-    if stage == LLM and not request.done.is_set():
-        request.generation.cancel()
-        pytest.xfail(
-            "tritonserver 2.51 cannot end a request in flight in a decoupled python model whose stub died: "
-            "python_backend r24.10 leaves its response factory with the dead stub (python_be.cc has no "
-            "restart or cleanup for it), so only the client's deadline or cancellation ends it"
-        )
     assert request.done.wait(max(0.0, killed + IN_FLIGHT_ERROR_S - time.monotonic())) or request.done.is_set()
     print(f"{stage}: the request in flight failed {request.ended - killed:.1f} s after the kill: {request.error}")
     assert request.ended - killed <= IN_FLIGHT_ERROR_S
-    assert request.error is not None and f"Stub process '{stub.instance}' is not healthy" in str(request.error)
+    # Requests in preprocessing and vision_encoder get the python backend's own error; one in the decoupled llm
+    # gets none from the server (python_backend r24.10 leaves its response factory with the dead stub), so the
+    # client ends it when it sees the deployment not ready while its stream is silent (client.STALL_PROBE_S).
+    expected = (
+        "stopped being ready while this request was in flight"
+        if stage == LLM
+        else (f"Stub process '{stub.instance}' is not healthy")
+    )
+    assert request.error is not None and expected in str(request.error)
 
 
 def test_a_stop_after_a_crash_is_bounded_and_leaves_nothing(supervised, repo):

@@ -14,6 +14,7 @@ import asyncio
 import json
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,20 @@ class ServerBusyError(ServerUnavailableError):
 # (core r24.10 src/scheduler_utils.cc, status UNAVAILABLE); on a stream it arrives as the response's
 # error_message, without the status.
 QUEUE_FULL = "Exceeds maximum queue size"
+
+
+# A request whose stream stays silent this long asks whether the deployment is still ready. A stage whose python
+# stub died leaves the requests in it unanswered (python_backend r24.10 has no cleanup for a dead decoupled
+# stub), while the launcher's supervisor unloads and reloads that stage: readiness is false for the whole reload
+# (the stage's load time, seconds), so probing each second of silence sees it and ends the request at once.
+STALL_PROBE_S = 1.0
+
+
+def _lost_in_crash(url: str, model: str) -> ServerUnavailableError:
+    return ServerUnavailableError(
+        f"{url}: the {model} deployment stopped being ready while this request was in flight (a stage crashed and "
+        "is being reloaded); the request is lost: send it again"
+    )
 
 
 @dataclass(frozen=True)
@@ -107,10 +122,7 @@ class Generation:
         client = self._client
         try:
             while True:
-                try:
-                    item = self._responses.get(timeout=client.timeout_s)
-                except queue.Empty:
-                    raise ServerUnavailableError(f"no response from {client.url} in {client.timeout_s:.0f} s") from None
+                item = self._next_response()
                 if item is _CANCELLED:
                     return
                 result, error = item
@@ -126,6 +138,21 @@ class Generation:
                     return
         finally:
             self.cancel()  # nothing to do after the final response
+
+    def _next_response(self) -> Any:
+        """The next response (or _CANCELLED); ServerUnavailableError after timeout_s of silence, or as soon as
+        the deployment is seen not ready during a silence (see STALL_PROBE_S)."""
+        client = self._client
+        silent_since = time.monotonic()
+        while True:
+            try:
+                return self._responses.get(timeout=STALL_PROBE_S)
+            except queue.Empty:
+                pass
+            if time.monotonic() - silent_since >= client.timeout_s:
+                raise ServerUnavailableError(f"no response from {client.url} in {client.timeout_s:.0f} s")
+            if not client.is_ready():
+                raise _lost_in_crash(client.url, client.model)
 
     def cancel(self) -> None:
         """Ends the request: closes its gRPC stream and tells the llm to stop it (blocks up to a few seconds)."""
@@ -334,7 +361,7 @@ class AsyncClient:
         responses = self._send(self.model, inputs, request_id)
         finished = False
         try:
-            async for result, error in responses:
+            async for result, error in self._watched(responses):
                 if error is not None:
                     finished = True  # the server ended the request itself
                     raise _server_error(self.url, error)
@@ -352,6 +379,25 @@ class AsyncClient:
                 stopping = asyncio.ensure_future(self.stop(request_id))
                 self._stopping.add(stopping)  # asyncio keeps only weak references to tasks
                 stopping.add_done_callback(self._stopping.discard)
+
+    async def _watched(self, responses: Any) -> AsyncIterator[Any]:
+        """The stream's items; ServerUnavailableError as soon as the deployment is seen not ready while the
+        stream is silent (see STALL_PROBE_S). The pending read is never cancelled by the probe."""
+        iterator = responses.__aiter__()
+        while True:
+            pending = asyncio.ensure_future(iterator.__anext__())
+            try:
+                while not (await asyncio.wait({pending}, timeout=STALL_PROBE_S))[0]:
+                    if not await self.is_ready():
+                        raise _lost_in_crash(self.url, self.model)
+            finally:
+                if not pending.done():  # lost, or the caller left: the read ends with the stream
+                    pending.cancel()
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
 
     async def stop(self, request_id: str, timeout_s: float = 5.0) -> None:
         """Tells the llm to end the request with this id (see stop_inputs); waits up to timeout_s for its answer."""

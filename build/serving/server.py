@@ -199,7 +199,9 @@ class TritonServer:
         finally:
             client.close()
         if self.supervisor_enabled and self.supervisor is None:
-            self.supervisor = StageSupervisor(self.pid, self._reload, self.log)
+            self.supervisor = StageSupervisor(
+                self.pid, self._unload, self._load_stage, self.log, lambda: self.poll() is None
+            )
             self.supervisor.start()
 
     def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
@@ -228,15 +230,23 @@ class TritonServer:
         served = client.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size
         return served == self.max_queue_size
 
-    def _reload(self, model: str) -> None:
-        """Unloads and loads a stage again (the supervisor's remedy for a dead stub)."""
+    def _unload(self, model: str) -> None:
+        """Unloads a stage (the supervisor's first step for a dead stub). Returns at once: the old instance
+        finishes, or stays with the requests its dead stub held; the stage is not ready until loaded again."""
         from tritonclient.grpc import InferenceServerClient
 
         client = InferenceServerClient(self.url)
         try:
-            # Unloading returns at once (the old instance finishes, or stays with the requests its dead stub
-            # held); the model is then not ready until it is loaded again.
             client.unload_model(model)
+        finally:
+            client.close()
+
+    def _load_stage(self, model: str) -> None:
+        """Loads a stage again, with its config override (the supervisor's second step)."""
+        from tritonclient.grpc import InferenceServerClient
+
+        client = InferenceServerClient(self.url)
+        try:
             self._load(client, [model], self.ready_timeout)
         finally:
             client.close()

@@ -23,6 +23,11 @@ STUB_BINARY = "triton_python_backend_stub"
 # every RETRY_DELAY_S.
 POLL_INTERVAL_S = 0.5
 RETRY_DELAY_S = 5.0
+# Between unloading a stage and loading it again: until the old instance is torn down (its dead stub reaped), at
+# most this long (the llm's may never be: its decoupled requests hold it). Loading at once, while the old
+# instance was still being torn down, was seen to corrupt tritonserver 2.51's heap ("malloc(): unaligned fastbin
+# chunk detected", SIGABRT).
+SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,21 @@ def group_stubs(group: int) -> GroupStubs:
 class StageSupervisor:
     """A thread that reloads, through the server's model repository API, every model whose stub dies.
 
-    `reload(model)` unloads and loads the model again (raising on failure); `log` gets one line per event."""
+    `unload(model)` and `load(model)` go through the repository API (raising on failure); `log` gets one line per event;
+    `alive()` says whether the server still runs (a server that died is not the supervisor's to bring back:
+    `serve` exits with its status, for the process manager to restart)."""
 
-    def __init__(self, group: int, reload: Callable[[str], None], log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        group: int,
+        unload: Callable[[str], None],
+        load: Callable[[str], None],
+        log: Callable[[str], None],
+        alive: Callable[[], bool],
+    ) -> None:
         self.group = group
-        self._reload = reload
+        self._unload, self._load = unload, load
+        self._alive = alive
         self._log = log
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stage-supervisor", daemon=True)
@@ -122,16 +137,26 @@ class StageSupervisor:
                 )
                 self._log(f"stage '{model}' lost its python stub {gone}: unloading and loading it again")
                 handled.update(s.pid for s in crashed if s.model == model)
-                self._recover(model)
+                self._recover(model, {s.pid for s in crashed if s.model == model})
                 if self._stopping.is_set():
                     return
                 known.update(group_stubs(self.group).live)
 
-    def _recover(self, model: str) -> None:
+    def _recover(self, model: str, dead: set[int]) -> None:
         started = time.monotonic()
+        unloaded = False
         while not self._stopping.is_set():
+            if not self._alive():
+                self._log(f"stage '{model}' not loaded again: tritonserver itself has exited")
+                return
             try:
-                self._reload(model)
+                if not unloaded:
+                    self._unload(model)  # not ready from here on, as is the server (--strict-readiness)
+                    unloaded = True
+                    settle = time.monotonic() + SETTLE_S
+                    while dead & group_stubs(self.group).exited.keys() and time.monotonic() < settle:
+                        self._stopping.wait(POLL_INTERVAL_S / 5)
+                self._load(model)
             except Exception as e:  # the server's refusal, e.g. initialize failing again; keep trying
                 first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._log(f"stage '{model}' failed to load again ({first_line}); retrying in {RETRY_DELAY_S:g} s")
