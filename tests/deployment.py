@@ -1,5 +1,6 @@
 """The CPU deployment the serving and gateway tests run: small limits keep the too-long-prompt cases
-cheap, and the queue delay lets concurrent requests meet in one batch."""
+cheap; the serving settings are the defaults (requests arriving together still meet in one batch:
+they queue while the model executes the first)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from qwen3vl_trt.serving.repository import RepositorySettings
 LIMITS = EngineLimits(
     max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
 )
-SETTINGS = RepositorySettings(max_queue_delay_us=50_000)
+SETTINGS = RepositorySettings()
 
 
 def _quiet(*_args, **_kwargs) -> None:

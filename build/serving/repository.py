@@ -40,13 +40,16 @@ MODEL_FILE = "model.py"
 @dataclass(frozen=True)
 class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
-    waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
+    waits to fill a batch. 0 (the default) executes what is queued as soon as the instance is free:
+    under load requests queue while it executes, so batches still form, and an idle server adds no
+    delay (each of the ensemble's four steps would add the whole delay to every request otherwise);
+    dynamic_batching False serves one request per execution (for comparison).
     attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
     GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
     reads the GPU's memory where torch sees it."""
 
-    max_queue_delay_us: int = 2000
+    max_queue_delay_us: int = 0
     dynamic_batching: bool = True
     attention_budget_bytes: int = 1 << 30
     kv_cache_free_gpu_mem_fraction: float | None = None
