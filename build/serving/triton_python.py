@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,25 @@ def _log_to_triton() -> None:
         package.setLevel(logging.INFO)
 
 
+COMPUTING_MODELS = 3
+"""Python models whose stubs compute on the host's cores at once: preprocessing, vision_encoder, llm."""
+
+
+def intra_op_threads() -> int:
+    """Threads for one model instance's torch and ONNX Runtime ops: its share of the cores this process
+    may run on. Each python model is its own stub process; one with more threads than its share makes
+    its OpenMP/ORT threads wait at every op for threads that the other stubs keep off the cores (on
+    2 cores with the other stubs busy, preprocessing took 10x longer with 2 threads than with 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // COMPUTING_MODELS)
+
+
 class _Model:
     """Reads a model's configuration and moves tensors between Triton and the components."""
 
     def initialize(self, args: Mapping[str, str]) -> None:
         _log_to_triton()
+        self.threads = intra_op_threads()
+        torch.set_num_threads(self.threads)
         config = json.loads(args["model_config"])
         self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
@@ -145,6 +160,7 @@ class VisionEncoder(_BatchModel):
             int(self.params["attention_budget_bytes"]),
             engine_dir=self.params.get("vision_engine_dir") or None,  # repositories of earlier versions have none
             device=self.device_id,
+            intra_op_threads=self.threads,
         )
         self.component.warm_up()
 

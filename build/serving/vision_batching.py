@@ -61,8 +61,8 @@ def plan_runs(
 class _OnnxRuntimeRuns:
     """The exported graph in ONNX Runtime, on host arrays."""
 
-    def __init__(self, vision_dir: str | Path, attention_budget_bytes: int):
-        self.encoder = VisionEncoder(vision_dir)
+    def __init__(self, vision_dir: str | Path, attention_budget_bytes: int, intra_op_threads: int | None = None):
+        self.encoder = VisionEncoder(vision_dir, intra_op_threads)
         self.heads = int(self.encoder.sidecar.raw["num_heads"])
         self.budget = attention_budget_bytes
 
@@ -100,10 +100,14 @@ class VisionBatching:
         attention_budget_bytes: int,
         engine_dir: str | Path | None = None,
         device: int = 0,
+        intra_op_threads: int | None = None,
     ):
-        """engine_dir: a build-vision-engine output to run instead of the ONNX export (GPU hosts)."""
+        """engine_dir: a build-vision-engine output to run instead of the ONNX export (GPU hosts);
+        intra_op_threads: ONNX Runtime's threads (None: its default, one per physical core)."""
         self.backend: _OnnxRuntimeRuns | _EngineRuns = (
-            _EngineRuns(engine_dir, device) if engine_dir else _OnnxRuntimeRuns(vision_dir, attention_budget_bytes)
+            _EngineRuns(engine_dir, device)
+            if engine_dir
+            else _OnnxRuntimeRuns(vision_dir, attention_budget_bytes, intra_op_threads)
         )
         sidecar = VisionSidecar.load(vision_dir)
         self.merge = sidecar.spatial_merge_size
