@@ -212,8 +212,8 @@ def report(args: argparse.Namespace, streamed: Workload, encoded: Workload, core
         f"{H200_8B.output_length}-token request with images like these): {needed:.1f}"
     )
     print(
-        "  (the tiny checkpoint's vision encoder is far cheaper than Qwen3-VL-8B's, which the GPU runs with "
-        "TensorRT: the image figure is the CPU's share, decoding and preprocessing; pass --model for a real one)"
+        "  (the image figure includes the vision encoder on ONNX Runtime, which a GPU host runs on the GPU with "
+        "TensorRT, and the tiny checkpoint's encoder: pass --model for a real checkpoint's preprocessing cost)"
     )
 
 
