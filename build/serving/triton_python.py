@@ -8,6 +8,7 @@ config.pbtxt, which the repository writer fills from the build.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -58,11 +59,31 @@ def intra_op_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) // COMPUTING_MODELS)
 
 
+# glibc's mallopt parameters (malloc/malloc.h) and the largest mmap threshold it accepts on 64-bit hosts
+# (malloc/malloc.c, DEFAULT_MMAP_THRESHOLD_MAX).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def keep_freed_memory() -> None:
+    """Lets a stub reuse the buffers its ops free instead of returning them to the kernel and
+    page-faulting them in again on the next request: in the vision stub, every ONNX Runtime run (its
+    memory arena is off, see vision.runner) took 7,000-15,000 minor page faults and 1.3-1.7x the time of
+    the same run in one process; with these settings none. Freed memory up to TRIM_THRESHOLD_BYTES stays
+    with the process. A no-op where the C library has no mallopt (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+
+
 class _Model:
     """Reads a model's configuration and moves tensors between Triton and the components."""
 
     def initialize(self, args: Mapping[str, str]) -> None:
         _log_to_triton()
+        keep_freed_memory()
         self.threads = intra_op_threads()
         torch.set_num_threads(self.threads)
         config = json.loads(args["model_config"])
