@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
-from bench_serving import Answers, GrpcRoute, Level, Request, run_level, warm_up, workload
+from bench_serving import Answers, GrpcRoute, Level, Request, Send, run_level, warm_up, workload
 from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
@@ -95,7 +95,7 @@ def server_cpu_seconds(pid: int) -> float:
 class StreamingRoute(GrpcRoute):
     """Requests with stream on: each token comes back in its own response."""
 
-    def sender(self):  # type: ignore[no-untyped-def]
+    def sender(self) -> Send:
         client = Client(self.url)
         self._clients.append(client)
         return lambda request: client.generate(request.prompt, request.images, self.max_tokens, stream=True).token_ids

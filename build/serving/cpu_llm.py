@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 STOP_MEMORY_S = 60.0  # how long a stop request waits for its request to arrive
 CANCEL_CHECK_S = 0.05
 """How often the decode loop asks whether Triton cancelled a request: each ask is a round trip to the
-server process (python_backend r24.10 src/pb_cancel.cc, PbCancel::IsCancelled enqueues the query to
+server process (python_backend r24.10 src/pb_cancel.cc: PbCancel::IsCancelled enqueues the query to
 the parent and waits for its answer), so asking for every request at every step would cost more than
 the step itself once many requests decode together."""
 
