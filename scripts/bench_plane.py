@@ -20,7 +20,7 @@ model (NVIDIA's TensorRT-LLM performance overview) and the CPU cores a GPU host 
 plane keeps up with it (streamed tokens plus the image requests those tokens belong to, at the
 published output length).
 
-    .venv/bin/python scripts/bench_plane.py [--model DIR] [--requests 48] [--concurrency 16]
+    .venv/bin/python scripts/bench_plane.py [--model DIR] [--requests 96] [--concurrency 16]
         [--stream-tokens 64] [--max-tokens 16] [--json]
 """
 
@@ -149,7 +149,7 @@ def cores_needed(streamed: Workload, encoded: Workload, gpu: PublishedDecode) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint (default: a tiny random one)")
-    p.add_argument("--requests", type=int, default=48, help="requests per workload")
+    p.add_argument("--requests", type=int, default=96, help="requests per workload")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=64, help="tokens per streamed text request")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per image request")
