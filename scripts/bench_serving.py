@@ -20,10 +20,10 @@ server only; one process and the on/off comparison then cannot be run, and trans
 
 The workload is a fixed cycle of mixed requests (text only, one image, two images of different sizes;
 real JPEGs), greedy, --max-tokens each; a level reports requests/s, generated tokens/s and p50/p99
-latency (send to last response). One untimed pass of the cycle warms each path first. Then the same
+latency (send to last response). One untimed pass of the cycle warms each route first. Then the same
 requests run through transformers `generate` one at a time in this process (fp32, greedy).
 
-Every answer to a request must carry the same token ids in every run, on every path and at every
+Every answer to a request must carry the same token ids in every run, on every route and at every
 level: mismatches are listed and the script exits with 1. Agreement with transformers is reported.
 
     .venv/bin/python scripts/bench_serving.py [--url HOST:PORT] [--model DIR] [--requests 32]
@@ -141,7 +141,7 @@ def _log(message: str) -> None:
 
 
 Send = Callable[[Request], list[int]]
-"""One request through one path, answered with its generated token ids."""
+"""One request through one route, answered with its generated token ids."""
 
 
 class Route:
@@ -191,18 +191,18 @@ class OneProcessRoute(Route):
         return lambda request: self.pipeline.generate(request.messages(), self.sampling).token_ids
 
 
-def warm_up(path: Route, name: str, requests: list[Request], answers: Answers) -> None:
+def warm_up(route: Route, name: str, requests: list[Request], answers: Answers) -> None:
     """One untimed pass of the cycle (its answers are checked too)."""
-    send = path.sender()
+    send = route.sender()
     for index, request in enumerate(requests):
         answers.check(f"{name} warm-up", index, send(request))
 
 
-def run_level(path: Route, run: str, requests: list[Request], concurrency: int, count: int, answers: Answers) -> Level:
+def run_level(route: Route, run: str, requests: list[Request], concurrency: int, count: int, answers: Answers) -> Level:
     """`count` requests taken from the cycle in order by `concurrency` threads, one sender each."""
     next_index = iter(range(count))
     lock = threading.Lock()
-    senders = [path.sender() for _ in range(concurrency)]
+    senders = [route.sender() for _ in range(concurrency)]
 
     def worker(send: Send) -> list[tuple[float, int]]:
         done: list[tuple[float, int]] = []
@@ -223,12 +223,14 @@ def run_level(path: Route, run: str, requests: list[Request], concurrency: int, 
     return _level(concurrency, [r[0] for r in results], seconds, sum(r[1] for r in results))
 
 
-def run_alternating(paths: dict[str, Route], requests: list[Request], count: int, answers: Answers) -> dict[str, Level]:
-    """Each path at concurrency 1, taking turns request by request (the same request on each in turn),
-    so that the machine's noise hits every path alike."""
-    senders = {name: path.sender() for name, path in paths.items()}
-    latencies: dict[str, list[float]] = {name: [] for name in paths}
-    tokens = dict.fromkeys(paths, 0)
+def run_alternating(
+    routes: dict[str, Route], requests: list[Request], count: int, answers: Answers
+) -> dict[str, Level]:
+    """Each route at concurrency 1, taking turns request by request (the same request on each in turn),
+    so that the machine's noise hits every route alike."""
+    senders = {name: route.sender() for name, route in routes.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in routes}
+    tokens = dict.fromkeys(routes, 0)
     for n in range(count):
         request = requests[n % len(requests)]
         for name, send in senders.items():
@@ -237,31 +239,31 @@ def run_alternating(paths: dict[str, Route], requests: list[Request], count: int
             latencies[name].append(time.perf_counter() - start)
             tokens[name] += len(token_ids)
             answers.check(f"{name} concurrency 1", n % len(requests), token_ids)
-    return {name: _level(1, latencies[name], sum(latencies[name]), tokens[name]) for name in paths}
+    return {name: _level(1, latencies[name], sum(latencies[name]), tokens[name]) for name in routes}
 
 
 def measure_levels(
-    path: Route,
+    route: Route,
     name: str,
     requests: list[Request],
     args: argparse.Namespace,
     answers: Answers,
     baseline: tuple[str, Route] | None = None,
 ) -> tuple[list[Level], Level | None]:
-    """Every concurrency level of one path, after an untimed pass of the cycle. With a baseline (a name
-    and a path), concurrency 1 alternates with it request by request and its level comes back too."""
-    warm_up(path, name, requests, answers)
+    """Every concurrency level of one route, after an untimed pass of the cycle. With a baseline (a name
+    and a route), concurrency 1 alternates with it request by request and its level comes back too."""
+    warm_up(route, name, requests, answers)
     levels: list[Level] = []
     base: Level | None = None
     for concurrency in args.concurrency:
         _log(f"  {name}: concurrency {concurrency}, {args.requests} requests")
         if concurrency == 1 and baseline is not None:
-            both = run_alternating({baseline[0]: baseline[1], name: path}, requests, args.requests, answers)
+            both = run_alternating({baseline[0]: baseline[1], name: route}, requests, args.requests, answers)
             base = both[baseline[0]]
             levels.append(both[name])
         else:
             levels.append(
-                run_level(path, f"{name} concurrency {concurrency}", requests, concurrency, args.requests, answers)
+                run_level(route, f"{name} concurrency {concurrency}", requests, concurrency, args.requests, answers)
             )
     if baseline is not None and base is None:  # no concurrency-1 level: the baseline alone
         base = run_level(baseline[1], f"{baseline[0]} concurrency 1", requests, 1, args.requests, answers)
@@ -277,9 +279,9 @@ def bench_server(
     baseline: tuple[str, Route] | None = None,
 ) -> tuple[dict, Level | None]:
     """Every concurrency level against one server (and the baseline beside it, when given)."""
-    path = GrpcRoute(url, args.max_tokens)
-    levels, base = measure_levels(path, name, requests, args, answers, baseline)
-    path.close()
+    route = GrpcRoute(url, args.max_tokens)
+    levels, base = measure_levels(route, name, requests, args, answers, baseline)
+    route.close()
     warm = Client(url)
     largest = {model: _largest_batch(warm, model) for model in BATCHED_MODELS}
     warm.close()
