@@ -1,26 +1,33 @@
 #!/usr/bin/env python3
-"""The Triton deployment under load over gRPC: throughput and latency, dynamic batching on vs off, and
-transformers `generate` on the same requests.
+"""The Triton deployment under load over gRPC against the same requests in one process: throughput,
+latency and their ratios, and transformers `generate` on the same requests.
 
 Without --url (the default) it makes a tiny checkpoint (or takes --model), builds it for the CPU
-target (fp32, so transformers runs the same weights), writes two repositories from the build, one with
-Triton's dynamic batching and one without, and serves each in turn on a real tritonserver. "Off" means
-every model executes one request at a time; the `llm` keeps its own inflight batching either way, as
-the TensorRT-LLM backend does. With --url it measures that running server only; the on/off
-comparison then cannot be made, and transformers runs only when --model names the served checkpoint.
+target (fp32, so transformers runs the same weights), writes its repository and serves it on a real
+tritonserver. It measures, side by side in one run:
+
+- one process: the same requests one at a time through LocalPipeline (preprocessing, the ONNX vision
+  encoder and the reference LLM in this process, no server), the figure serving is held to;
+- Triton over gRPC at each --concurrency level (one client per thread);
+- the ratios: served requests/s at the top level / one process's (goal >= 2), and p50 latency at
+  concurrency 1 / one process's (goal <= 1.10). One process and Triton at concurrency 1 alternate
+  request by request, so noise on a shared machine hits both alike.
+
+--batching-off adds a repository whose models execute one request at a time (the `llm` keeps its own
+inflight batching either way, as the TensorRT-LLM backend does). With --url it measures that running
+server only; one process and the on/off comparison then cannot be run, and transformers runs only when
+--model names the served checkpoint.
 
 The workload is a fixed cycle of mixed requests (text only, one image, two images of different sizes;
-real JPEGs), greedy, --max-tokens each. At each concurrency level, that many threads (one gRPC client
-each) send --requests requests in all; a level reports requests/s, generated tokens/s and p50/p99
-latency (send to last response). One untimed pass of the cycle warms each server first. Then the same
-requests run through transformers `generate` one at a time in this process (fp32, greedy, inputs from
-this package's Preprocessor; the timed part includes preprocessing, as the server's does).
+real JPEGs), greedy, --max-tokens each; a level reports requests/s, generated tokens/s and p50/p99
+latency (send to last response). One untimed pass of the cycle warms each route first. Then the same
+requests run through transformers `generate` one at a time in this process (fp32, greedy).
 
-Every answer to a request must carry the same token ids in every run, on every server and at every
+Every answer to a request must carry the same token ids in every run, on every route and at every
 level: mismatches are listed and the script exits with 1. Agreement with transformers is reported.
 
     .venv/bin/python scripts/bench_serving.py [--url HOST:PORT] [--model DIR] [--requests 32]
-        [--max-tokens 16] [--concurrency 1 4 16] [--json]
+        [--max-tokens 16] [--concurrency 1 16] [--one-process-threads N] [--batching-off] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +56,7 @@ BATCHED_MODELS = (
     interface.VISION_ENCODER,
     interface.POSTPROCESSING,
 )  # under Triton's dynamic batcher
+ONE_PROCESS = "one process"
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,11 @@ class Request:
     label: str
     prompt: str
     images: tuple[bytes, ...]
+
+    def messages(self) -> list[dict]:
+        """The chat the server makes of prompt and images (one user turn: the images, then the text)."""
+        parts = [{"type": "image", "image": image} for image in self.images]
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": self.prompt}]}]
 
 
 def workload() -> list[Request]:
@@ -126,49 +140,152 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def bench_server(url: str, name: str, requests: list[Request], args: argparse.Namespace, answers: Answers) -> dict:
-    """Every concurrency level against one server, after an untimed pass of the cycle."""
-    warm = Client(url)
+Send = Callable[[Request], list[int]]
+"""One request through one route, answered with its generated token ids."""
+
+
+class Route:
+    """A way to serve the workload: `sender()` makes what one client thread sends with (one gRPC client
+    each; another front end, e.g. an HTTP gateway, plugs in the same way); `close()` frees them."""
+
+    def sender(self) -> Send:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class GrpcRoute(Route):
+    """The Triton ensemble through this package's gRPC client."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self._clients: list[Client] = []
+
+    def sender(self) -> Send:
+        client = Client(self.url)
+        self._clients.append(client)
+        return lambda request: client.generate(request.prompt, request.images, self.max_tokens).token_ids
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
+
+
+class OneProcessRoute(Route):
+    """LocalPipeline: the deployment's chain in this process, one request at a time."""
+
+    def __init__(self, model_dir: Path, build_dir: Path, max_tokens: int, threads: int | None = None):
+        """threads: torch's and ONNX Runtime's intra-op threads (None: their defaults, all cores)."""
+        import torch
+        from qwen3vl_trt.runtime.local import LocalPipeline
+        from qwen3vl_trt.runtime.sampling import SamplingParams
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.pipeline = LocalPipeline(model_dir, build_dir, threads)
+        self.sampling = SamplingParams(max_new_tokens=max_tokens, end_ids=self.pipeline.end_ids)
+
+    def sender(self) -> Send:
+        return lambda request: self.pipeline.generate(request.messages(), self.sampling).token_ids
+
+
+def warm_up(route: Route, name: str, requests: list[Request], answers: Answers) -> None:
+    """One untimed pass of the cycle (its answers are checked too)."""
+    send = route.sender()
     for index, request in enumerate(requests):
-        answer = warm.generate(request.prompt, request.images, args.max_tokens)
-        answers.check(f"{name} warm-up", index, answer.token_ids)
-    levels = []
-    for concurrency in args.concurrency:
-        _log(f"  {name}: concurrency {concurrency}, {args.requests} requests")
-        levels.append(run_level(url, f"{name} concurrency {concurrency}", requests, concurrency, args, answers))
-    largest = {model: _largest_batch(warm, model) for model in BATCHED_MODELS}
-    warm.close()
-    return {"levels": levels, "largest_batch": largest}
+        answers.check(f"{name} warm-up", index, send(request))
 
 
-def run_level(
-    url: str, run: str, requests: list[Request], concurrency: int, args: argparse.Namespace, answers: Answers
-) -> Level:
-    """`args.requests` requests taken from the cycle in order by `concurrency` threads, one client each."""
-    next_index = iter(range(args.requests))
+def run_level(route: Route, run: str, requests: list[Request], concurrency: int, count: int, answers: Answers) -> Level:
+    """`count` requests taken from the cycle in order by `concurrency` threads, one sender each."""
+    next_index = iter(range(count))
     lock = threading.Lock()
-    clients = [Client(url) for _ in range(concurrency)]
+    senders = [route.sender() for _ in range(concurrency)]
 
-    def worker(client: Client) -> list[tuple[float, int]]:
+    def worker(send: Send) -> list[tuple[float, int]]:
         done: list[tuple[float, int]] = []
         while True:
             with lock:
                 n = next(next_index, None)
             if n is None:
                 return done
-            request = requests[n % len(requests)]
             start = time.perf_counter()
-            answer = client.generate(request.prompt, request.images, args.max_tokens)
-            done.append((time.perf_counter() - start, len(answer.token_ids)))
-            answers.check(run, n % len(requests), answer.token_ids)
+            token_ids = send(requests[n % len(requests)])
+            done.append((time.perf_counter() - start, len(token_ids)))
+            answers.check(run, n % len(requests), token_ids)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = [item for items in pool.map(worker, clients) for item in items]
+        results = [item for items in pool.map(worker, senders) for item in items]
     seconds = time.perf_counter() - start
-    for client in clients:
-        client.close()
     return _level(concurrency, [r[0] for r in results], seconds, sum(r[1] for r in results))
+
+
+def run_alternating(
+    routes: dict[str, Route], requests: list[Request], count: int, answers: Answers
+) -> dict[str, Level]:
+    """Each route at concurrency 1, taking turns request by request (the same request on each in turn),
+    so that the machine's noise hits every route alike."""
+    senders = {name: route.sender() for name, route in routes.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in routes}
+    tokens = dict.fromkeys(routes, 0)
+    for n in range(count):
+        request = requests[n % len(requests)]
+        for name, send in senders.items():
+            start = time.perf_counter()
+            token_ids = send(request)
+            latencies[name].append(time.perf_counter() - start)
+            tokens[name] += len(token_ids)
+            answers.check(f"{name} concurrency 1", n % len(requests), token_ids)
+    return {name: _level(1, latencies[name], sum(latencies[name]), tokens[name]) for name in routes}
+
+
+def measure_levels(
+    route: Route,
+    name: str,
+    requests: list[Request],
+    args: argparse.Namespace,
+    answers: Answers,
+    baseline: tuple[str, Route] | None = None,
+) -> tuple[list[Level], Level | None]:
+    """Every concurrency level of one route, after an untimed pass of the cycle. With a baseline (a name
+    and a route), concurrency 1 alternates with it request by request and its level comes back too."""
+    warm_up(route, name, requests, answers)
+    levels: list[Level] = []
+    base: Level | None = None
+    for concurrency in args.concurrency:
+        _log(f"  {name}: concurrency {concurrency}, {args.requests} requests")
+        if concurrency == 1 and baseline is not None:
+            both = run_alternating({baseline[0]: baseline[1], name: route}, requests, args.requests, answers)
+            base = both[baseline[0]]
+            levels.append(both[name])
+        else:
+            levels.append(
+                run_level(route, f"{name} concurrency {concurrency}", requests, concurrency, args.requests, answers)
+            )
+    if baseline is not None and base is None:  # no concurrency-1 level: the baseline alone
+        base = run_level(baseline[1], f"{baseline[0]} concurrency 1", requests, 1, args.requests, answers)
+    return levels, base
+
+
+def bench_server(
+    url: str,
+    name: str,
+    requests: list[Request],
+    args: argparse.Namespace,
+    answers: Answers,
+    baseline: tuple[str, Route] | None = None,
+) -> tuple[dict, Level | None]:
+    """Every concurrency level against one server (and the baseline beside it, when given)."""
+    route = GrpcRoute(url, args.max_tokens)
+    levels, base = measure_levels(route, name, requests, args, answers, baseline)
+    route.close()
+    warm = Client(url)
+    largest = {model: _largest_batch(warm, model) for model in BATCHED_MODELS}
+    warm.close()
+    return {"levels": levels, "largest_batch": largest}, base
 
 
 def _largest_batch(client: Client, model: str) -> int:
@@ -195,8 +312,7 @@ def bench_transformers(
     ends = {"eos_token_id": end_ids, "pad_token_id": end_ids[0]} if end_ids else {}
 
     def generate(request: Request) -> list[int]:
-        parts = [{"type": "image", "image": image} for image in request.images]
-        r = pre([{"role": "user", "content": [*parts, {"type": "text", "text": request.prompt}]}])
+        r = pre(request.messages())
         inputs = hf_model_inputs(model, r.input_ids, pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=args.max_tokens, do_sample=False, **ends)
@@ -215,8 +331,9 @@ def bench_transformers(
 
 def bench_own_servers(
     model_dir: Path, scratch: Path, requests: list[Request], args: argparse.Namespace, answers: Answers
-) -> dict:
-    """Builds `model_dir` for the CPU target and benchmarks it with dynamic batching on, then off."""
+) -> tuple[dict, Level]:
+    """Builds `model_dir` for the CPU target and benchmarks its server with the default settings (and
+    with dynamic batching off, when asked) beside the same requests in one process; the one-process level."""
     from qwen3vl_trt.pipeline import build
     from qwen3vl_trt.serving.endpoints import free_ports
     from qwen3vl_trt.serving.repository import write_repository
@@ -225,17 +342,22 @@ def bench_own_servers(
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)
     build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
-    settings = {
-        "batching on": RepositorySettings(max_queue_delay_us=args.queue_delay_us),
-        "batching off": RepositorySettings(dynamic_batching=False),
-    }
-    servers = {}
+    one_process = OneProcessRoute(model_dir, scratch / "build", args.max_tokens, args.one_process_threads)
+    warm_up(one_process, ONE_PROCESS, requests, answers)
+    settings = {"batching on": RepositorySettings(max_queue_delay_us=args.queue_delay_us)}
+    if args.batching_off:
+        settings["batching off"] = RepositorySettings(dynamic_batching=False)
+    servers: dict[str, dict] = {}
+    local: Level | None = None
     for name, setting in settings.items():
         repo = write_repository(scratch / "build", scratch / name.replace(" ", "-"), "cpu", settings=setting)
         _log(f"{name}: starting tritonserver on {repo}")
         with TritonServer(repo, free_ports(), log_path=scratch / f"{repo.name}.log") as server:
-            servers[name] = bench_server(server.url, name, requests, args, answers)
-    return servers
+            baseline = (ONE_PROCESS, one_process) if local is None else None
+            servers[name], base = bench_server(server.url, name, requests, args, answers, baseline)
+            local = local or base
+    assert local is not None
+    return servers, local
 
 
 def _levels_table(name: str, result: dict) -> list[str]:
@@ -265,7 +387,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="checkpoint (default: a tiny random one); with --url, the served one")
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-batch-size", type=int, default=EngineLimits().max_batch_size, help="of the build")
     p.add_argument(
         "--queue-delay-us",
@@ -273,6 +395,12 @@ def main() -> None:
         default=RepositorySettings().max_queue_delay_us,
         help="dynamic batchers' queue delay of the batching-on repository",
     )
+    p.add_argument(
+        "--one-process-threads",
+        type=int,
+        help="intra-op threads of the one-process run (default: torch's and ONNX Runtime's, all cores)",
+    )
+    p.add_argument("--batching-off", action="store_true", help="also serve with dynamic batching off (no --url)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args()
     if args.requests < 1 or min(args.concurrency) < 1:
@@ -286,6 +414,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> int:
     requests = workload()
     answers = Answers()
+    local: Level | None = None
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         scratch = Path(tmp)
         model_dir = args.model
@@ -295,26 +424,69 @@ def run(args: argparse.Namespace) -> int:
             probe.close()
             if not ready:
                 raise Qwen3VLTrtError(f"no ready qwen3vl-trt server at {args.url}; start one with `qwen3vl-trt serve`")
-            servers = {args.url: bench_server(args.url, args.url, requests, args, answers)}
+            servers = {args.url: bench_server(args.url, args.url, requests, args, answers)[0]}
         else:
             if model_dir is None:
                 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 
                 model_dir = make_tiny_checkpoint(scratch / "checkpoint")
-            servers = bench_own_servers(model_dir, scratch, requests, args, answers)
+            servers, local = bench_own_servers(model_dir, scratch, requests, args, answers)
         hf: Level | None = None
         expected: list[list[int]] | None = None
         if model_dir is not None:
             _log(f"transformers generate: {args.requests} requests one at a time")
             hf, expected = bench_transformers(model_dir, requests, args)
-    report(args, requests, servers, hf, expected, answers)
+    report(args, requests, servers, local, hf, expected, answers)
     return 1 if answers.mismatches else 0
+
+
+@dataclass(frozen=True)
+class Goals:
+    """Served against one process: requests/s at the top concurrency / one process's (goal >= 2) and
+    p50 latency at concurrency 1 / one process's (goal <= 1.10)."""
+
+    throughput_ratio: float | None
+    latency_ratio: float | None
+
+    THROUGHPUT_GOAL = 2.0
+    LATENCY_GOAL = 1.10
+
+    @classmethod
+    def of(cls, levels: list[Level], local: Level | None) -> Goals:
+        if local is None:
+            return cls(None, None)
+        top = max(levels, key=lambda lv: lv.concurrency)
+        c1 = next((lv for lv in levels if lv.concurrency == 1), None)
+        return cls(
+            top.requests_per_s / local.requests_per_s,
+            c1.p50_ms / local.p50_ms if c1 is not None else None,
+        )
+
+    def lines(self, name: str, top: int) -> list[str]:
+        def verdict(ok: bool) -> str:
+            return "meets the goal" if ok else "misses the goal"
+
+        lines = []
+        if self.throughput_ratio is not None:
+            ok = self.throughput_ratio >= self.THROUGHPUT_GOAL
+            lines.append(
+                f"{name} at concurrency {top} / one process, requests/s: {self.throughput_ratio:.2f}x "
+                f"(goal >= {self.THROUGHPUT_GOAL:g}: {verdict(ok)})"
+            )
+        if self.latency_ratio is not None:
+            ok = self.latency_ratio <= self.LATENCY_GOAL
+            lines.append(
+                f"{name} at concurrency 1 / one process, p50 latency: {self.latency_ratio:.2f}x "
+                f"(goal <= {self.LATENCY_GOAL:.2f}: {verdict(ok)})"
+            )
+        return lines
 
 
 def report(
     args: argparse.Namespace,
     requests: list[Request],
     servers: dict,
+    local: Level | None,
     hf: Level | None,
     expected: list[list[int]] | None,
     answers: Answers,
@@ -326,7 +498,8 @@ def report(
 
     on, off = servers.get("batching on"), servers.get("batching off")
     batching_ratio = at_top(on).requests_per_s / at_top(off).requests_per_s if on and off else None
-    first = next(iter(servers.values()))
+    first_name, first = next(iter(servers.items()))
+    goals = Goals.of(first["levels"], local)
     hf_ratio = at_top(first).requests_per_s / hf.requests_per_s if hf else None
     agree = None
     if expected is not None:
@@ -338,10 +511,12 @@ def report(
                     "max_tokens": args.max_tokens,
                     "requests_per_level": args.requests,
                     "workload": [r.label for r in requests],
+                    "one_process": local.as_dict() if local else None,
                     "servers": {
                         name: {**result, "levels": [lv.as_dict() for lv in result["levels"]]}
                         for name, result in servers.items()
                     },
+                    "served_over_one_process": asdict(goals),
                     "batching_on_over_off": batching_ratio,
                     "transformers": hf.as_dict() if hf else None,
                     "server_over_transformers": hf_ratio,
@@ -356,18 +531,25 @@ def report(
         f"{args.requests} requests per level, cycling through {len(requests)}: "
         f"{'; '.join(r.label for r in requests)}; greedy, max_tokens {args.max_tokens}"
     )
+    if local is not None:
+        print(
+            f"{ONE_PROCESS} (LocalPipeline, one request at a time): {local.requests_per_s:.2f} requests/s, "
+            f"{local.tokens_per_s:.1f} tokens/s, p50 {local.p50_ms:.0f} ms, p99 {local.p99_ms:.0f} ms"
+        )
     for name, result in servers.items():
         print("\n".join(_levels_table(name, result)))
+    if local is not None:
+        print("\n".join(goals.lines(first_name, top)))
+    else:
+        print(f"{ONE_PROCESS}: not run against a running server (run without --url to compare)")
     if batching_ratio is not None:
         print(f"dynamic batching on / off, requests/s at concurrency {top}: {batching_ratio:.2f}x")
-    else:
-        print("dynamic batching on / off: not measured against a running server (run without --url to compare)")
     if hf is not None:
         print(
             f"transformers generate, one request at a time: {hf.requests_per_s:.2f} requests/s, "
             f"{hf.tokens_per_s:.1f} tokens/s, p50 {hf.p50_ms:.0f} ms, p99 {hf.p99_ms:.0f} ms"
         )
-        print(f"{next(iter(servers))} at concurrency {top} / transformers, requests/s: {hf_ratio:.2f}x")
+        print(f"{first_name} at concurrency {top} / transformers, requests/s: {hf_ratio:.2f}x")
         print(f"server token ids equal transformers' for {agree} of {len(requests)} requests")
     else:
         print("transformers generate: not run (pass --model with the checkpoint the server serves)")

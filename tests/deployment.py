@@ -1,7 +1,7 @@
 """The deployments the server tests run: the CPU target of a tiny checkpoint (small limits keep the
-too-long-prompt cases cheap, and the queue delay lets concurrent requests meet in one batch), and a
-`qwen3vl` ensemble over one python model that echoes the text (the launcher's end of a real repository,
-loaded in seconds)."""
+too-long-prompt cases cheap; the serving settings are the defaults: requests arriving together still meet in
+one batch, as they queue while the model executes the first), and a `qwen3vl` ensemble over one python model
+that echoes the text (the launcher's end of a real repository, loaded in seconds)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 LIMITS = EngineLimits(
     max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
 )
-SETTINGS = RepositorySettings(max_queue_delay_us=50_000)
+SETTINGS = RepositorySettings()
 
 
 def _quiet(*_args, **_kwargs) -> None:

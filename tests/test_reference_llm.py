@@ -6,6 +6,8 @@ chain from request bytes to logits, compared with Qwen3VLForConditionalGeneratio
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -19,6 +21,8 @@ from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import LocalPipeline, StreamingDetokenizer, engine_request
+from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.cpu_llm import InflightLLM
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from qwen3vl_trt.vision import VisionEncoder
@@ -214,6 +218,71 @@ def test_a_rolling_batch_gives_every_request_its_own_tokens(runtimes):
     while batch:
         batch.step()
     assert [r.output_ids for r in results] == alone
+
+
+def test_a_batchs_greedy_banned_and_sampled_rows_pick_as_alone(runtimes):
+    """One argmax serves a decode batch's greedy rows; a row with a banned token or sampling picks for
+    itself: every request gets the tokens it gets alone."""
+    llm = runtimes("dense")
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(0, 1000, n).astype(np.int32) for n in (9, 30, 17)]
+    free = llm.generate([LLMRequest(ids[0], sampling=SamplingParams(max_new_tokens=6))])[0].output_ids
+    samplings = [
+        SamplingParams(max_new_tokens=6, end_ids=(free[1],), min_new_tokens=4),  # free[1] banned for 4 tokens
+        SamplingParams(max_new_tokens=6, temperature=2.0, seed=5),
+        SamplingParams(max_new_tokens=6),
+    ]
+    requests = [LLMRequest(i, sampling=s) for i, s in zip(ids, samplings, strict=True)]
+    alone = [llm.generate([r])[0].output_ids for r in requests]
+    assert [r.output_ids for r in llm.generate(requests)] == alone
+    assert free[1] not in alone[0][:4]
+
+
+class _Stream:
+    """A TokenStream that collects what the inflight batcher sends."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.errors: list[Exception] = []
+        self.done = threading.Event()
+
+    def send(self, tokens, final):
+        self.tokens.extend(tokens)
+        if final:
+            self.done.set()
+
+    def finish(self):
+        self.done.set()
+
+    def fail(self, error):
+        self.errors.append(error)
+        self.done.set()
+
+    def cancelled(self):
+        return False
+
+
+def test_the_inflight_llm_streams_tokens_and_closes_promptly_when_idle(converted, runtimes):
+    end_ids = (IM_END_ID, ENDOFTEXT_ID)
+    ids = np.arange(5, 25, dtype=np.int32)
+    sampling = SamplingParams(max_new_tokens=6, end_ids=end_ids)
+    alone = runtimes("dense").generate([LLMRequest(ids, sampling=sampling)])[0].output_ids
+    engine = InflightLLM(converted["dense"], end_ids, max_batch_size=4)
+    engine.start()
+    stream = _Stream()
+    inputs = {
+        interface.INPUT_IDS.name: ids,
+        interface.REQUEST_OUTPUT_LEN.name: np.array([6], np.int32),
+        interface.RUNTIME_TOP_K.name: np.array([1], np.int32),
+        interface.STREAMING.name: np.array([True]),
+    }
+    engine.submit(inputs, stream, "request-1")
+    assert stream.done.wait(60) and not stream.errors
+    assert stream.tokens == [t for t in alone if t not in end_ids]
+    time.sleep(0.5)  # idle: the decode loop waits for work
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < 5
 
 
 def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):

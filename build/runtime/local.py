@@ -88,7 +88,14 @@ class Reply:
 
 
 class LocalPipeline:
-    def __init__(self, model_dir: str | os.PathLike[str], build_dir: str | os.PathLike[str]):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        build_dir: str | os.PathLike[str],
+        intra_op_threads: int | None = None,
+    ):
+        """intra_op_threads: the vision encoder's ONNX Runtime threads (None: one per physical core);
+        torch's are the process's (torch.set_num_threads)."""
         import hashlib
 
         from tokenizers import Tokenizer
@@ -102,7 +109,7 @@ class LocalPipeline:
         rebuild = f"qwen3vl-trt build --model {self.model_dir} --output {build.root} --force"
         VisionSidecar.load(build.vision).check_source(self.model_dir, config_sha256, rebuild)
         self.pre = Preprocessor.from_pretrained(self.model_dir)
-        self.encoder = VisionEncoder(build.vision)
+        self.encoder = VisionEncoder(build.vision, intra_op_threads)
         self.llm = ReferenceLLM.from_checkpoint(build.llm_checkpoint)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.end_ids = generation_end_ids(self.model_dir)

@@ -446,8 +446,10 @@ class DecodeBatch:
         ids = torch.tensor([s.next_id for s in self.sequences], device=self.llm.device)
         logits = self.llm._decode_step(ids, self.position, self.delta, self.cache)
         self.position += 1
+        # One argmax for all rows: per row it costs as much as the step's other ops at small batches.
+        argmax = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(self.sequences):
-            self._accept(seq, logits[row])
+            self._accept(seq, logits[row], argmax[row])
         self._drop_finished()
 
     def cancel(self, indices: Iterable[int]) -> None:
@@ -475,8 +477,8 @@ class DecodeBatch:
         del self.sequences[len(keep) :]
         self.position, self.delta = self.position[: len(keep)], self.delta[: len(keep)]
 
-    def _accept(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        seq.next_id = seq.sampler.next_token(logits)
+    def _accept(self, seq: _Sequence, logits: torch.Tensor, argmax: int | None = None) -> None:
+        seq.next_id = seq.sampler.next_token(logits, argmax)
         seq.result.output_ids.append(seq.next_id)
         if seq.sampler.finished:
             seq.result.finish_reason = seq.sampler.finish_reason

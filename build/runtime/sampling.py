@@ -66,13 +66,14 @@ class TokenSampler:
     def finished(self) -> bool:
         return bool(self.finish_reason)
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """The next token from float32 logits [vocab]."""
+    def next_token(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from float32 logits [vocab]; argmax: their argmax when the caller has it
+        already (a decode batch takes all its rows' in one op), used when greedy with nothing banned."""
         banned = self._banned()
         if banned:
             logits = logits.clone()
             logits[banned] = float("-inf")
-        token = self._pick(logits)
+        token = argmax if argmax is not None and not banned and self.generator is None else self._pick(logits)
         self.generated.append(token)
         if token in self.end_ids or any(self._ends_with(seq) for seq in self.stops):
             self.finish_reason = "stop"

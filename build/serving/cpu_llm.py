@@ -31,6 +31,11 @@ from .preprocessing import split_word_list
 log = logging.getLogger(__name__)
 
 STOP_MEMORY_S = 60.0  # how long a stop request waits for its request to arrive
+CANCEL_CHECK_S = 0.05
+"""How often the decode loop asks whether Triton cancelled a request: each ask is a round trip to the
+server process (python_backend r24.10 src/pb_cancel.cc: PbCancel::IsCancelled enqueues the query to
+the parent and waits for its answer), so asking for every request at every step would cost more than
+the step itself once many requests decode together."""
 
 
 class TokenStream(Protocol):
@@ -62,8 +67,7 @@ class InflightLLM:
         self.llm = ReferenceLLM.from_checkpoint(checkpoint_dir)
         self.end_ids = tuple(end_ids)
         self.max_batch_size = max_batch_size
-        self.largest_batch = 0  # most requests decoding together so far
-        self._waiting: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: close
         self._stops: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids a stop request named
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inflight-llm", daemon=True)
@@ -107,6 +111,7 @@ class InflightLLM:
 
     def close(self) -> None:
         self._closing.set()
+        self._waiting.put(None)  # wakes the loop when it waits for work
         self._thread.join(timeout=30)
 
     def submit(self, inputs: Mapping[str, Any], stream: TokenStream, request_id: str = "") -> None:
@@ -130,20 +135,27 @@ class InflightLLM:
         stopping: dict[str, float] = {}  # stop requests' ids -> when they came (a stop may overtake its request)
         batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
         next_index = 0
+        next_cancel_check = 0.0
         while not self._closing.is_set():
             joining: dict[int, _Job] = {}
             while len(batch) + len(joining) < self.max_batch_size:
                 try:
-                    job = self._waiting.get(block=not batch and not joining, timeout=0.2)
+                    # Idle, it sleeps until a request (or close) comes; busy, it takes only what is waiting.
+                    job = self._waiting.get(block=not batch and not joining)
                 except queue.Empty:
+                    break
+                if job is None:
                     break
                 joining[next_index] = job
                 next_index += 1
             try:
                 self._join(batch, jobs, joining)
-                batch.cancel(self._cancelled(jobs, stopping))
+                now = time.monotonic()
+                ask_triton = now >= next_cancel_check
+                if ask_triton:
+                    next_cancel_check = now + CANCEL_CHECK_S
+                batch.cancel(self._cancelled(jobs, stopping, ask_triton))
                 batch.step()
-                self.largest_batch = max(self.largest_batch, len(batch))
             except Exception as e:  # a runtime bug: every request in flight gets the error, serving goes on
                 log.exception("the decode step failed")
                 for job in jobs.values():
@@ -152,12 +164,14 @@ class InflightLLM:
                 batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
             self._finish(batch, jobs)
 
-    def _cancelled(self, jobs: dict[int, _Job], stopping: dict[str, float]) -> list[int]:
-        """The jobs to drop: cancelled by Triton, or named by a stop request."""
+    def _cancelled(self, jobs: dict[int, _Job], stopping: dict[str, float], ask_triton: bool) -> list[int]:
+        """The jobs to drop: named by a stop request, or (when ask_triton) cancelled by Triton."""
         now = time.monotonic()
         while not self._stops.empty():
             stopping[self._stops.get()] = now
-        cancelled = [i for i, job in jobs.items() if job.stream.cancelled() or job.request_id in stopping]
+        cancelled = [
+            i for i, job in jobs.items() if job.request_id in stopping or (ask_triton and job.stream.cancelled())
+        ]
         for i in cancelled:
             stopping.pop(jobs[i].request_id, None)
             log.info("request %r cancelled by its client after %d tokens", jobs[i].request_id, len(jobs[i].tokens))

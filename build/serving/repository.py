@@ -40,7 +40,10 @@ MODEL_FILE = "model.py"
 @dataclass(frozen=True)
 class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
-    waits to fill a batch; dynamic_batching False serves one request per execution (for comparison).
+    waits to fill a batch. 0 (the default) executes what is queued as soon as the instance is free:
+    under load requests queue while it executes, so batches still form, and an idle server adds no
+    delay (each of the ensemble's four steps would add the whole delay to every request otherwise);
+    dynamic_batching False serves one request per execution (for comparison).
     max_queue_size: how many requests preprocessing, vision_encoder and the python llm each hold waiting,
     beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
     request that waited this long in such a queue (0: no limit but the queue's size).
@@ -49,7 +52,7 @@ class RepositorySettings:
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
     reads the GPU's memory where torch sees it."""
 
-    max_queue_delay_us: int = 2000
+    max_queue_delay_us: int = 0
     dynamic_batching: bool = True
     max_queue_size: int | None = None
     queue_timeout_us: int = 0

@@ -148,8 +148,10 @@ class _OnnxRuntimeRuns:
 
     synchronous = True
 
-    def __init__(self, vision_dir: str | Path, attention_budget_bytes: int, cost: RunCost):
-        self.encoder = VisionEncoder(vision_dir)
+    def __init__(
+        self, vision_dir: str | Path, attention_budget_bytes: int, cost: RunCost, intra_op_threads: int | None = None
+    ):
+        self.encoder = VisionEncoder(vision_dir, intra_op_threads)
         heads = self.encoder.sidecar.num_heads
         # The largest run whose attention tensors fit the budget: _ATTENTION_COPIES fp32 [heads, N, N].
         self.max_run_patches = math.isqrt(attention_budget_bytes // (_ATTENTION_COPIES * 4 * heads))
@@ -197,14 +199,16 @@ class VisionBatching:
         device: int = 0,
         run_cost: RunCost | None = None,
         on_run: RunObserver | None = None,
+        intra_op_threads: int | None = None,
     ):
         """engine_dir: a build-vision-engine output to run instead of the ONNX export (GPU hosts).
         run_cost: how ONNX Runtime runs are joined; None measures it at warm_up (until then each image
-        runs alone). on_run: told of every encoder run."""
+        runs alone). on_run: told of every encoder run. intra_op_threads: ONNX Runtime's threads (None:
+        its default, one per physical core)."""
         self.backend: _OnnxRuntimeRuns | _EngineRuns = (
             _EngineRuns(engine_dir, device)
             if engine_dir
-            else _OnnxRuntimeRuns(vision_dir, attention_budget_bytes, run_cost or ALONE)
+            else _OnnxRuntimeRuns(vision_dir, attention_budget_bytes, run_cost or ALONE, intra_op_threads)
         )
         self.measure_cost_at_warm_up = run_cost is None
         self.on_run = on_run
