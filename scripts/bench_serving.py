@@ -9,9 +9,12 @@ tritonserver. It measures, side by side in one run:
 - one process: the same requests one at a time through LocalPipeline (preprocessing, the ONNX vision
   encoder and the reference LLM in this process, no server), the figure serving is held to;
 - Triton over gRPC at each --concurrency level (one client per thread);
-- the ratios: served requests/s at the top level / one process's (goal >= 2), and p50 latency at
-  concurrency 1 / one process's (goal <= 1.10). One process and Triton at concurrency 1 alternate
-  request by request, so noise on a shared machine hits both alike.
+- the OpenAI gateway (`qwen3vl-trt openai` in its own process, the official `openai` client) in front of
+  the same server at each level;
+- the ratios: served requests/s at the top level / one process's (goal >= 2), p50 latency at
+  concurrency 1 / one process's (goal <= 1.10), and the gateway's p50 latency / gRPC's at each level
+  (goal <= 1.05). One process, gRPC and the gateway at concurrency 1 take turns request by request, so
+  noise on a shared machine hits them alike.
 
 --batching-off adds a repository whose models execute one request at a time (the `llm` keeps its own
 inflight batching either way, as the TensorRT-LLM backend does). With --url it measures that running
@@ -24,7 +27,8 @@ latency (send to last response). One untimed pass of the cycle warms each route 
 requests run through transformers `generate` one at a time in this process (fp32, greedy).
 
 Every answer to a request must carry the same token ids in every run, on every route and at every
-level: mismatches are listed and the script exits with 1. Agreement with transformers is reported.
+level (the gateway's, which carry text only, the same text as gRPC's): mismatches are listed and the
+script exits with 1. Agreement with transformers is reported.
 
     .venv/bin/python scripts/bench_serving.py [--url HOST:PORT] [--model DIR] [--requests 32]
         [--max-tokens 16] [--concurrency 1 16] [--one-process-threads N] [--batching-off] [--json]
@@ -57,6 +61,7 @@ BATCHED_MODELS = (
     interface.POSTPROCESSING,
 )  # under Triton's dynamic batcher
 ONE_PROCESS = "one process"
+GATEWAY = "OpenAI gateway"
 
 
 @dataclass(frozen=True)
@@ -117,31 +122,46 @@ def _level(concurrency: int, latencies: list[float], seconds: float, tokens: int
     return Level(concurrency, len(latencies), seconds, tokens, float(p50), float(p99))
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One answer: its generated token ids (None where the route returns only text: the OpenAI gateway),
+    its text where the route is the server's (its postprocessing detokenizes), and how many tokens."""
+
+    token_ids: list[int] | None
+    text: str | None
+    tokens: int
+
+
 class Answers:
-    """The first token ids seen for each request of the cycle; every later answer must equal them."""
+    """The first token ids (and the first server text) seen for each request of the cycle; every later
+    answer must equal them."""
 
     def __init__(self) -> None:
         self.first: dict[int, tuple[str, list[int]]] = {}
+        self.first_text: dict[int, tuple[str, str]] = {}
         self.mismatches: list[dict] = []
         self._lock = threading.Lock()
 
-    def check(self, run: str, index: int, token_ids: list[int]) -> None:
+    def check(self, run: str, index: int, reply: Reply) -> None:
         with self._lock:
-            if index not in self.first:
-                self.first[index] = (run, token_ids)
-            elif token_ids != self.first[index][1]:
-                seen_in, expected = self.first[index]
-                self.mismatches.append(
-                    dict(request=index, run=run, token_ids=token_ids, expected=expected, first_seen_in=seen_in)
-                )
+            for first, got in ((self.first, reply.token_ids), (self.first_text, reply.text)):
+                if got is None:
+                    continue
+                if index not in first:
+                    first[index] = (run, got)
+                elif got != first[index][1]:
+                    seen_in, expected = first[index]
+                    self.mismatches.append(
+                        dict(request=index, run=run, got=got, expected=expected, first_seen_in=seen_in)
+                    )
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-Send = Callable[[Request], list[int]]
-"""One request through one route, answered with its generated token ids."""
+Send = Callable[[Request], Reply]
+"""One request through one route, and its answer."""
 
 
 class Route:
@@ -165,7 +185,12 @@ class GrpcRoute(Route):
     def sender(self) -> Send:
         client = Client(self.url)
         self._clients.append(client)
-        return lambda request: client.generate(request.prompt, request.images, self.max_tokens).token_ids
+
+        def send(request: Request) -> Reply:
+            answer = client.generate(request.prompt, request.images, self.max_tokens)
+            return Reply(answer.token_ids, answer.text, len(answer.token_ids))
+
+        return send
 
     def close(self) -> None:
         for client in self._clients:
@@ -188,7 +213,70 @@ class OneProcessRoute(Route):
         self.sampling = SamplingParams(max_new_tokens=max_tokens, end_ids=self.pipeline.end_ids)
 
     def sender(self) -> Send:
-        return lambda request: self.pipeline.generate(request.messages(), self.sampling).token_ids
+        def send(request: Request) -> Reply:
+            token_ids = self.pipeline.generate(request.messages(), self.sampling).token_ids
+            return Reply(token_ids, None, len(token_ids))
+
+        return send
+
+
+class GatewayRoute(Route):
+    """The OpenAI-compatible gateway, run as `qwen3vl-trt openai` in its own process in front of the server
+    (as `serve --openai-port` runs it beside tritonserver), called over HTTP with the official client."""
+
+    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path):
+        import subprocess
+        import urllib.request
+
+        from qwen3vl_trt.serving.endpoints import free_ports
+
+        self.max_tokens = max_tokens
+        port = free_ports().http
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "wb")
+        command = [sys.executable, "-m", "qwen3vl_trt.cli", "openai", "--repo", str(repo)]
+        command += ["--triton-url", triton_url, "--port", str(port), "--served-model-name", "bench"]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as health:
+                    if health.status == 200:
+                        break
+            except OSError:  # not listening yet, or 503 while the server is not ready
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise Qwen3VLTrtError(f"the gateway did not come up; see {log_path}")
+            time.sleep(0.2)
+
+    def sender(self) -> Send:
+        import base64
+
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def send(request: Request) -> Reply:
+            parts: list[dict] = [
+                {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(i).decode()}}
+                for i in request.images
+            ]
+            parts.append({"type": "text", "text": request.prompt})
+            answer = client.chat.completions.create(
+                model="bench",
+                messages=[{"role": "user", "content": parts}],  # type: ignore[misc, list-item]
+                max_tokens=self.max_tokens,
+                temperature=0,  # greedy
+            )
+            assert answer.usage is not None
+            return Reply(None, answer.choices[0].message.content or "", answer.usage.completion_tokens)
+
+        return send
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self._log.close()
 
 
 def warm_up(route: Route, name: str, requests: list[Request], answers: Answers) -> None:
@@ -212,9 +300,9 @@ def run_level(route: Route, run: str, requests: list[Request], concurrency: int,
             if n is None:
                 return done
             start = time.perf_counter()
-            token_ids = send(requests[n % len(requests)])
-            done.append((time.perf_counter() - start, len(token_ids)))
-            answers.check(run, n % len(requests), token_ids)
+            reply = send(requests[n % len(requests)])
+            done.append((time.perf_counter() - start, reply.tokens))
+            answers.check(run, n % len(requests), reply)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -235,36 +323,39 @@ def run_alternating(
         request = requests[n % len(requests)]
         for name, send in senders.items():
             start = time.perf_counter()
-            token_ids = send(request)
+            reply = send(request)
             latencies[name].append(time.perf_counter() - start)
-            tokens[name] += len(token_ids)
-            answers.check(f"{name} concurrency 1", n % len(requests), token_ids)
+            tokens[name] += reply.tokens
+            answers.check(f"{name} concurrency 1", n % len(requests), reply)
     return {name: _level(1, latencies[name], sum(latencies[name]), tokens[name]) for name in routes}
 
 
 def measure_levels(
-    route: Route,
-    name: str,
+    routes: dict[str, Route],
     requests: list[Request],
     args: argparse.Namespace,
     answers: Answers,
     baseline: tuple[str, Route] | None = None,
-) -> tuple[list[Level], Level | None]:
-    """Every concurrency level of one route, after an untimed pass of the cycle. With a baseline (a name
-    and a route), concurrency 1 alternates with it request by request and its level comes back too."""
-    warm_up(route, name, requests, answers)
-    levels: list[Level] = []
+) -> tuple[dict[str, list[Level]], Level | None]:
+    """Every concurrency level of each route, after an untimed pass of the cycle. Concurrency 1 alternates
+    the routes (and the baseline, a name and a route, when given) request by request; the baseline's level
+    comes back too."""
+    for name, route in routes.items():
+        warm_up(route, name, requests, answers)
+    levels: dict[str, list[Level]] = {name: [] for name in routes}
     base: Level | None = None
     for concurrency in args.concurrency:
-        _log(f"  {name}: concurrency {concurrency}, {args.requests} requests")
-        if concurrency == 1 and baseline is not None:
-            both = run_alternating({baseline[0]: baseline[1], name: route}, requests, args.requests, answers)
-            base = both[baseline[0]]
-            levels.append(both[name])
+        _log(f"  {', '.join(routes)}: concurrency {concurrency}, {args.requests} requests each")
+        if concurrency == 1:
+            taking_turns = {**dict([baseline] if baseline else []), **routes}
+            both = run_alternating(taking_turns, requests, args.requests, answers)
+            base = both[baseline[0]] if baseline else None
+            for name in routes:
+                levels[name].append(both[name])
         else:
-            levels.append(
-                run_level(route, f"{name} concurrency {concurrency}", requests, concurrency, args.requests, answers)
-            )
+            for name, route in routes.items():
+                run = f"{name} concurrency {concurrency}"
+                levels[name].append(run_level(route, run, requests, concurrency, args.requests, answers))
     if baseline is not None and base is None:  # no concurrency-1 level: the baseline alone
         base = run_level(baseline[1], f"{baseline[0]} concurrency 1", requests, 1, args.requests, answers)
     return levels, base
@@ -277,15 +368,21 @@ def bench_server(
     args: argparse.Namespace,
     answers: Answers,
     baseline: tuple[str, Route] | None = None,
+    gateway: GatewayRoute | None = None,
 ) -> tuple[dict, Level | None]:
-    """Every concurrency level against one server (and the baseline beside it, when given)."""
+    """Every concurrency level against one server over gRPC (and through the gateway, and the baseline beside
+    them, when given)."""
     route = GrpcRoute(url, args.max_tokens)
-    levels, base = measure_levels(route, name, requests, args, answers, baseline)
+    routes: dict[str, Route] = {name: route, **({GATEWAY: gateway} if gateway else {})}
+    levels, base = measure_levels(routes, requests, args, answers, baseline)
     route.close()
     warm = Client(url)
     largest = {model: _largest_batch(warm, model) for model in BATCHED_MODELS}
     warm.close()
-    return {"levels": levels, "largest_batch": largest}, base
+    result = {"levels": levels[name], "largest_batch": largest}
+    if gateway is not None:
+        result["gateway_levels"] = levels[GATEWAY]
+    return result, base
 
 
 def _largest_batch(client: Client, model: str) -> int:
@@ -353,8 +450,14 @@ def bench_own_servers(
         repo = write_repository(scratch / "build", scratch / name.replace(" ", "-"), "cpu", settings=setting)
         _log(f"{name}: starting tritonserver on {repo}")
         with TritonServer(repo, free_ports(), log_path=scratch / f"{repo.name}.log") as server:
-            baseline = (ONE_PROCESS, one_process) if local is None else None
-            servers[name], base = bench_server(server.url, name, requests, args, answers, baseline)
+            first = local is None
+            baseline = (ONE_PROCESS, one_process) if first else None
+            gateway = GatewayRoute(server.url, repo, args.max_tokens, scratch / "gateway.log") if first else None
+            try:
+                servers[name], base = bench_server(server.url, name, requests, args, answers, baseline, gateway)
+            finally:
+                if gateway is not None:
+                    gateway.close()
             local = local or base
     assert local is not None
     return servers, local
@@ -366,19 +469,38 @@ def _levels_table(name: str, result: dict) -> list[str]:
     def row(*cells: str) -> str:
         return "  " + "  ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True))
 
-    lines = [f"{name}:", row("concurrency", "requests/s", "tokens/s", "p50 ms", "p99 ms")]
-    lines += [
-        row(
-            str(lv.concurrency),
-            f"{lv.requests_per_s:.2f}",
-            f"{lv.tokens_per_s:.1f}",
-            f"{lv.p50_ms:.0f}",
-            f"{lv.p99_ms:.0f}",
-        )
-        for lv in result["levels"]
-    ]
+    lines = []
+    for title, levels in ((name, result["levels"]), (f"{name}, {GATEWAY}", result.get("gateway_levels"))):
+        if levels is None:
+            continue
+        lines += [f"{title}:", row("concurrency", "requests/s", "tokens/s", "p50 ms", "p99 ms")]
+        lines += [
+            row(
+                str(lv.concurrency),
+                f"{lv.requests_per_s:.2f}",
+                f"{lv.tokens_per_s:.1f}",
+                f"{lv.p50_ms:.0f}",
+                f"{lv.p99_ms:.0f}",
+            )
+            for lv in levels
+        ]
     lines.append("  largest batch executed: " + ", ".join(f"{m} {b}" for m, b in result["largest_batch"].items()))
     return lines
+
+
+GATEWAY_GOAL = 1.05
+
+
+def gateway_ratios(result: dict) -> dict[int, dict[str, float]]:
+    """The gateway against gRPC at each concurrency: p50 latency and requests/s (goal: latency <= 1.05x)."""
+    grpc = {lv.concurrency: lv for lv in result["levels"]}
+    return {
+        lv.concurrency: {
+            "p50_latency": lv.p50_ms / grpc[lv.concurrency].p50_ms,
+            "requests_per_s": lv.requests_per_s / grpc[lv.concurrency].requests_per_s,
+        }
+        for lv in result.get("gateway_levels", [])
+    }
 
 
 def main() -> None:
@@ -517,6 +639,7 @@ def report(
                         for name, result in servers.items()
                     },
                     "served_over_one_process": asdict(goals),
+                    "gateway_over_grpc": gateway_ratios(first),
                     "batching_on_over_off": batching_ratio,
                     "transformers": hf.as_dict() if hf else None,
                     "server_over_transformers": hf_ratio,
@@ -542,6 +665,12 @@ def report(
         print("\n".join(goals.lines(first_name, top)))
     else:
         print(f"{ONE_PROCESS}: not run against a running server (run without --url to compare)")
+    for concurrency, ratio in gateway_ratios(first).items():
+        verdict = "meets" if ratio["p50_latency"] <= GATEWAY_GOAL else "misses"
+        print(
+            f"{GATEWAY} / gRPC at concurrency {concurrency}: p50 latency {ratio['p50_latency']:.2f}x "
+            f"(goal <= {GATEWAY_GOAL:.2f}: {verdict} the goal), requests/s {ratio['requests_per_s']:.2f}x"
+        )
     if batching_ratio is not None:
         print(f"dynamic batching on / off, requests/s at concurrency {top}: {batching_ratio:.2f}x")
     if hf is not None:
@@ -556,7 +685,7 @@ def report(
     runs = "every run" if not answers.mismatches else f"{len(answers.mismatches)} mismatching answers:"
     print(f"same token ids for each request in {runs}")
     for m in answers.mismatches:
-        print(f"  request {m['request']} in {m['run']}: {m['token_ids']} != {m['expected']} ({m['first_seen_in']})")
+        print(f"  request {m['request']} in {m['run']}: {m['got']!r} != {m['expected']!r} ({m['first_seen_in']})")
 
 
 if __name__ == "__main__":

@@ -373,6 +373,10 @@ class _Plan:
     stops: list[str]
     include_usage: bool
     deadline: float  # time.monotonic() by which the request ends
+    # Whether Triton sends the tokens as they come: for a streamed answer, and for stop strings (matched here in
+    # the text as it comes, so the request is cancelled at the match); else one response, which spares a
+    # postprocessing request per token (about 1.5 ms each on the CPU target).
+    piecewise: bool = True
     completion_tokens: int = 0
     finish_reason: FinishReason = "stop"
     stop_finder: StopFinder = field(init=False)
@@ -478,6 +482,7 @@ class Gateway:
             stops=stops,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             deadline=started + settings.request_timeout_s,
+            piecewise=body.stream or bool(stops),
         )
 
     def _count_tokens(self, chat: list[dict[str, Any]], images: list[bytes]) -> int:
@@ -533,7 +538,13 @@ class Gateway:
         disconnect, deadline) cancels it on the server."""
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
         responses = self.client.stream(
-            "", plan.images, plan.max_tokens, request_id=plan.id, stream=True, messages=plan.chat, **plan.options
+            "",
+            plan.images,
+            plan.max_tokens,
+            request_id=plan.id,
+            stream=plan.piecewise,
+            messages=plan.chat,
+            **plan.options,
         )
         try:
             while True:
