@@ -11,6 +11,7 @@ tritonserver. It measures, side by side in one run:
 - Triton over gRPC at each --concurrency level (one client per thread);
 - the OpenAI gateway (`qwen3vl-trt openai` in its own process, the official `openai` client) in front of
   the same server at each level;
+- the vision encoder's batches of 640x480 images per image beside one alone (bench_vision_batching.py);
 - the ratios: served requests/s at the top level / one process's (goal >= 2), p50 latency at
   concurrency 1 / one process's (goal <= 1.10), and the gateway's p50 latency / gRPC's at each level
   (goal <= 1.05). One process, gRPC and the gateway at concurrency 1 take turns request by request, so
@@ -489,6 +490,7 @@ def _levels_table(name: str, result: dict) -> list[str]:
 
 
 GATEWAY_GOAL = 1.05
+VISION_GOAL = 1.10
 
 
 def gateway_ratios(result: dict) -> dict[int, dict[str, float]]:
@@ -558,7 +560,13 @@ def run(args: argparse.Namespace) -> int:
         if model_dir is not None:
             _log(f"transformers generate: {args.requests} requests one at a time")
             hf, expected = bench_transformers(model_dir, requests, args)
-    report(args, requests, servers, local, hf, expected, answers)
+        vision = None
+        if not args.url:
+            from bench_vision_batching import vision_batching_figures
+
+            _log("the vision encoder's batches, per image, beside one image alone")
+            vision = vision_batching_figures(model_dir, scratch / "build" / "vision")
+    report(args, requests, servers, local, hf, expected, answers, vision)
     return 1 if answers.mismatches else 0
 
 
@@ -612,6 +620,7 @@ def report(
     hf: Level | None,
     expected: list[list[int]] | None,
     answers: Answers,
+    vision: dict | None = None,
 ) -> None:
     top = max(args.concurrency)
 
@@ -644,6 +653,7 @@ def report(
                     "transformers": hf.as_dict() if hf else None,
                     "server_over_transformers": hf_ratio,
                     "equal_to_transformers": agree,
+                    "vision_batching": vision,
                     "mismatches": answers.mismatches,
                 },
                 indent=2,
@@ -682,6 +692,14 @@ def report(
         print(f"server token ids equal transformers' for {agree} of {len(requests)} requests")
     else:
         print("transformers generate: not run (pass --model with the checkpoint the server serves)")
+    if vision is not None:
+        ratios = vision["ratios"]
+        print(
+            f"vision encoder per image, batched / alone ({vision['patches']['large']} patches each): 2 images "
+            f"{ratios['2 large, planned / alone']:.2f}x, 4 images {ratios['4 large, planned / alone']:.2f}x "
+            f"(goal <= {VISION_GOAL:.2f}); all in one run as before: {ratios['2 large, joined / alone']:.2f}x, "
+            f"{ratios['4 large, joined / alone']:.2f}x"
+        )
     runs = "every run" if not answers.mismatches else f"{len(answers.mismatches)} mismatching answers:"
     print(f"same token ids for each request in {runs}")
     for m in answers.mismatches:
