@@ -90,6 +90,7 @@ def served(checkpoints, tmp_path_factory):
     gateway.model_dir = checkpoints["dense"]
     gateway.repo = repo
     gateway.grpc_url = f"127.0.0.1:{ports.grpc}"
+    gateway.triton_metrics_url = f"http://127.0.0.1:{ports.metrics}"
     yield gateway
     gateway.stop()
 

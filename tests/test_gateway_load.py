@@ -18,6 +18,7 @@ import psutil
 import pytest
 import test_gateway
 from prometheus_client.parser import text_string_to_metric_families
+from qwen3vl_trt.serving import interface, stage_metrics
 from test_gateway import PHOTO, PROMPT, Gateway, _free_port, _status, _user
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -49,7 +50,7 @@ def _rss(gateway: Gateway) -> int:
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the gateway's /metrics, keyed by sample name and sorted labels."""
+    """Every sample of a /metrics endpoint (the gateway's, Triton's), keyed by sample name and sorted labels."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {
@@ -202,8 +203,10 @@ def test_sigterm_stops_the_gateway_with_a_stream_in_flight(served, tmp_path):
 
 
 def test_metrics_count_requests_tokens_and_stream_latencies(served):
+    """The gateway's /metrics and, on Triton's metrics port, the python models' own, both counted against what
+    the clients sent and received."""
     client = served.client()
-    before = _metrics(served.url)
+    before, triton_before = _metrics(served.url), _metrics(served.triton_metrics_url)
     replies = [
         client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=k) for k in (3, 5)
     ]
@@ -221,10 +224,13 @@ def test_metrics_count_requests_tokens_and_stream_latencies(served):
     ]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=_user("Hi!"), max_tokens=2)
-    after = _metrics(served.url)
+    after, triton_after = _metrics(served.url), _metrics(served.triton_metrics_url)
 
     def delta(name: str, **labels: str) -> float:
         return _sample(after, name, **labels) - _sample(before, name, **labels)
+
+    def triton_delta(metric: stage_metrics.Metric, model: str) -> float:
+        return _sample(triton_after, metric.name, model=model) - _sample(triton_before, metric.name, model=model)
 
     usages = [r.usage for r in replies] + [chunks[-1].usage for chunks in streams]
     assert delta("qwen3vl_gateway_requests_total", outcome="completed", status="200") == 5
@@ -235,3 +241,12 @@ def test_metrics_count_requests_tokens_and_stream_latencies(served):
     deltas = sum(len([c for c in chunks if c.choices and c.choices[0].delta.content]) for chunks in streams)
     assert delta("qwen3vl_gateway_inter_token_latency_seconds_count") == deltas - len(streams)
     assert delta("qwen3vl_gateway_request_duration_seconds_count") == 6
+    # The five served requests reached every stage (the unknown model's never left the gateway; the llm may also
+    # count stop requests of earlier tests' cancellations, which go to it directly).
+    for model in (interface.PREPROCESSING, interface.VISION_ENCODER):
+        assert triton_delta(stage_metrics.REQUESTS, model) == 5, model
+    for model in (interface.PREPROCESSING, interface.VISION_ENCODER, interface.LLM):
+        assert triton_delta(stage_metrics.REQUEST_ERRORS, model) == 0, model
+    assert triton_delta(stage_metrics.IMAGES_DECODED, interface.PREPROCESSING) == len(replies)  # one photo each
+    completion_tokens = sum(u.completion_tokens for u in usages)
+    assert triton_delta(stage_metrics.TOKENS_GENERATED, interface.LLM) == completion_tokens
