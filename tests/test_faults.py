@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -41,6 +42,7 @@ from qwen3vl_trt.serving.repository import QUEUED_BATCHES
 from qwen3vl_trt.serving.server import TritonServer
 from qwen3vl_trt.serving.supervisor import group_stubs
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -102,6 +104,21 @@ def _stub(server: TritonServer, model: str, within: float = 30.0):
     return stubs[0]
 
 
+SERVER_RESTARTED = "on its own; starting it again"
+
+
+def _log(server: TritonServer) -> str:
+    return server.log_path.read_text(errors="replace")
+
+
+def _ready(probe: grpcclient.InferenceServerClient, model: str) -> bool:
+    """Server, model and ensemble ready; False also while the server does not answer (it is being restarted)."""
+    try:
+        return probe.is_server_ready() and probe.is_model_ready(model) and probe.is_model_ready(ENSEMBLE)
+    except InferenceServerException:
+        return False
+
+
 def _busy(pid: int, within: float = 60.0) -> bool:
     """Whether the process starts working (20 ms of CPU) within `within` seconds."""
     process = psutil.Process(pid)
@@ -155,6 +172,7 @@ def test_overload_is_refused_at_once_and_the_server_stays_ready(supervised, repo
 
 @pytest.mark.parametrize("stage", [PREPROCESSING, VISION_ENCODER, LLM])
 def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, stage):
+    restarts = _log(supervised).count(SERVER_RESTARTED)
     stub = _stub(supervised, stage)
     if stage == LLM:
         request = InFlight(supervised.url, "Describe this picture. " * 20, [], max_tokens=400)
@@ -170,7 +188,7 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
     broken_at = back_at = None
     while back_at is None:
         assert time.monotonic() - killed < RECOVERY_S, f"{stage} not back after {RECOVERY_S:g} s"
-        ready = probe.is_server_ready() and probe.is_model_ready(stage) and probe.is_model_ready(ENSEMBLE)
+        ready = _ready(probe, stage)
         if not ready and broken_at is None:
             broken_at = time.monotonic() - killed
         elif ready and broken_at is not None:
@@ -182,10 +200,14 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
     print(f"{stage}: not ready {broken_at:.1f} s after the kill, back after {back_at:.1f} s")
     assert broken_at < 5.0
     assert _stub(supervised, stage).pid != stub.pid
-    assert any(model == stage for model, _ in supervised.supervisor.recoveries)
-    log = supervised.log_path.read_text(errors="replace")
-    assert f"stage '{stage}' lost its python stub {stub.instance} (pid {stub.pid}, killed by signal 9)" in log
-    assert f"stage '{stage}' is back after" in log
+    log = _log(supervised)
+    # tritonserver 2.51 itself sometimes aborts when a stub dies holding their shared memory's lock
+    # (boost::interprocess::lock_exception); then the supervisor starts the whole server again.
+    restarted = log.count(SERVER_RESTARTED) > restarts
+    if not restarted:
+        assert any(model == stage for model, _ in supervised.supervisor.recoveries)
+        assert f"stage '{stage}' lost its python stub {stub.instance} (pid {stub.pid}, killed by signal 9)" in log
+        assert f"stage '{stage}' is back after" in log
 
     images = [] if stage == LLM else VISION_WORK[:1]
     assert Client(supervised.url, timeout_s=120).generate("Hello again.", images, max_tokens=4).token_ids
@@ -193,15 +215,39 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
     assert request.done.wait(max(0.0, killed + IN_FLIGHT_ERROR_S - time.monotonic())) or request.done.is_set()
     print(f"{stage}: the request in flight failed {request.ended - killed:.1f} s after the kill: {request.error}")
     assert request.ended - killed <= IN_FLIGHT_ERROR_S
-    # Requests in preprocessing and vision_encoder get the python backend's own error; one in the decoupled llm
-    # gets none from the server (python_backend r24.10 leaves its response factory with the dead stub), so the
-    # client ends it when it sees the deployment not ready while its stream is silent (client.STALL_PROBE_S).
-    expected = (
-        "stopped being ready while this request was in flight"
-        if stage == LLM
-        else (f"Stub process '{stub.instance}' is not healthy")
-    )
-    assert request.error is not None and expected in str(request.error)
+    # Requests in preprocessing and vision_encoder get the python backend's own error, unless the client saw the
+    # deployment not ready first while its stream was silent (client.STALL_PROBE_S); one in the decoupled llm gets
+    # none from the server (python_backend r24.10 leaves its response factory with the dead stub), only the
+    # client's. A server that aborted breaks the stream.
+    expected = ["stopped being ready while this request was in flight"]
+    if stage != LLM:
+        expected.append(f"Stub process '{stub.instance}' is not healthy")
+    if restarted:
+        expected.append("is unavailable")
+    assert request.error is not None and any(e in str(request.error) for e in expected), request.error
+
+
+def test_a_killed_server_is_started_again_and_serves(supervised):
+    """tritonserver itself dying (as 2.51 can when a stub dies holding a shared lock) is a fault too: the
+    supervisor starts it again on the same ports, with serve's overrides, and requests succeed."""
+    server = psutil.Process(supervised.pid).children()[0]  # the guard's child: tritonserver
+    assert Path(server.cmdline()[0]).name == "tritonserver"
+    request = InFlight(supervised.url, "Describe this picture. " * 20, [], max_tokens=400)
+    assert request.first_text.wait(60), "no token came"
+    server.kill()
+    killed = time.monotonic()
+    assert request.done.wait(IN_FLIGHT_ERROR_S), "the request in flight did not end"
+    assert request.error is not None
+    probe = grpcclient.InferenceServerClient(supervised.url)
+    while not _ready(probe, ENSEMBLE):
+        assert time.monotonic() - killed < RECOVERY_S, f"tritonserver not back after {RECOVERY_S:g} s"
+        time.sleep(0.2)
+    print(f"tritonserver: back after {time.monotonic() - killed:.1f} s; the request in flight: {request.error}")
+    assert probe.get_model_config(LLM).config.dynamic_batching.default_queue_policy.max_queue_size == 1
+    probe.close()
+    assert SERVER_RESTARTED in _log(supervised)
+    assert supervised.ended() is None
+    assert Client(supervised.url, timeout_s=120).generate("Hello again.", VISION_WORK[:1], max_tokens=4).token_ids
 
 
 def test_a_stop_after_a_crash_is_bounded_and_leaves_nothing(supervised, repo):

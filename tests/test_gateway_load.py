@@ -230,7 +230,10 @@ def test_metrics_count_requests_tokens_and_stream_latencies(served):
         return _sample(after, name, **labels) - _sample(before, name, **labels)
 
     def triton_delta(metric: stage_metrics.Metric, model: str) -> float:
-        return _sample(triton_after, metric.name, model=model) - _sample(triton_before, metric.name, model=model)
+        def total(samples: dict) -> float:  # over the model's python stubs (label stub_pid)
+            return sum(v for (name, labels), v in samples.items() if name == metric.name and ("model", model) in labels)
+
+        return total(triton_after) - total(triton_before)
 
     usages = [r.usage for r in replies] + [chunks[-1].usage for chunks in streams]
     assert delta("qwen3vl_gateway_requests_total", outcome="completed", status="200") == 5

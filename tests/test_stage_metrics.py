@@ -33,17 +33,18 @@ def served(checkpoints, tmp_path_factory):
 
 
 def _scrape(server: TritonServer) -> dict[tuple[str, str], float]:
-    """The qwen3vl_ samples on the metrics port, by (sample name, model label)."""
+    """The qwen3vl_ samples on the metrics port, by (sample name, model label), summed over stubs."""
     url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
-    return {
-        (sample.name, sample.labels.get(stage_metrics.MODEL_LABEL, "")): sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name.startswith("qwen3vl_")
-        for sample in family.samples
-        if "le" not in sample.labels  # a histogram's buckets: its _count and _sum say enough here
-    }
+    samples: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name.startswith("qwen3vl_") and "le" not in sample.labels:  # a histogram's _count, _sum
+                assert stage_metrics.STUB_LABEL in sample.labels, sample
+                key = (sample.name, sample.labels.get(stage_metrics.MODEL_LABEL, ""))
+                samples[key] = samples.get(key, 0.0) + sample.value  # summed over the model's stubs
+    return samples
 
 
 def _patches(model_dir, images: list[bytes]) -> int:

@@ -43,10 +43,12 @@ class ServerBusyError(ServerUnavailableError):
     max_queue_size); the request may succeed when retried later."""
 
 
-# Triton core's dynamic batcher refuses a request over its queue policy's max_queue_size with this message
-# (core r24.10 src/scheduler_utils.cc, status UNAVAILABLE); on a stream it arrives as the response's
-# error_message, without the status.
+# Triton core's dynamic batcher refuses a request over its queue policy's max_queue_size, or one that waited past
+# its queue timeout, with these messages (core r24.10 and r26.04 src/scheduler_utils.cc and
+# src/dynamic_batch_scheduler.cc, status UNAVAILABLE); on a stream they arrive as the response's error_message,
+# without the status.
 QUEUE_FULL = "Exceeds maximum queue size"
+QUEUE_TIMEOUT = "Request timeout expired"
 
 
 # A request whose stream stays silent this long asks whether the deployment is still ready. A stage whose python
@@ -79,7 +81,7 @@ def _server_error(url: str, error: Any) -> InferenceError:
     message = message or ""
     if interface.REJECTED_REQUEST in message:
         return RequestRejectedError(f"{url}: {message}")
-    if QUEUE_FULL in message:
+    if QUEUE_FULL in message or QUEUE_TIMEOUT in message:
         return ServerBusyError(f"{url} is busy: {message}")
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return ServerUnavailableError(f"{url} is unavailable: {message}")
@@ -316,10 +318,10 @@ class AsyncClient:
 
     Only API that the installed tritonclient 2.73 and the GPU image's 2.68 both have is used: `stream_infer`
     over an async iterator of request dicts, `is_server_ready`/`is_model_ready`/`get_model_config` with
-    client_timeout, `close`. Its request dicts cannot ask for the empty final response (`triton_` parameters
-    are reserved, as tritonclient/grpc/_utils.py checks), so a request's end is the end of its stream: the
-    iterator sends one request and then half-closes, and Triton's gRPC server finishes a half-closed stream
-    once the requests on it are complete.
+    client_timeout, `close`. Its request dicts do not ask for the empty final response (the `triton_` parameter
+    that would is reserved in tritonclient after 2.68: grpc/_utils.py), so a request's end is the end of its
+    stream: the iterator sends one request and then half-closes, and Triton's gRPC server finishes a half-closed
+    stream once the requests on it are complete (server r26.04 src/grpc/stream_infer_handler.cc).
     """
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE):
@@ -373,8 +375,8 @@ class AsyncClient:
             finished = True
             raise _server_error(self.url, e) from e
         finally:
+            responses.cancel()  # frees the call on the shared channel (a no-op once the server ended it)
             if not finished:
-                responses.cancel()
                 # In the background, so that a caller being cancelled (a client that went away) still stops it.
                 stopping = asyncio.ensure_future(self.stop(request_id))
                 self._stopping.add(stopping)  # asyncio keeps only weak references to tasks

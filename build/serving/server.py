@@ -65,7 +65,8 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 class TritonServer:
     """A tritonserver (or its MPI ranks) under its guard, in its own process group; as a context manager,
     started and ready. A single server is supervised (serving.supervisor): a stage whose python stub dies is
-    unloaded and loaded again. max_queue_size overrides the queue bound the repository was written with."""
+    unloaded and loaded again, and a server that exits on its own is started again (a few times).
+    max_queue_size overrides the queue bound the repository was written with."""
 
     log_tail_lines = 30
 
@@ -100,9 +101,11 @@ class TritonServer:
         # Explicit model control, which the supervisor needs, is the single server's (launch_command).
         self.supervisor_enabled = supervise and self.command[0] != "mpirun"
         self.supervisor: StageSupervisor | None = None
+        self._probe: InferenceServerClient | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._log_lock = threading.Lock()
+        self._restarting = threading.Lock()  # held by a restart; a stop waits for it, then stops the new server
 
     @property
     def url(self) -> str:
@@ -169,6 +172,44 @@ class TritonServer:
         """Loads the models with config overrides once the server is up, then polls gRPC readiness (every
         model loaded) until ready and starts the supervisor; ServingError if the server exits first or the
         timeout passes."""
+        self._await_ready()
+        if self.supervisor_enabled and self.supervisor is None:
+            self.supervisor = StageSupervisor(
+                self.pid,
+                self._unload,
+                self._load_stage,
+                self.log,
+                lambda: self.poll() is None,
+                self._model_ready,
+                self._restart,
+            )
+            self.supervisor.start()
+
+    def _restart(self) -> int:
+        """Starts the server again after it exited on its own and waits until it is ready (the supervisor's
+        remedy, on its thread); the new process group."""
+        with self._restarting:
+            status = self.poll()
+            self.log(f"tritonserver {self._exited(status or 0)} on its own; starting it again")
+            self.signal(signal.SIGKILL)  # what is left of its group: its python stubs outlive it a while
+            if self._log is not None:
+                with self._log_lock:
+                    self._log.close()
+                    self._log = None
+            self._process = None
+            self.start()
+            self._await_ready()
+            self.log("tritonserver is ready again")
+            return self.pid
+
+    def ended(self) -> int | None:
+        """The server's exit status once it is down for good (exited, and not being started again), else None."""
+        status = self.poll()
+        if status is None or (self.supervisor is not None and self.supervisor.restarting):
+            return None
+        return status
+
+    def _await_ready(self) -> None:
         from tritonclient.grpc import InferenceServerClient
         from tritonclient.utils import InferenceServerException
 
@@ -198,11 +239,6 @@ class TritonServer:
                 time.sleep(0.2)
         finally:
             client.close()
-        if self.supervisor_enabled and self.supervisor is None:
-            self.supervisor = StageSupervisor(
-                self.pid, self._unload, self._load_stage, self.log, lambda: self.poll() is None
-            )
-            self.supervisor.start()
 
     def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
         """Loads `models` through the repository API, each with its config override if it has one. Loading an
@@ -229,6 +265,18 @@ class TritonServer:
     def _overridden(self, client: InferenceServerClient, model: str) -> bool:
         served = client.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size
         return served == self.max_queue_size
+
+    def _model_ready(self, model: str) -> bool:
+        """Whether the server says the model is ready (the supervisor's second signal of a dead stub); True when
+        the server does not answer: a server that is gone or busy is not a stage's crash."""
+        from tritonclient.grpc import InferenceServerClient
+
+        if self._probe is None:  # the supervisor thread's own, for as long as the server runs
+            self._probe = InferenceServerClient(self.url)
+        try:
+            return bool(self._probe.is_model_ready(model, client_timeout=2.0))
+        except Exception:  # tritonclient's own error types
+            return True
 
     def _unload(self, model: str) -> None:
         """Unloads a stage (the supervisor's first step for a dead stub). Returns at once: the old instance
@@ -278,11 +326,12 @@ class TritonServer:
         """SIGTERM to the group (a clean shutdown), SIGKILL to what is left after stop_grace seconds; bounded
         also when a stage crashed (then tritonserver waits for requests its dead stub held, and is killed).
         The server's exit status; None if it was never started."""
-        process = self._process
-        if process is None:
-            return None
         if self.supervisor is not None:
             self.supervisor.stop(wait=False)  # a reload in progress ends with the server
+        with self._restarting:  # a restart in progress ends first (within the ready timeout)
+            process = self._process
+        if process is None:
+            return None
         self.signal(signal.SIGTERM)
         try:
             process.wait(timeout=self.stop_grace)
@@ -292,6 +341,9 @@ class TritonServer:
         status = self.wait()
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         if self._log is not None:
             with self._log_lock:
                 self._log.close()
@@ -395,8 +447,9 @@ def serve(args: ServeOptions) -> int:
             f"metrics {host_port(args.address, ports.metrics)}" + (f", OpenAI {gateway.url}/v1" if gateway else ""),
             flush=True,
         )
-        # Waits in steps, so a stop signal leads to the bounded stop below even if the server hangs.
-        while (status := server.poll()) is None and not stopping.wait(0.5):
+        # Waits in steps, so a stop signal leads to the bounded stop below even if the server hangs; a server
+        # that exits on its own is started again by its supervisor (a few times), else ends serve.
+        while (status := server.ended()) is None and not stopping.wait(0.5):
             pass
         if status is not None:
             return status

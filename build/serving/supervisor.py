@@ -5,8 +5,9 @@ src/stub_launcher.cc ReceiveMessageFromStub fails a waiting execute with "Stub p
 healthy." within about two seconds, but nothing restarts the stub (src/python_be.cc
 TRITONBACKEND_ModelInstanceExecute: "TODO: Implement restart on decoupled"), and the model and the server keep
 reporting ready. So the launcher runs the server under explicit model control and this supervisor watches the
-stub processes in the server's process group (/proc, Linux): when one exits, it unloads that model, which makes
-the model and (with --strict-readiness) the server not ready, and loads it again, which brings readiness back.
+stub processes in the server's process group (/proc, Linux) and the python models' readiness: when a stub dies,
+it unloads that model, which unloads the ensemble that holds it too (core r26.04 ModelsToLoadUnload), so
+the model and the ensemble are not ready, and loads it again, which brings both back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ STUB_BINARY = "triton_python_backend_stub"
 # every RETRY_DELAY_S.
 POLL_INTERVAL_S = 0.5
 RETRY_DELAY_S = 5.0
+# tritonserver itself may die too: 2.51 aborts when a stub dies holding the lock of their shared memory
+# (boost::interprocess::lock_exception in TRITONBACKEND_ModelInstanceExecute, seen in tests). It is started
+# again at most this often; beyond that it stays down, and `serve` exits with its status.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
 # Between unloading a stage and loading it again: until the old instance is torn down (its dead stub reaped), at
 # most this long (the llm's may never be: its decoupled requests hold it). Loading at once, while the old
 # instance was still being torn down, was seen to corrupt tritonserver 2.51's heap ("malloc(): unaligned fastbin
@@ -89,8 +95,14 @@ class StageSupervisor:
     """A thread that reloads, through the server's model repository API, every model whose stub dies.
 
     `unload(model)` and `load(model)` go through the repository API (raising on failure); `log` gets one line per event;
-    `alive()` says whether the server still runs (a server that died is not the supervisor's to bring back:
-    `serve` exits with its status, for the process manager to restart)."""
+    `alive()` says whether the server still runs; `ready(model)` asks the server; `restart()` starts a server
+    that died on its own again and waits until it is ready (its new process group), on this thread, which
+    therefore lives until the server is gone.
+
+    Two signals of a dead stub, for the two python backends it runs with: the stub left a zombie (r24.10,
+    tritonserver 2.51: nothing reaps it and the model keeps reporting ready), or its model turned not ready
+    (r26.04: TRITONBACKEND_ModelInstanceReady asks StubActive, whose waitpid reaps the zombie, so a readiness
+    probe by anyone can remove the first signal before it is seen)."""
 
     def __init__(
         self,
@@ -99,10 +111,15 @@ class StageSupervisor:
         load: Callable[[str], None],
         log: Callable[[str], None],
         alive: Callable[[], bool],
+        ready: Callable[[str], bool],
+        restart: Callable[[], int],
     ) -> None:
         self.group = group
         self._unload, self._load = unload, load
         self._alive = alive
+        self._ready = ready
+        self._restart = restart
+        self._restarts: list[float] = []  # when the server was started again
         self._log = log
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stage-supervisor", daemon=True)
@@ -112,32 +129,78 @@ class StageSupervisor:
         self._thread.start()
 
     def stop(self, wait: bool = True) -> None:
-        """Stops watching; `wait`: until a reload in progress has ended too (it ends with the server)."""
+        """Stops watching and restarting; `wait`: until the thread ended, which it does once the server is gone
+        (a server it restarted dies with the thread that started it: server._die_with_parent)."""
         self._stopping.set()
         if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def restarting(self) -> bool:
+        """Whether a server that died will be started again (this thread runs and has not given up)."""
+        return self._thread.is_alive() and not self._stopping.is_set()
+
     def _run(self) -> None:
+        while True:
+            self._watch()
+            if self._stopping.is_set():
+                while self._alive():  # the stop in progress ends it (bounded by its grace period)
+                    time.sleep(POLL_INTERVAL_S / 5)
+                return
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+            if len(self._restarts) >= MAX_RESTARTS:
+                self._log(f"tritonserver exited {MAX_RESTARTS} times in {RESTART_WINDOW_S:g} s; not starting it again")
+                return
+            self._restarts.append(now)
+            try:
+                self.group = self._restart()
+            except Exception as e:  # the new server did not come up; it is down for good
+                self._log(f"tritonserver could not be started again: {str(e).splitlines()[0] if str(e) else e!r}")
+                return
+            self.recoveries.append(("tritonserver", time.monotonic() - now))
+
+    def _watch(self) -> None:
+        """Watches the stages until the server exits or the supervisor stops."""
         # A stub the server stops is reaped at once (stub_launcher.cc WaitForStubProcess); one that died on
         # its own stays a zombie, unreaped until its model unloads. A stub is taken as crashed when it has
         # been a zombie for two looks in a row; its pid is remembered from when it ran (a zombie's
         # command line is empty).
         known = group_stubs(self.group).live
+        stages = {stub.model for stub in known.values()}  # the python models
         suspects: set[int] = set()
+        unready: set[str] = set()  # stages seen not ready on the last look
         handled: set[int] = set()  # crashed stubs already dealt with (the llm's may stay zombies for good)
         while not self._stopping.wait(POLL_INTERVAL_S):
+            if not self._alive():
+                return
             scan = group_stubs(self.group)
             handled &= scan.exited.keys()  # a reaped pid may come back as another process
             crashed = [known[pid] for pid in scan.exited if pid in suspects and pid not in handled]
             suspects = {pid for pid in scan.exited if pid in known}
+            # A stub reaped before it was seen as a zombie (the backend reaps one whose request it failed, and
+            # r26.04's readiness check reaps too) is gone from /proc: crashed when its model has no stub left
+            # (a reload that Triton makes starts the new instance's stub before it stops the old one).
+            serving = {stub.model for stub in scan.live.values()}
+            vanished = [
+                stub
+                for pid, stub in known.items()
+                if pid not in scan.live and pid not in scan.exited and pid not in handled and stub.model not in serving
+            ]
+            ended = {**scan.exited, **{stub.pid: "reaped by the server" for stub in vanished}}
+            crashed += vanished
             known = {**{pid: s for pid, s in known.items() if pid in scan.exited}, **scan.live}
-            for model in dict.fromkeys(stub.model for stub in crashed):
-                gone = ", ".join(
-                    f"{s.instance} (pid {s.pid}, {scan.exited[s.pid]})" for s in crashed if s.model == model
-                )
-                self._log(f"stage '{model}' lost its python stub {gone}: unloading and loading it again")
-                handled.update(s.pid for s in crashed if s.model == model)
-                self._recover(model, {s.pid for s in crashed if s.model == model})
+            stages |= serving
+            broken = {stub.model: f"lost its python stub {stub.instance} (pid {stub.pid}, {ended[stub.pid]})"
+                      for stub in crashed}  # fmt: skip
+            not_ready = {model for model in stages - broken.keys() if not self._ready(model)}
+            broken.update({model: "is not ready (its python stub died)" for model in not_ready & unready})
+            unready = not_ready - broken.keys()
+            for model, what in broken.items():
+                self._log(f"stage '{model}' {what}: unloading and loading it again")
+                dead = {s.pid for s in crashed if s.model == model}
+                handled.update(dead)
+                self._recover(model, dead)
                 if self._stopping.is_set():
                     return
                 known.update(group_stubs(self.group).live)

@@ -52,12 +52,15 @@ class _Metrics:
     """One model's stage_metrics, through the python backend's custom metrics API (python_backend r24.10
     src/pb_stub.cc: MetricFamily of kind COUNTER, GAUGE or HISTOGRAM, the last with its buckets given to
     each Metric; Metric.increment and .observe). Families of one name are shared by the models (one
-    underlying family, r24.10 examples/custom_metrics), told apart by the model label."""
+    underlying family, r24.10 examples/custom_metrics), told apart by the model label, and by the stub's pid:
+    Triton shares a metric of identical labels between MetricFamily objects and deletes it when either
+    instance ends (core r26.04 src/metric_family.cc, prometheus-cpp Family::Remove), and a reloaded model's
+    old and new instances overlap, so each instance writes series of its own."""
 
     def __init__(self, model: str, metrics: Sequence[stage_metrics.Metric]):
         self._families: list[Any] = []
         self._metrics: dict[str, Any] = {}
-        labels = {stage_metrics.MODEL_LABEL: model}
+        labels = {stage_metrics.MODEL_LABEL: model, stage_metrics.STUB_LABEL: str(os.getpid())}
         for metric in metrics:
             if metric.kind is stage_metrics.Kind.HISTOGRAM:
                 family = pb_utils.MetricFamily(metric.name, metric.description, pb_utils.MetricFamily.HISTOGRAM)
@@ -84,12 +87,23 @@ COMPUTING_MODELS = 3
 """Python models whose stubs compute on the host's cores at once: preprocessing, vision_encoder, llm."""
 
 
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (a container's
+    `--cpus`), which the affinity does not show."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cores
+    return cores if quota == "max" else max(1, min(cores, int(quota) // int(period)))
+
+
 def intra_op_threads() -> int:
     """Threads for one model instance's torch and ONNX Runtime ops: its share of the cores this process
-    may run on. Each python model is its own stub process; one with more threads than its share makes
+    may use. Each python model is its own stub process; one with more threads than its share makes
     its OpenMP/ORT threads wait at every op for threads that the other stubs keep off the cores (on
     2 cores with the other stubs busy, preprocessing took 10x longer with 2 threads than with 1)."""
-    return max(1, len(os.sched_getaffinity(0)) // COMPUTING_MODELS)
+    return max(1, usable_cores() // COMPUTING_MODELS)
 
 
 # glibc's mallopt parameters (malloc/malloc.h) and the largest mmap threshold it accepts on 64-bit hosts
@@ -273,6 +287,9 @@ class _ResponseStream:
         self.sender = sender
         self.metrics = metrics
         self.echoed = echoed
+        # Counted once the request ends: each metric update is a round trip to the server process
+        # (python_backend src/metric.cc SendMessage), too dear for every streamed token.
+        self.generated = 0
 
     def send(self, tokens: list[int], final: bool) -> None:
         outputs = {
@@ -280,15 +297,23 @@ class _ResponseStream:
             interface.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
         }
         self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        self.metrics.add(stage_metrics.TOKENS_GENERATED, len(tokens) - self.echoed)
+        self.generated += len(tokens) - self.echoed
         self.echoed = 0  # only a request's one response when not streaming holds the prompt
+        if final:
+            self._count()
 
     def finish(self) -> None:
         self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._count()
 
     def fail(self, error: Exception) -> None:
         self.sender.send(error_response(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
+        self._count()
+
+    def _count(self) -> None:
+        self.metrics.add(stage_metrics.TOKENS_GENERATED, self.generated)
+        self.generated = 0
 
     def cancelled(self) -> bool:
         return bool(self.sender.is_cancelled())
