@@ -282,7 +282,8 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-request-bytes",
         type=_positive_int,
-        help="larger request bodies are refused with 413 (default: max images x max image bytes as base64, plus 4 MiB)",
+        help="larger request bodies are refused with 413 (default: max images x max image bytes as base64 plus 4 MiB, "
+        "at most 32 MiB)",
     )
     parser.add_argument(
         "--request-timeout",
