@@ -206,7 +206,9 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
     restarted = log.count(SERVER_RESTARTED) > restarts
     if not restarted:
         assert any(model == stage for model, _ in supervised.supervisor.recoveries)
-        assert f"stage '{stage}' lost its python stub {stub.instance} (pid {stub.pid}, killed by signal 9)" in log
+        # Seen as a zombie, or gone already: the backend reaps a stub whose request it failed.
+        lost = f"stage '{stage}' lost its python stub {stub.instance} (pid {stub.pid}, "
+        assert f"{lost}killed by signal 9)" in log or f"{lost}reaped by the server)" in log, log[-2000:]
         assert f"stage '{stage}' is back after" in log
 
     images = [] if stage == LLM else VISION_WORK[:1]
