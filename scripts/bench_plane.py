@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
-from bench_serving import Answers, GrpcRoute, Level, Request, Send, run_level, warm_up, workload
+from bench_serving import Answers, GrpcRoute, Level, Reply, Request, Send, run_level, warm_up, workload
 from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
@@ -98,7 +98,12 @@ class StreamingRoute(GrpcRoute):
     def sender(self) -> Send:
         client = Client(self.url)
         self._clients.append(client)
-        return lambda request: client.generate(request.prompt, request.images, self.max_tokens, stream=True).token_ids
+
+        def send(request: Request) -> Reply:
+            answer = client.generate(request.prompt, request.images, self.max_tokens, stream=True)
+            return Reply(answer.token_ids, answer.text, len(answer.token_ids))
+
+        return send
 
 
 def measure(
