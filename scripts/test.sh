@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: lint, then pytest under transformers 5.x, again under 4.57.3 (the GPU image's pin), and the
 # GPU-side checks once more at the GPU image's versions (build/gpu_image.py): the Triton language 3.5.1 (kernel in
-# the interpreter, AOT compile and ptxas report), tritonclient/protobuf (config generation), nvImageCodec.
+# the interpreter, AOT compile and ptxas report), tritonclient/protobuf (config generation; the OpenAI gateway's
+# asyncio client against a real server), nvImageCodec.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity -x
 set -euo pipefail
 cd "$(dirname "$0")/.."

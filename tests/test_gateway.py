@@ -26,7 +26,8 @@ from PIL import Image
 from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.testing.hf_reference import load_hf_processor
 
-pytestmark = [pytest.mark.slow, pytest.mark.server]
+# gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
 
 PHOTO = jpeg(64, 96, seed=1)
 PROMPT = "Describe this picture."

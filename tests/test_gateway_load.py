@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwen3vl_trt.serving import interface, stage_metrics
 from test_gateway import PHOTO, PROMPT, Gateway, _free_port, _status, _user
 
-pytestmark = [pytest.mark.slow, pytest.mark.server]
+# gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
 
 served = test_gateway.served  # the CPU deployment with `serve --openai-port`, one for this module
 

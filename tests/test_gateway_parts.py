@@ -25,6 +25,8 @@ from qwen3vl_trt.serving.gateway import (
 )
 from tritonclient.utils import InferenceServerException
 
+pytestmark = pytest.mark.gpu_image  # how tritonclient 2.68's errors map, at the GPU image's version too
+
 
 def test_admission_serves_up_to_its_limit_queues_a_few_and_refuses_the_rest_at_once():
     admission = Admission(max_in_flight=2, max_queued=2, max_wait_s=5.0)
