@@ -249,11 +249,14 @@ class Acceptance:
         }
         needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
         served: dict[str, list[int]] = {}
+        healed: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            served.update(_served_tokens(self._built(name), requests, log_path))
+            tokens, heals = _served_tokens(self._built(name), requests, log_path)
+            served.update(tokens)
+            healed.append(heals)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
             # Tensors between models that miss the CUDA memory pool go by CUDA IPC or through pinned host memory
             # (serving.gpu_memory): the pool is sized so that none does.
@@ -263,10 +266,14 @@ class Acceptance:
 
         limit = f"gap <= {LOGIT_GAP:g}"
         serving = f"serve the GPU repository ({name})"
+        healing = f"metrics published; a killed vision_encoder stub comes back ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
+            self.report.rows.append(
+                Row(healing, SKIPPED, limit="back, answers", detail="the repository was not served")
+            )
             return
         reference = _TransformersGreedy(model)
         for kind, (prompt, images) in requests.items():
@@ -278,6 +285,7 @@ class Acceptance:
                 return bool(served[kind]) and worst <= LOGIT_GAP, figure
 
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs, compare)
+        self.row(healing, "back, answers", needs, lambda: healed[0])
 
     def _built(self, name: str) -> Path:
         if name not in self._builds:
@@ -420,8 +428,9 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
 
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes]]], log_path: Path
-) -> dict[str, list[int]]:
-    """Greedy token ids of each request through the build's GPU repository on a real tritonserver."""
+) -> tuple[dict[str, list[int]], tuple[bool, str]]:
+    """Greedy token ids of each request through the build's GPU repository on a real tritonserver, and then
+    whether the deployment heals (see _heals) with its figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.endpoints import free_ports
@@ -434,14 +443,65 @@ def _served_tokens(
         server.wait_ready()
         client = Client(server.url, timeout_s=120)
         try:
-            return {
+            tokens = {
                 kind: client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
                 for kind, (prompt, images) in requests.items()
             }
         finally:
             client.close()
+        return tokens, _heals(server)
     finally:
         server.stop()
+
+
+def _heals(server: Any) -> tuple[bool, str]:
+    """On the image's own tritonserver (python_backend r26.04, whose model readiness follows stub health): the
+    python models publish their qwen3vl_ metrics, and the vision encoder's stub killed (as an OOM kill would) is
+    seen, reloaded by the supervisor, and serves again."""
+    import os
+    import signal
+    import urllib.request
+
+    from tritonclient.grpc import InferenceServerClient
+
+    from .serving import interface, stage_metrics
+    from .serving.client import Client
+    from .serving.supervisor import group_stubs
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as reply:
+        published = stage_metrics.REQUESTS.name in reply.read().decode()
+    (stub,) = [s for s in group_stubs(server.pid).live.values() if s.model == interface.VISION_ENCODER]
+    os.kill(stub.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    probe = InferenceServerClient(server.url)
+    broken_at = back_at = None
+    try:
+        while back_at is None and time.monotonic() - killed < 300:
+            try:
+                ready = probe.is_model_ready(interface.VISION_ENCODER) and probe.is_model_ready(interface.ENSEMBLE)
+            except Exception:  # tritonclient's own errors: the server is being started again
+                ready = False
+            if not ready and broken_at is None:
+                broken_at = time.monotonic() - killed
+            elif ready and broken_at is not None:
+                back_at = time.monotonic() - killed
+            time.sleep(0.2)
+    finally:
+        probe.close()
+    answered = False
+    if back_at is not None:
+        client = Client(server.url, timeout_s=120)
+        try:
+            answered = bool(client.generate("Still there?", max_tokens=2).token_ids)
+        finally:
+            client.close()
+    figure = (
+        f"qwen3vl_ metrics {'published' if published else 'missing'}; vision_encoder stub killed: "
+        + (f"not ready after {broken_at:.1f} s, " if broken_at is not None else "never seen not ready, ")
+        + (f"back after {back_at:.1f} s, " if back_at is not None else "not back in 300 s, ")
+        + f"then {'answered' if answered else 'no answer'}"
+    )
+    return published and answered, figure
 
 
 class _TransformersGreedy:
