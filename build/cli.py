@@ -118,6 +118,9 @@ def _repository_settings(args: argparse.Namespace):
         max_queue_size=args.max_queue_size,
         queue_timeout_us=int(args.queue_timeout_ms * 1000),
         attention_budget_bytes=args.vision_attention_mib * 2**20,
+        visual_cache="off" if args.no_visual_cache else args.visual_cache,
+        visual_cache_bytes=None if args.visual_cache_mib is None else args.visual_cache_mib * 2**20,
+        visual_cache_ttl_s=args.visual_cache_ttl_s,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         python_models_gpu=args.python_models_gpu,
         gpu_memory_bytes=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30),
@@ -125,7 +128,12 @@ def _repository_settings(args: argparse.Namespace):
 
 
 def _add_repository_options(s: argparse.ArgumentParser) -> None:
-    from .serving.repository import QUEUED_BATCHES, RepositorySettings
+    from .serving.repository import (
+        QUEUED_BATCHES,
+        VISUAL_CACHE_MAX_BYTES,
+        VISUAL_CACHE_MIN_BYTES,
+        RepositorySettings,
+    )
 
     d = RepositorySettings()
     g = s.add_argument_group("Triton repository")
@@ -135,7 +143,7 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queue-size",
         type=_positive_int,
-        help="requests preprocessing, vision_encoder and llm each hold waiting; more are refused at once (UNAVAILABLE) "
+        help="requests preprocessing and llm each hold waiting; more are refused at once (UNAVAILABLE) "
         f"(default: {QUEUED_BATCHES} x --max-batch-size)",
     )
     g.add_argument(
@@ -149,6 +157,28 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
         type=int,
         default=d.attention_budget_bytes >> 20,
         help="attention memory of one vision encoder run (the batch is cut into runs that fit)",
+    )
+    cache = g.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--visual-cache",
+        type=_visual_cache,
+        default=d.visual_cache,
+        help="where images' encoded features are kept, so a repeated image is neither decoded nor encoded again: "
+        "'memory' (in the preprocessing process, an LRU within --visual-cache-mib) or redis://HOST:PORT/DB "
+        "(shared by replicas; docs/visual-cache.md) (default: %(default)s)",
+    )
+    cache.add_argument("--no-visual-cache", action="store_true", help="encode every image of every request")
+    g.add_argument(
+        "--visual-cache-mib",
+        type=_positive_int,
+        help="the in-process visual cache's budget (default: 4 full batches of the largest requests' features, "
+        f"{VISUAL_CACHE_MIN_BYTES >> 20} MiB to {VISUAL_CACHE_MAX_BYTES >> 20} MiB)",
+    )
+    g.add_argument(
+        "--visual-cache-ttl-s",
+        type=_positive_int,
+        default=d.visual_cache_ttl_s,
+        help="with Redis: seconds an entry lives (default: %(default)s)",
     )
     g.add_argument(
         "--kv-cache-free-gpu-mem-fraction",
@@ -211,6 +241,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         gateway=_gateway_options(args),
         stop_grace=args.stop_grace,
         max_queue_size=args.max_queue_size,
+        visual_cache=args.visual_cache,
     )
 
 
@@ -238,6 +269,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
+
+
+def _visual_cache(text: str) -> str:
+    from .errors import LimitsError
+    from .serving.visual_cache import check_cache_setting
+
+    try:
+        return check_cache_setting(text)
+    except LimitsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -324,8 +365,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue-size",
         type=_positive_int,
-        help="requests preprocessing, vision_encoder and llm each hold waiting, more are refused at once "
+        help="requests preprocessing and llm each hold waiting, more are refused at once "
         "(default: as build/write-repo set it)",
+    )
+    parser.add_argument(
+        "--visual-cache",
+        type=_visual_cache,
+        help="where preprocessing keeps images' features: 'off', 'memory' or redis://HOST:PORT/DB, shared by "
+        "replicas (default: as build/write-repo set it)",
     )
     parser.add_argument(
         "--openai-port",

@@ -65,6 +65,10 @@ class GpuStackMissingError(Qwen3VLTrtError):
     exit_code = 3
 
 
+class StageError(Qwen3VLTrtError):
+    """A stage of a running deployment failed a request through no fault of the request's."""
+
+
 class ServingError(Qwen3VLTrtError):
     """No usable Triton server: not installed, not runnable from this environment, or not ready in time."""
 

@@ -123,13 +123,15 @@ def measure(
 def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> tuple[Workload, Workload, int]:
     from qwen3vl_trt.pipeline import build
     from qwen3vl_trt.serving.endpoints import free_ports
-    from qwen3vl_trt.serving.repository import write_repository
+    from qwen3vl_trt.serving.repository import RepositorySettings, write_repository
     from qwen3vl_trt.serving.server import TritonServer
 
     print(f"building {model_dir} for the CPU target in {scratch}", file=sys.stderr, flush=True)
     limits = EngineLimits(max_batch_size=args.max_batch_size)
     build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
-    repo = write_repository(scratch / "build", scratch / "plane-repo", "cpu", log=lambda *_: None)
+    # Without the visual cache: every image request is decoded and encoded (the cycle repeats its images).
+    settings = RepositorySettings(visual_cache="off")
+    repo = write_repository(scratch / "build", scratch / "plane-repo", "cpu", settings=settings, log=lambda *_: None)
     shutil.copyfile(INSTANT_LLM, repo / interface.LLM / "1" / "model.py")
     cycle = workload()
     text = [r for r in cycle if not r.images]

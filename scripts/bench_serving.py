@@ -442,9 +442,11 @@ def bench_own_servers(
     build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
     one_process = OneProcessRoute(model_dir, scratch / "build", args.max_tokens, args.one_process_threads)
     warm_up(one_process, ONE_PROCESS, requests, answers)
-    settings = {"batching on": RepositorySettings(max_queue_delay_us=args.queue_delay_us)}
+    # Without the visual cache: the workload's cycle repeats its images, which the cache would answer from memory
+    # (scripts/bench_cache.py measures that); here every image is decoded and encoded, as in one process.
+    settings = {"batching on": RepositorySettings(max_queue_delay_us=args.queue_delay_us, visual_cache="off")}
     if args.batching_off:
-        settings["batching off"] = RepositorySettings(dynamic_batching=False)
+        settings["batching off"] = RepositorySettings(dynamic_batching=False, visual_cache="off")
     servers: dict[str, dict] = {}
     local: Level | None = None
     for name, setting in settings.items():

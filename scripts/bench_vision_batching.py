@@ -43,11 +43,12 @@ JOINED = RunCost(fixed_s=1.0, per_patch_s=0.0, per_pair_s=0.0)
 
 
 def _vision_requests(model_dir: Path, sizes: list[tuple[int, int]], seed: int) -> list[dict[str, Any]]:
-    """The vision_encoder's inputs for one request per image, as the served preprocessing makes them."""
+    """The vision_encoder's inputs for each image alone, as the served preprocessing makes them (it joins a
+    batch's images into one vision request; here the planner's cases are made of these)."""
     limits = EngineLimits(
         max_batch_size=len(sizes), max_input_len=4096, max_seq_len=8192, max_num_tokens=8192, max_visual_tokens=4096
     )
-    pre = Preprocessing(model_dir, limits)
+    pre = Preprocessing(model_dir, limits, torch.float32, 1)  # the table's width is not used here
     inputs = [
         {
             interface.TEXT_INPUT.name: b"Describe this picture.",
@@ -56,11 +57,12 @@ def _vision_requests(model_dir: Path, sizes: list[tuple[int, int]], seed: int) -
         }
         for i, (h, w) in enumerate(sizes)
     ]
-    made = pre.execute(inputs)
-    for outcome in made:
+    requests = []
+    for outcome in pre.execute(inputs):
         if isinstance(outcome, Exception):
             raise outcome
-    return [{t.name: outcome[t.name] for t in interface.VISION_REQUEST} for outcome in made]  # type: ignore[index]
+        requests.append(pre.vision_request(outcome.to_encode))
+    return requests
 
 
 def vision_batching_figures(model_dir: Path, vision_dir: Path, repeats: int = 5, warmup: int = 1) -> dict[str, Any]:

@@ -11,6 +11,17 @@ venv=${QWEN3VL_VENV:-.venv}
 # must match torch exactly. Override TORCH_SPEC for another platform or a CPU-only index.
 torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 
+# The visual cache's tests start a real redis-server (Debian's package); CI runs as root on a fresh machine.
+if ! command -v redis-server > /dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+        echo "bootstrap: installing redis-server (apt-get)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } > /dev/null
+    else
+        echo "bootstrap: redis-server is missing; install it (Debian/Ubuntu: apt-get install redis-server)" >&2
+        exit 1
+    fi
+fi
+
 stamp="$venv/.bootstrap-stamp"
 want="$(cat pyproject.toml scripts/bootstrap.sh build/gpu_image.py | sha256sum | cut -d' ' -f1) $torch_spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -21,16 +21,18 @@ from tritonclient.grpc import model_config_pb2 as mc
 LIMITS = EngineLimits(
     max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
 )
-SETTINGS = RepositorySettings()
+# Without the visual cache: these deployments' tests see every image decoded and encoded (test_visual_cache has
+# deployments with it).
+SETTINGS = RepositorySettings(visual_cache="off")
 
 
 def _quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def build_cpu_repository(model_dir: Path, root: Path) -> Path:
+def build_cpu_repository(model_dir: Path, root: Path, settings: RepositorySettings = SETTINGS) -> Path:
     """`qwen3vl-trt build --target cpu` of the checkpoint under root; the Triton model repository's path."""
-    build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet)
+    build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=settings, log=_quiet)
     return root / "build" / "triton_repo"
 
 

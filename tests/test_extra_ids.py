@@ -60,4 +60,4 @@ def test_text_only_requests_have_zeros(pre):
 def test_mismatched_images_are_refused():
     ids = np.array([1, 151655, 151655, 151655, 151655, 2])
     with pytest.raises(InputError, match="do not match"):
-        prompt_table_extra_ids(ids, 151655, [b"x"], np.array([[1, 4, 8]]), merge_size=2)  # 8 tokens, 4 in the ids
+        prompt_table_extra_ids(ids, 151655, [bytes(16)], np.array([[1, 4, 8]]), merge_size=2)  # 8 tokens, 4 in the ids

@@ -161,8 +161,10 @@ def test_overload_is_refused_at_once_and_the_server_stays_ready(supervised, repo
     assert not serving_config.read(repo / POSTPROCESSING).dynamic_batching.default_queue_policy.max_queue_size
     # Served with the override of serve --max-queue-size.
     probe = grpcclient.InferenceServerClient(supervised.url)
-    for model in (PREPROCESSING, VISION_ENCODER, LLM):
+    for model in (PREPROCESSING, LLM):
         assert probe.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size == 1
+    # Unbounded: its one client, preprocessing, sends it a request per batch and waits for it.
+    assert not probe.get_model_config(VISION_ENCODER).config.dynamic_batching.default_queue_policy.max_queue_size
 
     def one(i: int) -> tuple[str, float]:
         client = Client(supervised.url, timeout_s=120)
@@ -209,8 +211,9 @@ def test_a_killed_stage_fails_its_requests_and_comes_back_by_itself(supervised, 
         elif ready and broken_at is not None:
             back_at = time.monotonic() - killed
         time.sleep(0.1)
-    # Loaded again with serve's override.
-    assert probe.get_model_config(stage).config.dynamic_batching.default_queue_policy.max_queue_size == 1
+    # Loaded again with serve's override (where it applies).
+    bound = probe.get_model_config(stage).config.dynamic_batching.default_queue_policy.max_queue_size
+    assert bound == (0 if stage == VISION_ENCODER else 1)
     probe.close()
     print(f"{stage}: not ready {broken_at:.1f} s after the kill, back after {back_at:.1f} s")
     assert broken_at < 5.0

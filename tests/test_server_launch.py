@@ -30,17 +30,18 @@ from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
 from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
 from qwen3vl_trt.serving.launch import (
+    ConfigOverrides,
     cuda_pool_flags,
     launch_command,
     model_control_flags,
     mpi_command,
-    queue_overrides,
     repository_models,
     server_command,
     world_size,
 )
 from qwen3vl_trt.serving.server import ServeOptions, TritonServer, serve
 from qwen3vl_trt.serving.tritonserver_install import TritonInstall, find_tritonserver
+from qwen3vl_trt.serving.visual_cache import VISUAL_CACHE_PARAMETER
 from tritonclient.grpc import model_config_pb2 as mc
 
 WHEEL_ROOT = tritonserver_install._pytriton_dir()
@@ -348,13 +349,18 @@ def test_serve_options_for_faults_and_back_pressure(tmp_path):
     assert defaults.stop_grace == 30.0 and defaults.max_queue_size is None
     with pytest.raises(SystemExit):
         _serve_args("--repo", str(tmp_path), "--max-queue-size", "0")
+    assert defaults.visual_cache is None
+    assert _serve_args("--repo", str(tmp_path), "--visual-cache", "redis://r:6379/1").visual_cache == "redis://r:6379/1"
+    with pytest.raises(SystemExit):
+        _serve_args("--repo", str(tmp_path), "--visual-cache", "disk")
 
 
-def test_queue_overrides_reach_only_the_bounded_models(tmp_path):
-    """serve --max-queue-size replaces the bound write-repo set, on the models that have one; the ensemble
-    loads last, after the models it names."""
+def test_config_overrides_reach_only_the_models_they_apply_to(tmp_path):
+    """serve --max-queue-size replaces the bound write-repo set, on the models that have one, and serve
+    --visual-cache the cache of the model that has one; the ensemble loads last, after the models it names."""
     bounded = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
     serving_config.queue_policy(bounded, 32, timeout_us=500)
+    serving_config.parameters(bounded, {VISUAL_CACHE_PARAMETER: "memory", "other": "kept"})
     unbounded = mc.ModelConfig(name="postprocessing", backend="python", max_batch_size=8)
     unbounded.dynamic_batching.max_queue_delay_microseconds = 100
     ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=8)
@@ -362,11 +368,17 @@ def test_queue_overrides_reach_only_the_bounded_models(tmp_path):
         (tmp_path / config.name).mkdir()
         serving_config.write(tmp_path / config.name, config)
     assert repository_models(tmp_path) == ["postprocessing", PREPROCESSING, ENSEMBLE]
-    overrides = queue_overrides(tmp_path, 2)
-    assert list(overrides) == [PREPROCESSING]
-    served = json_format.Parse(overrides[PREPROCESSING], mc.ModelConfig())
+    assert not ConfigOverrides() and ConfigOverrides().configs(tmp_path) == {}
+    overrides = ConfigOverrides(max_queue_size=2, visual_cache="redis://cache:6379/0")
+    configs = overrides.configs(tmp_path)
+    assert list(configs) == [PREPROCESSING]
+    served = json_format.Parse(configs[PREPROCESSING], mc.ModelConfig())
     policy = served.dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds) == (2, 500)
     assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    assert served.parameters[VISUAL_CACHE_PARAMETER].string_value == "redis://cache:6379/0"
+    assert overrides.kept_by(served) and not overrides.kept_by(bounded)
+    assert overrides.kept_by(unbounded)  # nothing to keep
     served.dynamic_batching.default_queue_policy.max_queue_size = 32
+    served.parameters[VISUAL_CACHE_PARAMETER].string_value = "memory"
     assert served == bounded  # nothing else changes

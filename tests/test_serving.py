@@ -130,11 +130,16 @@ def _largest_batch(stats: dict) -> int:
 def test_concurrent_mixed_requests_are_batched_and_equal_sequential_results(dense):
     client = dense.client()
     alone = [client.generate(prompt, images, max_tokens=8) for prompt, images in MIXED]
-    together = _concurrently(dense, MIXED)
-    assert [a.token_ids for a in together] == [a.token_ids for a in alone]
-    assert [a.text for a in together] == [a.text for a in alone]
-    for model in (interface.PREPROCESSING, interface.VISION_ENCODER):
-        assert _largest_batch(dense.statistics(model)) > 1, f"{model} never ran a batch of more than one request"
+    # With no queue delay (the default), requests meet in a batch when they queue while the model executes; on a
+    # busy machine the threads' requests can arrive one by one, so they are sent together up to a few times.
+    for _ in range(5):
+        together = _concurrently(dense, MIXED)
+        assert [a.token_ids for a in together] == [a.token_ids for a in alone]
+        assert [a.text for a in together] == [a.text for a in alone]
+        if _largest_batch(dense.statistics(interface.PREPROCESSING)) > 1:
+            break
+    # The vision encoder gets one request per preprocessing batch, holding the images of all its requests.
+    assert _largest_batch(dense.statistics(interface.PREPROCESSING)) > 1, "preprocessing never batched requests"
 
 
 def test_bad_requests_fail_alone_and_the_server_stays_ready(dense):
@@ -244,7 +249,14 @@ def test_tensors_cross_every_model_intact(dense):
         interface.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
     }
     served = _infer_model(dense.url, interface.PREPROCESSING, request)
-    local = Preprocessing(dense.model_dir, LIMITS).execute([{k: v[0] for k, v in request.items()}])[0]
+    hidden_size = served.as_numpy(interface.PROMPT_TABLE.name).shape[-1]
+    component = Preprocessing(dense.model_dir, LIMITS, torch.float32, hidden_size)
+    prepared = component.execute([{k: v[0] for k, v in request.items()}])[0]
+    vision_inputs = component.vision_request(prepared.to_encode)
+    build_dir = dense.server.repo.parent
+    batching = VisionBatching(build_dir / "vision", torch.float32, hidden_size, SETTINGS.attention_budget_bytes)
+    encoded = batching.execute([vision_inputs])[0][interface.PROMPT_TABLE.name]
+    local = component.finish(prepared, component.split_rows(encoded, prepared.to_encode))
     for tensor in interface.PREPROCESSING_OUTPUTS:
         ours = np.asarray(local[tensor.name])
         theirs = served.as_numpy(tensor.name)[0]
@@ -252,12 +264,9 @@ def test_tensors_cross_every_model_intact(dense):
         assert theirs.dtype == ours.dtype, tensor.name
     assert int(served.as_numpy(interface.SEED.name)[0, 0]) == 2**63 + 5
 
-    vision_inputs = {t.name: served.as_numpy(t.name) for t in interface.VISION_REQUEST}
-    table = _infer_model(dense.url, interface.VISION_ENCODER, vision_inputs).as_numpy(interface.PROMPT_TABLE.name)[0]
-    build_dir = dense.server.repo.parent
-    batching = VisionBatching(build_dir / "vision", torch.float32, table.shape[1], SETTINGS.attention_budget_bytes)
-    expected = batching.execute([{k: v[0] for k, v in vision_inputs.items()}])[0][interface.PROMPT_TABLE.name]
-    np.testing.assert_array_equal(table, expected.numpy())
+    sent = {name: np.asarray(value)[None] for name, value in vision_inputs.items()}
+    table = _infer_model(dense.url, interface.VISION_ENCODER, sent).as_numpy(interface.PROMPT_TABLE.name)[0]
+    np.testing.assert_array_equal(table, encoded.numpy())
 
     ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int32)
     out = _infer_model(

@@ -8,7 +8,6 @@ import urllib.request
 import pytest
 from deployment import build_cpu_repository
 from images import jpeg
-from prometheus_client.parser import text_string_to_metric_families
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface, stage_metrics
 from qwen3vl_trt.serving.client import Answer, Client, RequestRejectedError
@@ -32,21 +31,6 @@ def served(checkpoints, tmp_path_factory):
         server.stop()
 
 
-def _scrape(server: TritonServer) -> dict[tuple[str, str], float]:
-    """The qwen3vl_ samples on the metrics port, by (sample name, model label), summed over stubs."""
-    url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    samples: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if family.name.startswith("qwen3vl_") and "le" not in sample.labels:  # a histogram's _count, _sum
-                assert stage_metrics.STUB_LABEL in sample.labels, sample
-                key = (sample.name, sample.labels.get(stage_metrics.MODEL_LABEL, ""))
-                samples[key] = samples.get(key, 0.0) + sample.value  # summed over the model's stubs
-    return samples
-
-
 def _patches(model_dir, images: list[bytes]) -> int:
     """The patches preprocessing makes of a request's images."""
     content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": "?"}]
@@ -54,8 +38,11 @@ def _patches(model_dir, images: list[bytes]) -> int:
 
 
 def test_each_model_counts_what_it_was_sent(served, checkpoints):
-    before = _scrape(served)
+    before = stage_metrics.read(served.metrics_url)
     assert before, "no qwen3vl_ metrics on the metrics port"
+    with urllib.request.urlopen(served.metrics_url, timeout=10) as reply:
+        published = [line for line in reply.read().decode().splitlines() if line.startswith("qwen3vl_")]
+    assert all(f'{stage_metrics.STUB_LABEL}="' in line for line in published), published  # each stub's own series
     for metric in (stage_metrics.REQUESTS, stage_metrics.REQUEST_ERRORS):
         for model in MODELS:
             assert before[(metric.name, model)] == 0, (metric.name, model)  # published from load, still zero
@@ -75,7 +62,7 @@ def test_each_model_counts_what_it_was_sent(served, checkpoints):
         client.generate("What is this?", [b"not an image"], max_tokens=8)  # refused by preprocessing
     client.close()
 
-    after = _scrape(served)
+    after = stage_metrics.read(served.metrics_url)
 
     def sent(metric: stage_metrics.Metric, model: str, sample: str = "") -> float:
         return after[(metric.name + sample, model)] - before.get((metric.name + sample, model), 0.0)
@@ -88,7 +75,8 @@ def test_each_model_counts_what_it_was_sent(served, checkpoints):
     assert sent(stage_metrics.REQUESTS, interface.PREPROCESSING) == 5
     assert sent(stage_metrics.REQUEST_ERRORS, interface.PREPROCESSING) == 1
     assert sent(stage_metrics.IMAGES_DECODED, interface.PREPROCESSING) == images
-    assert sent(stage_metrics.REQUESTS, interface.VISION_ENCODER) == 4  # text only too: every request gets a table
+    # One vision request per preprocessing batch with images to encode: the three with images came one by one.
+    assert sent(stage_metrics.REQUESTS, interface.VISION_ENCODER) == 3
     assert sent(stage_metrics.PATCHES_ENCODED, interface.VISION_ENCODER) == patches
     runs = sent(stage_metrics.VISION_RUN_PATCHES, interface.VISION_ENCODER, "_count")
     assert 3 <= runs <= images  # the requests came one by one: at least one run each

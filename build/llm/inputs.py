@@ -141,16 +141,26 @@ def prompt_table_row(token_ids, vocab_size: int, layer: int | None = None):
     return token_ids - vocab_size + feature
 
 
-def image_content_id(image: bytes, grid_thw: np.ndarray) -> int:
-    """A 64-bit id of the embeddings an image yields: a hash of its encoded bytes and its grid (one
-    deployment's preprocessing settings are fixed, so these fix its pixels). Never 0, which marks text."""
-    digest = hashlib.blake2b(image, digest_size=8)
+def image_digest(image: bytes, grid_thw: np.ndarray) -> bytes:
+    """16 bytes that name the embeddings an image yields within one deployment: a hash of its encoded bytes
+    and its grid (a deployment's preprocessing settings are fixed, so these fix its pixels). The visual-feature
+    cache keys images by it, and KV-cache block reuse by image_content_id, its first 8 bytes."""
+    digest = hashlib.blake2b(image, digest_size=16)
     digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
-    return int.from_bytes(digest.digest(), "little") | 1
+    return digest.digest()
+
+
+def image_content_id(digest: bytes) -> int:
+    """The 64-bit id of the embeddings an image yields, from its image_digest. Never 0, which marks text."""
+    return int.from_bytes(digest[:8], "little") | 1
 
 
 def prompt_table_extra_ids(
-    input_ids: np.ndarray, image_token_id: int, images: Sequence[bytes], image_grid_thw: np.ndarray, merge_size: int
+    input_ids: np.ndarray,
+    image_token_id: int,
+    image_digests: Sequence[bytes],
+    image_grid_thw: np.ndarray,
+    merge_size: int,
 ) -> np.ndarray:
     """TensorRT-LLM's `prompt_table_extra_ids` for one request: uint64, one per prompt token, 0 for
     text and the image's content id for each of its visual tokens.
@@ -163,14 +173,12 @@ def prompt_table_extra_ids(
     grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
     visual = ids == image_token_id
     tokens_per_image = grids.prod(axis=1) // (merge_size * merge_size)
-    if len(images) != len(grids) or int(visual.sum()) != int(tokens_per_image.sum()):
+    if len(image_digests) != len(grids) or int(visual.sum()) != int(tokens_per_image.sum()):
         raise InputError(
-            f"{len(images)} images with {len(grids)} grids ({int(tokens_per_image.sum())} tokens) do not match the "
-            f"{int(visual.sum())} image tokens in input_ids"
+            f"{len(image_digests)} images with {len(grids)} grids ({int(tokens_per_image.sum())} tokens) do not "
+            f"match the {int(visual.sum())} image tokens in input_ids"
         )
-    content_ids = np.array(
-        [image_content_id(image, grid) for image, grid in zip(images, grids, strict=True)], dtype=np.uint64
-    )
+    content_ids = np.array([image_content_id(digest) for digest in image_digests], dtype=np.uint64)
     extra_ids = np.zeros(ids.size, dtype=np.uint64)
     extra_ids[visual] = np.repeat(content_ids, tokens_per_image)
     return extra_ids

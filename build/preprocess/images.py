@@ -376,6 +376,17 @@ class ImagePlan:
     def num_patches(self) -> int:
         return int(self.image_grid_thw.prod(axis=1).sum())
 
+    def only(self, keep: Sequence[bool]) -> ImagePlan:
+        """The plan of the images whose `keep` is true, in order."""
+        kept = [i for i, k in enumerate(keep) if k]
+        return ImagePlan(
+            tuple(self.data[i] for i in kept),
+            tuple(self.opened[i] for i in kept),
+            tuple(self.headers[i] for i in kept),
+            tuple(self.sizes[i] for i in kept),
+            self.image_grid_thw[kept].reshape(-1, 3),
+        )
+
 
 def plan_images(data: Sequence[bytes], config: ImageProcessingConfig, limits: ImageLimits) -> ImagePlan:
     """Reads every header and fixes each image's resized size and grid; no pixel is decoded."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +18,7 @@ from ..limits import RequestLimits
 from ..llm.inputs import (
     engine_mrope_rotary_cos_sin,
     fake_prompt_ids,
+    image_digest,
     interleave_prompt_table,
     mrope_cos_sin,
     prompt_table_extra_ids,
@@ -39,6 +40,8 @@ from .images import (
 from .prompts import Prompt, PromptBuilder, expand_image_tokens
 
 DecoderName = Literal["auto", "pillow", "nvimgcodec"]
+# Per request's image plan, per image: whether its pixels are not needed (see Preprocessor.batch).
+SkipDecoding = Callable[[Sequence[ImagePlan]], Sequence[Sequence[bool]]]
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Request:
 
     input_ids: np.ndarray  # [L] int64
     attention_mask: np.ndarray  # [L] int64
-    pixel_values: torch.Tensor  # [N, patch_dim] float32, on the preprocessing device (N = 0 without images)
+    pixel_values: torch.Tensor  # [N, patch_dim] float32 of the decoded images, on the preprocessing device
     image_grid_thw: np.ndarray  # [num_images, 3] int64
     vision_inputs: dict[str, np.ndarray]
     engine_input_ids: np.ndarray  # [L] int32
@@ -65,6 +68,8 @@ class Request:
     prompt_table_extra_ids: np.ndarray  # [L] uint64, 0 for text tokens
     deepstack_count: int
     headers: tuple[ImageHeader, ...] = field(default=(), repr=False)
+    image_digests: tuple[bytes, ...] = ()  # per image (llm.inputs.image_digest): what its features are cached by
+    decoded: tuple[bool, ...] | None = None  # per image, whether pixel_values holds its rows (None: all do)
 
     @property
     def num_tokens(self) -> int:
@@ -202,9 +207,11 @@ class Preprocessor:
         prompt_ = self._prompt(messages, prompt, images, add_generation_prompt, template_kwargs)
         return int(self._prepare(prompt_).input_ids.size)
 
-    def batch(self, requests: Sequence[Mapping[str, Any]]) -> list[Request]:
+    def batch(self, requests: Sequence[Mapping[str, Any]], skip_decoding: SkipDecoding | None = None) -> list[Request]:
         """Several requests at once (each a dict of __call__'s keyword arguments); their images are
-        decoded as one batch. A bad request raises before any image is decoded."""
+        decoded as one batch. A bad request raises before any image is decoded. skip_decoding, once every
+        request is checked, tells per image of each request's plan whether its pixels are not needed (its
+        features are at hand): those are not decoded (Request.decoded)."""
         pending = []
         for i, request in enumerate(requests):
             kwargs = dict(request)
@@ -219,7 +226,7 @@ class Preprocessor:
                 pending.append(self._prepare(prompt))
             except Qwen3VLTrtError as e:
                 raise type(e)(f"request {i}: {e}") from e
-        return self._finish(pending)
+        return self._finish(pending, skip_decoding)
 
     def _prompt(
         self,
@@ -259,16 +266,22 @@ class Preprocessor:
             )
         return _Pending(input_ids, plan)
 
-    def _finish(self, pending: Sequence[_Pending]) -> list[Request]:
+    def _finish(self, pending: Sequence[_Pending], skip_decoding: SkipDecoding | None = None) -> list[Request]:
         plans = [p.plan for p in pending]
+        if skip_decoding is None:
+            decoded: list[tuple[bool, ...] | None] = [None] * len(plans)
+        else:
+            decoded = [tuple(not skip for skip in mask) for mask in skip_decoding(plans)]
+            plans = [plan if mask is None else plan.only(mask) for plan, mask in zip(plans, decoded, strict=True)]
         pixels = render_pixels(plans, self.image_config, self.normalize, self.decoder, self.limits.max_decode_pixels)
-        return [self._request(p, px) for p, px in zip(pending, pixels, strict=True)]
+        return [self._request(p, px, d) for p, px, d in zip(pending, pixels, decoded, strict=True)]
 
-    def _request(self, pending: _Pending, pixel_values: torch.Tensor) -> Request:
+    def _request(self, pending: _Pending, pixel_values: torch.Tensor, decoded: tuple[bool, ...] | None) -> Request:
         info, grid = self.info, pending.plan.image_grid_thw
         merge = self.image_config.merge_size
         positions, delta = rope_index(pending.input_ids, grid, info.image_token_id, merge)
         metadata = vision_metadata(grid, merge, info.vision.num_grid_per_side) if len(grid) else {}
+        digests = tuple(image_digest(data, g) for data, g in zip(pending.plan.data, grid, strict=True))
         return Request(
             input_ids=pending.input_ids,
             attention_mask=np.ones_like(pending.input_ids),
@@ -281,11 +294,11 @@ class Preprocessor:
             position_ids=positions,
             mrope_position_delta=delta,
             rotary_cos_sin=mrope_cos_sin(positions, self._inv_freq, self._pair_axes),
-            prompt_table_extra_ids=prompt_table_extra_ids(
-                pending.input_ids, info.image_token_id, pending.plan.data, grid, merge
-            ),
+            prompt_table_extra_ids=prompt_table_extra_ids(pending.input_ids, info.image_token_id, digests, grid, merge),
             deepstack_count=info.deepstack_count,
             headers=pending.plan.headers,
+            image_digests=digests,
+            decoded=decoded,
         )
 
 

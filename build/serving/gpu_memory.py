@@ -147,7 +147,7 @@ def plan(
     rank0 = llm_engine_dir / "rank0.engine"
     if not rank0.is_file():
         raise LimitsError(f"{rank0} does not exist: build the LLM engine first")
-    row_bytes = (deepstack_count + 1) * hidden_size * _DTYPE_BYTES[llm_dtype]
+    row_bytes = prompt_table_token_bytes(llm_dtype, hidden_size, deepstack_count)
     return GpuMemoryPlan(
         gpu=gpu,
         gpu_bytes=gpu_bytes,
@@ -157,6 +157,11 @@ def plan(
         decode_bytes=decode_bytes(limits),
         transfer_pool_bytes=transfer_pool_bytes(limits, patch_dim, merge_unit, row_bytes),
     )
+
+
+def prompt_table_token_bytes(llm_dtype: str, hidden_size: int, deepstack_count: int) -> int:
+    """Bytes of one visual token's prompt-table rows: K+1 rows of hidden_size in the LLM's dtype."""
+    return (deepstack_count + 1) * hidden_size * _DTYPE_BYTES[llm_dtype]
 
 
 def device_memory_bytes(gpu: int) -> int | None:

@@ -1,7 +1,9 @@
 """The Triton deployment's tensors and model names, declared once.
 
 The ensemble `qwen3vl` takes the tensorrtllm_backend ensemble's request inputs (so its clients and
-genai-perf work unchanged) plus `images`, `messages` and `raw_prompt`. Between the models, tensors
+genai-perf work unchanged) plus `images`, `messages` and `raw_prompt`, and runs preprocessing -> llm ->
+postprocessing; preprocessing calls vision_encoder itself (BLS) for the images that the visual-feature
+cache does not hold, so a request whose images all hit runs no vision encoder. Between the models, tensors
 carry the names of the contracts they implement: the vision encoder's inputs (contracts.VISION_INPUTS)
 and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's `llm` declares too,
 so both targets route the same ensemble. Dims exclude the batch dimension (every model batches);
@@ -121,7 +123,7 @@ TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
 REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT)
 
-# -- preprocessing -> vision_encoder ---------------------------------------------------------------
+# -- preprocessing -> vision_encoder (BLS, one request per image the visual cache did not hold) ----------
 VISION_PIXELS = _implementing(PIXEL_VALUES)
 VISION_POS_EMBED_IDX = _implementing(POS_EMBED_IDX)
 VISION_POS_EMBED_W = _implementing(POS_EMBED_W)
@@ -139,7 +141,8 @@ VISION_REQUEST: tuple[Tensor, ...] = (
     VISUAL_TOKEN_COUNT,
 )
 
-# -- vision_encoder -> llm (dtype: the LLM checkpoint's) -----------------------------------------
+# -- vision_encoder -> preprocessing (an image's rows), preprocessing -> llm (the request's table) ----
+# (dtype: the LLM checkpoint's)
 PROMPT_TABLE = _implementing(PROMPT_EMBEDDING_TABLE, optional=True)
 
 # -- preprocessing -> llm: the tensorrt_llm backend's input names ---------------------------------
@@ -192,7 +195,7 @@ LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH)
 # Triton ensembles let a step after a decoupled model read only what that model produced, so
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
 
-PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*VISION_REQUEST, *LLM_REQUEST)
+PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
 
 # Error messages of requests the deployment refuses as sent start with this: gRPC stream responses carry
 # a message and no status code, and clients (the OpenAI gateway: HTTP 400) tell these from failures.

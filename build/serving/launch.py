@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
 
 from ..errors import ServingError
 from ..fsutil import json_entry, read_json
@@ -19,6 +22,7 @@ from .endpoints import ServerPorts
 from .gpu_memory import CUDA_POOL_PARAMETER
 from .interface import LLM, PREPROCESSING
 from .tritonserver_install import TritonInstall
+from .visual_cache import VISUAL_CACHE_PARAMETER
 
 
 def server_command(
@@ -157,14 +161,43 @@ def repository_models(repo: Path) -> list[str]:
     return [m for m in models if m not in ensembles] + ensembles
 
 
-def queue_overrides(repo: Path, max_queue_size: int) -> dict[str, str]:
-    """The configs (JSON, as the repository API's load takes them) of the repository's models whose queue is
-    bounded (write-repo bounds the batched models the requests enter) with that bound set to `max_queue_size`."""
-    overrides = {}
-    for model in repository_models(repo):
-        config = serving_config.read(Path(repo) / model)
+@dataclass(frozen=True)
+class ConfigOverrides:
+    """What `serve` changes in the repository's model configs when it loads them (explicit model control),
+    leaving the repository as written: the queue bound of the models whose queue is bounded (write-repo bounds
+    the batched models the requests enter), and where preprocessing keeps the visual cache."""
+
+    max_queue_size: int | None = None
+    visual_cache: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.max_queue_size is not None or self.visual_cache is not None
+
+    def apply(self, config: mc.ModelConfig) -> bool:
+        """Changes `config` in place; whether any override applies to it."""
+        applies = False
         policy = config.dynamic_batching.default_queue_policy
-        if policy.max_queue_size:
-            serving_config.queue_policy(config, max_queue_size, policy.default_timeout_microseconds)
-            overrides[model] = serving_config.to_json(config)
-    return overrides
+        if self.max_queue_size is not None and policy.max_queue_size:
+            serving_config.queue_policy(config, self.max_queue_size, policy.default_timeout_microseconds)
+            applies = True
+        if self.visual_cache is not None and VISUAL_CACHE_PARAMETER in config.parameters:
+            config.parameters[VISUAL_CACHE_PARAMETER].string_value = self.visual_cache
+            applies = True
+        return applies
+
+    def kept_by(self, served: mc.ModelConfig) -> bool:
+        """Whether a model's served config carries the overrides that apply to it."""
+        overridden = mc.ModelConfig()
+        overridden.CopyFrom(served)
+        self.apply(overridden)
+        return overridden == served
+
+    def configs(self, repo: Path) -> dict[str, str]:
+        """The configs (JSON, as the repository API's load takes them) of the repository's models that the
+        overrides apply to, overridden."""
+        overridden = {}
+        for model in repository_models(repo):
+            config = serving_config.read(Path(repo) / model)
+            if self.apply(config):
+                overridden[model] = serving_config.to_json(config)
+        return overridden

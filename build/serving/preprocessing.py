@@ -1,5 +1,8 @@
 """The `preprocessing` model: a Triton request (tensorrtllm_backend-style inputs plus images) ->
-the vision encoder's inputs and the LLM engine's inputs, for a batch of requests at once.
+the LLM engine's inputs, for a batch of requests at once, in two steps: `execute` checks and tokenizes
+each request, looks its images up in the visual-feature cache and decodes only the others, each with the
+vision encoder's inputs for it alone (`ImageFeatures`); once the vision encoder has encoded those, `finish`
+stores them in the cache and lays each request's prompt table out from its images' rows, cached or new.
 
 A request that cannot be served gets its own error; the others in the batch go on. Sampling inputs
 are turned into what the tensorrt_llm backend reads (greedy is runtime_top_k 1), with the defaults
@@ -10,18 +13,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..errors import MessageError, PromptTooLongError, RequestError
+from ..errors import MessageError, PromptTooLongError, RequestError, StageError
 from ..limits import EngineLimits
+from ..llm.inputs import image_digest
 from ..preprocess import Preprocessor
+from ..preprocess.images import ImagePlan
 from ..preprocess.preprocessor import Request
 from ..runtime.local import generation_end_ids
+from ..vision.metadata import vision_metadata
+from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
 from . import interface
+from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]
 
@@ -77,53 +86,215 @@ class _Parsed:
     outputs: dict[str, Any]  # the LLM's sampling inputs and the postprocessing flags
 
 
+@dataclass(frozen=True)
+class PromptTableFormat:
+    """What the LLM reads of the vision encoder: rows of `hidden_size` in `dtype`, K+1 rows per visual token
+    (the main embedding, then one per DeepStack layer: llm.inputs.interleave_prompt_table)."""
+
+    dtype: torch.dtype
+    hidden_size: int
+    rows_per_token: int
+
+    def shape(self, tokens: int) -> tuple[int, int]:
+        return (tokens * self.rows_per_token, self.hidden_size)
+
+
+@dataclass(frozen=True)
+class ImageFeatures:
+    """One image of a request: its cache digest and grid, and its prompt-table rows when the cache had them,
+    or else the vision encoder's inputs for this image alone (contracts.VISION_INPUTS, grid and token count)."""
+
+    digest: bytes
+    grid: tuple[int, int, int]
+    tokens: int
+    rows: torch.Tensor | None
+    vision_inputs: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the LLM but for its prompt table: its output tensors, and its images in order."""
+
+    outputs: dict[str, Any]
+    images: tuple[ImageFeatures, ...]
+
+    @property
+    def to_encode(self) -> list[ImageFeatures]:
+        return [image for image in self.images if image.rows is None]
+
+
 class Preprocessing:
-    def __init__(self, model_dir: str | Path, limits: EngineLimits, mrope_positions: int = 0, device: str = "cpu"):
-        """mrope_positions: rows of the mrope table sent to the LLM (the engine's max_seq_len on the
-        GPU target; 0 sends the prompt's rows only, which the reference runtime reads)."""
+    def __init__(
+        self,
+        model_dir: str | Path,
+        limits: EngineLimits,
+        llm_dtype: torch.dtype,
+        llm_hidden_size: int,
+        mrope_positions: int = 0,
+        device: str = "cpu",
+    ):
+        """llm_dtype, llm_hidden_size: of the prompt table the LLM reads. mrope_positions: rows of the mrope
+        table sent to the LLM (the engine's max_seq_len on the GPU target; 0 sends the prompt's rows only, which
+        the reference runtime reads). Images are looked up in and stored into `cache` once one is set (see
+        feature_scope); without one, every image is encoded."""
         self.pre = Preprocessor.from_pretrained(model_dir, device=device, limits=limits.request_limits())
         self.limits = limits
+        self.table = PromptTableFormat(llm_dtype, llm_hidden_size, self.pre.info.deepstack_count + 1)
+        self.cache: VisualCache | None = None
         self.mrope_positions = mrope_positions
         self.tokenizer = self.pre.prompts.tokenizer
         self.end_ids = generation_end_ids(Path(model_dir))
         if not self.end_ids:
             raise RequestError(f"{model_dir}/generation_config.json names no eos_token_id; the server needs one")
+        self._found: dict[bytes, torch.Tensor] = {}  # the cache's rows for the batch being prepared
 
-    def execute(self, requests: Sequence[Arrays]) -> list[dict[str, Any] | Exception]:
-        """Per request: its output tensors (no batch dimension), or the error to answer it with."""
-        results: list[dict[str, Any] | Exception] = []
+    def feature_scope(self, vision_dir: Path, engine_dir: Path | None) -> FeatureScope:
+        """What decides an image's features besides its bytes and grid: the vision model (its weights, graph
+        contract, dtype, and the runner: ONNX Runtime, or the TensorRT engine of one TensorRT version and GPU), the
+        LLM's dtype, and the preprocessing settings that shape pixels (processor config, resize backend, device)."""
+        export = VisionSidecar.load(vision_dir)
+        vision = {
+            "visual_weights_sha256": export.source_checkpoint.get("visual_weights_sha256"),
+            "config_sha256": export.source_checkpoint.get("config_sha256"),
+            "contract_sha256": export.contract_sha256(),
+            "graph_variant": export.graph_variant,
+            "dtype": export.dtype,
+        }
+        runner: dict[str, Any] = {"runtime": "onnxruntime"}
+        if engine_dir is not None:
+            engine = VisionEngineSidecar.load(engine_dir).raw
+            runner = {
+                "runtime": "tensorrt",
+                "tensorrt_version": engine["tensorrt_version"],
+                "gpu": engine["gpu"],
+                "contract_sha256": engine["contract_sha256"],
+            }
+        return FeatureScope.of(
+            {
+                "vision": vision,
+                "runner": runner,
+                "prompt_table": {"dtype": str(self.table.dtype), "hidden_size": self.table.hidden_size},
+                "image_processing": asdict(self.pre.image_config),
+                "resize_backend": self.pre.normalize.backend,
+                "device": self.pre.device.type,
+            }
+        )
+
+    def execute(self, requests: Sequence[Arrays]) -> list[Prepared | Exception]:
+        """Per request: what it needs of the vision encoder and the rest of its output tensors (no batch
+        dimension), or the error to answer it with."""
+        results: dict[int, Prepared | Exception] = {}
         parsed: dict[int, _Parsed] = {}
         for i, inputs in enumerate(requests):
             try:
                 parsed[i] = self._parse(inputs)
             except RequestError as e:
-                results.append(e)
-            else:
-                results.append({})
-        done = self._run(parsed)
-        for i, outcome in done.items():
-            results[i] = outcome
-        return results
+                results[i] = e
+        results.update(self._run(parsed))
+        return [results[i] for i in range(len(requests))]
 
-    def _run(self, parsed: dict[int, _Parsed]) -> dict[int, dict[str, Any] | Exception]:
-        """Preprocesses the batch together (images decoded as one batch); when one request fails,
-        each is run alone so that only the bad ones get errors."""
+    def vision_request(self, images: Sequence[ImageFeatures]) -> dict[str, Any]:
+        """One vision encoder request of images to encode (of any requests): their inputs concatenated, as the
+        encoder takes several images (vision.metadata's per-patch arrays concatenate)."""
+        first = images[0].vision_inputs
+        assert first is not None and all(image.vision_inputs is not None for image in images)
+        joined = {}
+        for name in first:
+            parts = [image.vision_inputs[name] for image in images]  # type: ignore[index]
+            joined[name] = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
+        joined[interface.VISUAL_TOKEN_COUNT.name] = np.array([sum(image.tokens for image in images)], np.int32)
+        return joined
+
+    def split_rows(self, table: torch.Tensor, images: Sequence[ImageFeatures]) -> list[torch.Tensor]:
+        """The vision encoder's prompt table of a vision_request, cut into each image's rows."""
+        sizes = [self.table.shape(image.tokens)[0] for image in images]
+        if table.shape[0] != sum(sizes):
+            raise StageError(f"the vision encoder answered {table.shape[0]} rows for images of {sum(sizes)}")
+        return list(torch.split(table, sizes))
+
+    def finish(self, prepared: Prepared, encoded: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The request's output tensors with its prompt table, from its images' cached rows and the vision
+        encoder's rows of the others (`encoded`, in the order of `prepared.to_encode`), which the cache keeps.
+        A request without images gets one zero row, which no id addresses, so every request carries a table."""
+        new = iter(encoded)
+        rows = []
+        for image in prepared.images:
+            if image.rows is not None:
+                rows.append(image.rows)
+                continue
+            made = next(new)
+            if tuple(made.shape) != self.table.shape(image.tokens) or made.dtype != self.table.dtype:
+                raise StageError(
+                    f"the vision encoder answered {list(made.shape)} {made.dtype} for an image of {image.tokens} "
+                    f"tokens; expected {list(self.table.shape(image.tokens))} {self.table.dtype}"
+                )
+            if self.cache is not None:
+                self.cache.put(image.digest, image.grid, made)
+            rows.append(made)
+        if rows:
+            device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
+            table = torch.cat([r.to(device) for r in rows])
+        else:
+            table = torch.zeros((1, self.table.hidden_size), dtype=self.table.dtype)
+        return {**prepared.outputs, interface.PROMPT_TABLE.name: table}
+
+    def _run(self, parsed: dict[int, _Parsed]) -> dict[int, Prepared | Exception]:
+        """Preprocesses the batch together (images looked up in the cache in one round trip, the others decoded
+        as one batch); when one request fails, each is run alone so that only the bad ones get errors."""
         if not parsed:
             return {}
         order = list(parsed)
         try:
-            made = self.pre.batch([parsed[i].call for i in order])
-            return {i: self._outputs(parsed[i], request) for i, request in zip(order, made, strict=True)}
+            made = self.pre.batch([parsed[i].call for i in order], self._cached)
+            return {i: self._prepared(parsed[i], request) for i, request in zip(order, made, strict=True)}
         except RequestError as e:
             if len(order) == 1:
                 return {order[0]: e}
         return {i: self._alone(parsed[i]) for i in order}
 
-    def _alone(self, parsed: _Parsed) -> dict[str, Any] | Exception:
+    def _alone(self, parsed: _Parsed) -> Prepared | Exception:
         try:
-            return self._outputs(parsed, self.pre.batch([parsed.call])[0])
+            return self._prepared(parsed, self.pre.batch([parsed.call], self._cached)[0])
         except RequestError as e:
             return e
+
+    def _cached(self, plans: Sequence[ImagePlan]) -> list[list[bool]]:
+        """Preprocessor.batch's skip_decoding: looks every image of the batch up at once and keeps the rows
+        found for _prepared; an image is skipped when its rows were found."""
+        self._found = {}
+        if self.cache is None:
+            return [[False] * len(plan.data) for plan in plans]
+        merge = self.pre.image_config.merge_size
+        digests = [[image_digest(d, g) for d, g in zip(plan.data, plan.image_grid_thw, strict=True)] for plan in plans]
+        wanted = {}
+        for plan, plan_digests in zip(plans, digests, strict=True):
+            for digest, grid in zip(plan_digests, plan.image_grid_thw, strict=True):
+                tokens = int(grid.prod()) // (merge * merge)
+                wanted[digest] = (tuple(int(g) for g in grid), self.table.shape(tokens))
+        found = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
+        self._found = {digest: rows for digest, rows in zip(wanted, found, strict=True) if rows is not None}
+        return [[digest in self._found for digest in plan_digests] for plan_digests in digests]
+
+    def _prepared(self, parsed: _Parsed, request: Request) -> Prepared:
+        outputs = self._outputs(parsed, request)
+        merge = self.pre.image_config.merge_size
+        decoded = request.decoded or (True,) * len(request.image_grid_thw)
+        images, first = [], 0
+        for digest, grid, was_decoded in zip(request.image_digests, request.image_grid_thw, decoded, strict=True):
+            patches = int(grid.prod())
+            tokens = patches // (merge * merge)
+            vision_inputs = None
+            if was_decoded:
+                vision_inputs = {
+                    interface.VISION_PIXELS.name: request.pixel_values[first : first + patches],
+                    **vision_metadata(grid[None], merge, self.pre.info.vision.num_grid_per_side),
+                    interface.IMAGE_GRID_THW.name: grid[None].astype(np.int64),
+                }
+                first += patches
+            rows = None if was_decoded else self._found[digest]
+            t, h, w = (int(g) for g in grid)
+            images.append(ImageFeatures(digest, (t, h, w), tokens, rows, vision_inputs))
+        return Prepared(outputs, tuple(images))
 
     def _parse(self, inputs: Arrays) -> _Parsed:
         missing = [t.name for t in interface.REQUEST_INPUTS if not t.optional and t.name not in inputs]
@@ -209,17 +380,12 @@ class Preprocessing:
                 f"the prompt's {length} tokens + max_tokens {max_tokens} exceed the deployment's max_seq_len "
                 f"{self.limits.max_seq_len}; lower max_tokens or shorten the prompt"
             )
-        vision = {name: np.asarray(request.vision_inputs.get(name, empty)) for name, empty in _NO_IMAGES.items()}
         cos_sin = (
             request.mrope_rotary_cos_sin(self.mrope_positions)
             if self.mrope_positions
             else request.rotary_cos_sin.reshape(-1)
         )
         return {
-            interface.VISION_PIXELS.name: request.pixel_values,  # stays on the preprocessing device
-            **vision,
-            interface.IMAGE_GRID_THW.name: request.image_grid_thw.astype(np.int64).reshape(-1, 3),
-            interface.VISUAL_TOKEN_COUNT.name: np.array([request.num_visual_tokens], np.int32),
             interface.INPUT_IDS.name: request.engine_input_ids,
             interface.INPUT_LENGTHS.name: np.array([length], np.int32),
             interface.MROPE_COS_SIN.name: np.ascontiguousarray(cos_sin, dtype=np.float32),
@@ -227,12 +393,3 @@ class Preprocessing:
             interface.EXTRA_IDS.name: request.prompt_table_extra_ids,
             **parsed.outputs,
         }
-
-
-# The vision metadata of a request without images.
-_NO_IMAGES = {
-    interface.VISION_POS_EMBED_IDX.name: np.zeros((0, 4), np.int32),
-    interface.VISION_POS_EMBED_W.name: np.zeros((0, 4), np.float32),
-    interface.VISION_ROTARY_POS.name: np.zeros((0, 2), np.int32),
-    interface.VISION_SEGMENT_START.name: np.zeros((0,), np.int32),
-}

@@ -32,6 +32,7 @@ from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
 from . import config as cfg
 from . import gpu_memory, interface
 from .gpu_memory import GpuMemoryPlan
+from .visual_cache import DEFAULT_TTL_S, MEMORY, VISUAL_CACHE_PARAMETER, check_cache_setting
 
 REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
 MODEL_FILE = "model.py"
@@ -42,12 +43,15 @@ class RepositorySettings:
     """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
     waits to fill a batch. 0 (the default) executes what is queued as soon as the instance is free:
     under load requests queue while it executes, so batches still form, and an idle server adds no
-    delay (each of the ensemble's four steps would add the whole delay to every request otherwise);
+    delay (each batched step would add the whole delay to every request otherwise);
     dynamic_batching False serves one request per execution (for comparison).
-    max_queue_size: how many requests preprocessing, vision_encoder and the python llm each hold waiting,
+    max_queue_size: how many requests preprocessing and the python llm each hold waiting,
     beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
     request that waited this long in such a queue (0: no limit but the queue's size).
     attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
+    visual_cache: where preprocessing keeps images' features (serving.visual_cache): "memory" (an LRU in its
+    process within visual_cache_bytes, None: sized from the build by visual_cache_bytes()), a Redis URL
+    shared by replicas (entries expire after visual_cache_ttl_s), or "off".
     GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
     reads the GPU's memory where torch sees it."""
@@ -57,6 +61,9 @@ class RepositorySettings:
     max_queue_size: int | None = None
     queue_timeout_us: int = 0
     attention_budget_bytes: int = 1 << 30
+    visual_cache: str = MEMORY
+    visual_cache_bytes: int | None = None
+    visual_cache_ttl_s: int = DEFAULT_TTL_S
     kv_cache_free_gpu_mem_fraction: float | None = None
     python_models_gpu: int = 0
     gpu_memory_bytes: int | None = None
@@ -70,6 +77,11 @@ class RepositorySettings:
             raise LimitsError(f"max_queue_size must be at least 1, got {self.max_queue_size!r}")
         if self.queue_timeout_us < 0:
             raise LimitsError(f"queue_timeout_us must not be negative, got {self.queue_timeout_us!r}")
+        check_cache_setting(self.visual_cache)
+        if self.visual_cache_bytes is not None and self.visual_cache_bytes < 1:
+            raise LimitsError(f"the visual cache's byte budget must be positive, got {self.visual_cache_bytes!r}")
+        if self.visual_cache_ttl_s < 1:
+            raise LimitsError(f"the visual cache's TTL must be at least 1 s, got {self.visual_cache_ttl_s!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise LimitsError(f"the GPU's memory must be positive, got {self.gpu_memory_bytes!r} bytes")
         fraction = self.kv_cache_free_gpu_mem_fraction
@@ -83,6 +95,21 @@ QUEUED_BATCHES = 4  # the default queue of a batched model: this many full batch
 def queue_size(limits: EngineLimits, settings: RepositorySettings) -> int:
     """How many requests a batched python model holds waiting for an instance."""
     return settings.max_queue_size or QUEUED_BATCHES * limits.max_batch_size
+
+
+# The default in-process visual cache: the features of QUEUED_BATCHES full batches of the largest requests, within
+# these bounds (a 2B model in bf16 keeps 16 KiB per visual token: 4 GiB is ~260 images of 1024 tokens).
+VISUAL_CACHE_MIN_BYTES = 256 << 20
+VISUAL_CACHE_MAX_BYTES = 4 << 30
+
+
+def visual_cache_bytes(limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings) -> int:
+    """The in-process visual cache's byte budget: the settings', or one sized from the build."""
+    if settings.visual_cache_bytes is not None:
+        return settings.visual_cache_bytes
+    token_bytes = gpu_memory.prompt_table_token_bytes(llm.dtype, llm.hidden_size, llm.deepstack_count)
+    full = QUEUED_BATCHES * limits.max_batch_size * limits.max_visual_tokens * token_bytes
+    return min(max(full, VISUAL_CACHE_MIN_BYTES), VISUAL_CACHE_MAX_BYTES)
 
 
 def _internal(producer: str, tensor: interface.Tensor) -> str:
@@ -148,7 +175,22 @@ def model_configs(
     common = {"model_dir": model_dir, "limits": json.dumps(asdict(limits))}
     if gpu:
         common["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"  # pixels stay in device memory between models
-    preprocessing = {**common, "device": "cuda" if gpu else "cpu", "mrope_positions": limits.max_seq_len if gpu else 0}
+    vision = {
+        "vision_dir": build.vision,
+        # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
+        "vision_engine_dir": build.vision_engine if gpu else "",
+        "llm_dtype": llm.dtype,
+        "llm_hidden_size": llm.hidden_size,
+    }
+    preprocessing = {
+        **common,
+        **vision,
+        "device": "cuda" if gpu else "cpu",
+        "mrope_positions": limits.max_seq_len if gpu else 0,
+        VISUAL_CACHE_PARAMETER: settings.visual_cache,
+        "visual_cache_bytes": visual_cache_bytes(limits, llm, settings),
+        "visual_cache_ttl_s": settings.visual_cache_ttl_s,
+    }
     if memory is not None and gpu:
         # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (server.cuda_pool_flags).
         preprocessing[gpu_memory.CUDA_POOL_PARAMETER] = memory.transfer_pool_bytes
@@ -158,7 +200,7 @@ def model_configs(
         limits,
         settings,
         [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
-        [cfg.model_output(t) for t in interface.PREPROCESSING_OUTPUTS],
+        [cfg.model_output(t, model_type) for t in interface.PREPROCESSING_OUTPUTS],
         kind,
         preprocessing,
     )
@@ -169,15 +211,9 @@ def model_configs(
         [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
         [cfg.model_output(interface.PROMPT_TABLE, model_type)],
         kind,
-        {
-            **common,
-            "vision_dir": build.vision,
-            # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
-            "vision_engine_dir": build.vision_engine if gpu else "",
-            "llm_dtype": llm.dtype,
-            "llm_hidden_size": llm.hidden_size,
-            "attention_budget_bytes": settings.attention_budget_bytes,
-        },
+        {**common, **vision, "attention_budget_bytes": settings.attention_budget_bytes},
+        # Its one client is preprocessing (a request per batch, while that batch waits), whose queue is bounded.
+        bounded_queue=False,
     )
     if memory is not None and gpu:
         from .trtllm_config import tensorrt_llm_model_config
@@ -227,20 +263,10 @@ def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
     config.input.extend(cfg.model_input(t, optional=True) for t in interface.REQUEST_INPUTS)
     config.output.extend(cfg.model_output(t) for t in interface.REQUEST_OUTPUTS)
     pre = {t.name: _internal(interface.PREPROCESSING, t) for t in interface.PREPROCESSING_OUTPUTS}
-    table = _internal(interface.VISION_ENCODER, interface.PROMPT_TABLE)
     generated = {t.name: _internal(interface.LLM, t) for t in interface.LLM_OUTPUTS}
     steps = [
         (interface.PREPROCESSING, {t.name: t.name for t in interface.REQUEST_INPUTS}, pre),
-        (
-            interface.VISION_ENCODER,
-            {t.name: pre[t.name] for t in interface.VISION_REQUEST},
-            {interface.PROMPT_TABLE.name: table},
-        ),
-        (
-            interface.LLM,
-            {**{t.name: pre[t.name] for t in interface.LLM_REQUEST}, interface.PROMPT_TABLE.name: table},
-            generated,
-        ),
+        (interface.LLM, pre, generated),
         (
             interface.POSTPROCESSING,
             generated,

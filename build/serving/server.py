@@ -30,7 +30,7 @@ from ..errors import ServingError
 from . import config as serving_config
 from .endpoints import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from .interface import ENSEMBLE
-from .launch import launch_command, queue_overrides, repository_models
+from .launch import ConfigOverrides, launch_command, repository_models
 from .supervisor import StageSupervisor
 from .tritonserver_install import NGC_IMAGE, find_tritonserver
 
@@ -66,7 +66,7 @@ class TritonServer:
     """A tritonserver (or its MPI ranks) under its guard, in its own process group; as a context manager,
     started and ready. A single server is supervised (serving.supervisor): a stage whose python stub dies is
     unloaded and loaded again, and a server that exits on its own is started again (a few times).
-    max_queue_size overrides the queue bound the repository was written with."""
+    max_queue_size and visual_cache override the repository's queue bound and visual cache (ConfigOverrides)."""
 
     log_tail_lines = 30
 
@@ -83,14 +83,15 @@ class TritonServer:
         passthrough: bool = False,  # output to this process's stdout/stderr instead of log_path
         stop_grace: float = STOP_GRACE_S,
         max_queue_size: int | None = None,
+        visual_cache: str | None = None,
         supervise: bool = True,
     ) -> None:
         self.repo = Path(repo)
         self.ports = ports
         self.address = address
         self.install = find_tritonserver(tritonserver)
-        self.max_queue_size = max_queue_size
-        self.overrides = {} if max_queue_size is None else queue_overrides(self.repo, max_queue_size)
+        self.config_overrides = ConfigOverrides(max_queue_size, visual_cache)
+        self.overrides = self.config_overrides.configs(self.repo)
         self.command = launch_command(
             self.install, self.repo, ports, address, log_verbose, load_at_start=not self.overrides
         )
@@ -110,8 +111,16 @@ class TritonServer:
     @property
     def url(self) -> str:
         """Where a gRPC client reaches the server."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.address, self.address)
-        return host_port(host, self.ports.grpc)
+        return host_port(self._host, self.ports.grpc)
+
+    @property
+    def metrics_url(self) -> str:
+        """Where the server publishes its metrics (Prometheus text), the stages' own among them (stage_metrics)."""
+        return f"http://{host_port(self._host, self.ports.metrics)}/metrics"
+
+    @property
+    def _host(self) -> str:
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.address, self.address)
 
     @property
     def pid(self) -> int:
@@ -260,11 +269,10 @@ class TritonServer:
             raise ServingError(f"tritonserver could not load {model}: {e.message()}; {self._log_tail()}") from None
         reverted = [m for m in self.overrides if not self._overridden(client, m)]
         if reverted:
-            raise ServingError(f"tritonserver did not keep the queue size override of {', '.join(reverted)}")
+            raise ServingError(f"tritonserver did not keep the config override of {', '.join(reverted)}")
 
     def _overridden(self, client: InferenceServerClient, model: str) -> bool:
-        served = client.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size
-        return served == self.max_queue_size
+        return self.config_overrides.kept_by(client.get_model_config(model).config)
 
     def _model_ready(self, model: str) -> bool:
         """Whether the server says the model is ready (the supervisor's second signal of a dead stub); True when
@@ -382,7 +390,8 @@ def check_repository(repo: Path) -> None:
 class ServeOptions:
     """What `qwen3vl-trt serve` runs: the repository, where its endpoints listen, which tritonserver, and the
     OpenAI gateway beside it when openai_port is set (with `gateway`'s options). stop_grace: seconds from
-    SIGTERM to SIGKILL when stopping; max_queue_size: overrides the repository's queue bound."""
+    SIGTERM to SIGKILL when stopping; max_queue_size and visual_cache: override the repository's queue bound and
+    visual cache."""
 
     repo: Path
     ports: ServerPorts = DEFAULT_PORTS
@@ -395,6 +404,7 @@ class ServeOptions:
     gateway: GatewayOptions = NO_GATEWAY_OPTIONS
     stop_grace: float = STOP_GRACE_S
     max_queue_size: int | None = None
+    visual_cache: str | None = None
 
 
 def serve(args: ServeOptions) -> int:
@@ -411,6 +421,7 @@ def serve(args: ServeOptions) -> int:
         passthrough=True,
         stop_grace=args.stop_grace,
         max_queue_size=args.max_queue_size,
+        visual_cache=args.visual_cache,
     )
     if args.print_command:
         env = [f"{name}={shlex.quote(value)}" for name, value in server.install.env.items()]

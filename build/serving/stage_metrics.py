@@ -6,8 +6,11 @@ backend adapter (triton_python) publishes them.
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass
 from enum import Enum
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class Kind(Enum):
@@ -45,9 +48,50 @@ VISION_RUN_SECONDS = Metric(
     Kind.HISTOGRAM,
     (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
 )
+VISUAL_CACHE_HITS = Metric(
+    "qwen3vl_visual_cache_hits_total", "Images whose features the visual cache held: neither decoded nor encoded"
+)
+VISUAL_CACHE_MISSES = Metric("qwen3vl_visual_cache_misses_total", "Images the visual cache did not hold")
+VISUAL_CACHE_STORES = Metric("qwen3vl_visual_cache_stores_total", "Images' features stored in the visual cache")
+VISUAL_CACHE_STORED_BYTES = Metric("qwen3vl_visual_cache_stored_bytes_total", "Bytes of entries stored")
+VISUAL_CACHE_EVICTIONS = Metric(
+    "qwen3vl_visual_cache_evictions_total",
+    "Entries the in-process visual cache evicted for room (Redis counts its own: INFO stats evicted_keys)",
+)
+VISUAL_CACHE_REJECTED = Metric(
+    "qwen3vl_visual_cache_rejected_total",
+    "Entries dropped because their header or checksum did not match this deployment (recomputed instead)",
+)
+VISUAL_CACHE_BACKEND_ERRORS = Metric(
+    "qwen3vl_visual_cache_backend_errors_total",
+    "Visual cache store calls that failed (down, slow or full); the cache is bypassed for a backoff after each",
+)
 TOKENS_GENERATED = Metric("qwen3vl_tokens_generated_total", "Tokens generated and sent (an echoed prompt not counted)")
 
 # What each kind of model publishes, besides REQUESTS and REQUEST_ERRORS.
-PREPROCESSING = (IMAGES_DECODED,)
+VISUAL_CACHE = (
+    VISUAL_CACHE_HITS,
+    VISUAL_CACHE_MISSES,
+    VISUAL_CACHE_STORES,
+    VISUAL_CACHE_STORED_BYTES,
+    VISUAL_CACHE_EVICTIONS,
+    VISUAL_CACHE_REJECTED,
+    VISUAL_CACHE_BACKEND_ERRORS,
+)
+PREPROCESSING = (IMAGES_DECODED, *VISUAL_CACHE)
 VISION_ENCODER = (PATCHES_ENCODED, VISION_RUN_PATCHES, VISION_RUN_IMAGES, VISION_RUN_SECONDS)
 LLM = (TOKENS_GENERATED,)
+
+
+def read(metrics_url: str, timeout_s: float = 10.0) -> dict[tuple[str, str], float]:
+    """The qwen3vl_ samples a server publishes (its metrics port's /metrics URL), by (sample name, model label),
+    summed over the stubs; a histogram's _count and _sum, not its buckets."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    samples: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name.startswith("qwen3vl_") and "le" not in sample.labels:
+                key = (sample.name, sample.labels.get(MODEL_LABEL, ""))
+                samples[key] = samples.get(key, 0.0) + sample.value
+    return samples

@@ -13,7 +13,9 @@ import ctypes
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,12 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
-from ..errors import Qwen3VLTrtError, RequestError
+from ..errors import Qwen3VLTrtError, RequestError, StageError
 from ..limits import EngineLimits
-from . import interface, stage_metrics
+from . import interface, stage_metrics, visual_cache
 
 _DLPACK_TYPES = {"TYPE_BF16"}
+_log = logging.getLogger(__name__)
 
 
 class _TritonLog(logging.Handler):
@@ -220,7 +223,40 @@ class _BatchModel(_Model):
         """Publishes what a batch's results say (the model's own metrics)."""
 
 
+class _CacheCounts:
+    """The visual cache's events, added up where they happen (its Redis writer is a thread of its own) and
+    published from execute: a metric update is a message to the server process, sent from the model's thread."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[visual_cache.Event] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, event: visual_cache.Event, count: int) -> None:
+        with self._lock:
+            self._counts[event] += count
+
+    def take(self) -> Counter[visual_cache.Event]:
+        with self._lock:
+            counts, self._counts = self._counts, Counter()
+        return counts
+
+
+_CACHE_METRICS = {
+    visual_cache.Event.HIT: stage_metrics.VISUAL_CACHE_HITS,
+    visual_cache.Event.MISS: stage_metrics.VISUAL_CACHE_MISSES,
+    visual_cache.Event.STORE: stage_metrics.VISUAL_CACHE_STORES,
+    visual_cache.Event.STORED_BYTES: stage_metrics.VISUAL_CACHE_STORED_BYTES,
+    visual_cache.Event.EVICTION: stage_metrics.VISUAL_CACHE_EVICTIONS,
+    visual_cache.Event.REJECTED: stage_metrics.VISUAL_CACHE_REJECTED,
+    visual_cache.Event.BACKEND_ERROR: stage_metrics.VISUAL_CACHE_BACKEND_ERRORS,
+}
+
+
 class Preprocessing(_BatchModel):
+    """Prepares a batch, then sends the images that the visual cache did not hold to `vision_encoder` as one
+    request (BLS: so a batch whose images all hit runs no vision encoder, and Triton's statistics show it) and
+    answers each request with the LLM's inputs and its prompt table."""
+
     metrics_published = stage_metrics.PREPROCESSING
 
     def load(self) -> None:
@@ -232,13 +268,73 @@ class Preprocessing(_BatchModel):
         self.component = Component(
             self.param_path("model_dir"),
             self.limits(),
+            getattr(torch, self.params["llm_dtype"]),
+            int(self.params["llm_hidden_size"]),
             mrope_positions=int(self.params["mrope_positions"]),
             device=device,
         )
+        engine_dir = self.params.get("vision_engine_dir") or None
+        scope = self.component.feature_scope(self.param_path("vision_dir"), Path(engine_dir) if engine_dir else None)
+        self.cache_counts = _CacheCounts()
+        self.component.cache = visual_cache.open_cache(
+            self.params[visual_cache.VISUAL_CACHE_PARAMETER],
+            scope,
+            int(self.params["visual_cache_bytes"]),
+            int(self.params["visual_cache_ttl_s"]),
+            observer=self.cache_counts.add,
+        )
 
-    def count(self, results: Sequence[Mapping[str, Any] | Exception]) -> None:
-        images = sum(len(r[interface.IMAGE_GRID_THW.name]) for r in results if not isinstance(r, Exception))
-        self.metrics.add(stage_metrics.IMAGES_DECODED, images)
+    def finalize(self) -> None:
+        if self.component.cache is not None:
+            self.component.cache.close()
+        super().finalize()
+
+    def execute(self, requests: Sequence[Any]) -> list[Any]:
+        inputs = [self.read(r) for r in requests]
+        try:
+            return self.respond(requests, lambda: self._serve(inputs))
+        finally:
+            for event, count in self.cache_counts.take().items():
+                self.metrics.add(_CACHE_METRICS[event], count)
+
+    def _serve(self, inputs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any] | Exception]:
+        from .preprocessing import Prepared
+
+        prepared = self.component.execute(inputs)
+        ready = [p for p in prepared if isinstance(p, Prepared)]
+        misses = [image for p in ready for image in p.to_encode]
+        self.metrics.add(stage_metrics.IMAGES_DECODED, len(misses))
+        encoded: Iterator[torch.Tensor] | StageError = iter(())
+        if misses:
+            try:
+                encoded = iter(self.component.split_rows(self._encode(self.component.vision_request(misses)), misses))
+            except StageError as e:
+                encoded = e
+        results: list[Mapping[str, Any] | Exception] = []
+        for outcome in prepared:
+            if isinstance(outcome, Exception) or (isinstance(encoded, StageError) and outcome.to_encode):
+                results.append(outcome if isinstance(outcome, Exception) else encoded)  # type: ignore[arg-type]
+                continue
+            rows = [] if isinstance(encoded, StageError) else [next(encoded) for _ in outcome.to_encode]
+            try:
+                results.append(self.component.finish(outcome, rows))
+            except Qwen3VLTrtError as e:
+                results.append(e)
+        return results
+
+    def _encode(self, vision_inputs: Mapping[str, Any]) -> torch.Tensor:
+        """The vision encoder's prompt-table rows of the images in vision_inputs, or StageError with its error."""
+        request = pb_utils.InferenceRequest(
+            model_name=interface.VISION_ENCODER,
+            inputs=[_tensor(name, value) for name, value in vision_inputs.items()],
+            requested_output_names=[interface.PROMPT_TABLE.name],
+        )
+        answer = request.exec()
+        if answer.has_error():
+            raise StageError(f"the vision encoder failed: {answer.error().message()}")
+        table = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
+        # A copy of its own: the response's tensor lives in the stub's shared memory until the response goes.
+        return torch.from_dlpack(table.to_dlpack())[0].clone()
 
 
 class VisionEncoder(_BatchModel):
