@@ -250,12 +250,14 @@ class Acceptance:
         needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
         served: dict[str, list[int]] = {}
         healed: list[tuple[bool, str]] = []
+        cached: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, heals = _served_tokens(self._built(name), requests, log_path)
+            tokens, hits, heals = _served_tokens(self._built(name), requests, log_path)
             served.update(tokens)
+            cached.append(hits)
             healed.append(heals)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
             # Tensors between models that miss the CUDA memory pool go by CUDA IPC or through pinned host memory
@@ -267,13 +269,13 @@ class Acceptance:
         limit = f"gap <= {LOGIT_GAP:g}"
         serving = f"serve the GPU repository ({name})"
         healing = f"metrics published; a killed vision_encoder stub comes back ({name})"
+        caching = f"a repeated image: a visual cache hit, no decode, no vision encoder ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
-            self.report.rows.append(
-                Row(healing, SKIPPED, limit="back, answers", detail="the repository was not served")
-            )
+            for check, check_limit in ((caching, "same tokens, 0 runs"), (healing, "back, answers")):
+                self.report.rows.append(Row(check, SKIPPED, limit=check_limit, detail="the repository was not served"))
             return
         reference = _TransformersGreedy(model)
         for kind, (prompt, images) in requests.items():
@@ -285,6 +287,7 @@ class Acceptance:
                 return bool(served[kind]) and worst <= LOGIT_GAP, figure
 
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs, compare)
+        self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
 
     def _built(self, name: str) -> Path:
@@ -428,9 +431,10 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
 
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes]]], log_path: Path
-) -> tuple[dict[str, list[int]], tuple[bool, str]]:
-    """Greedy token ids of each request through the build's GPU repository on a real tritonserver, and then
-    whether the deployment heals (see _heals) with its figure."""
+) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str]]:
+    """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
+    a request's image sent again is answered from the visual cache (see _cache_hit), and whether the deployment
+    heals (see _heals), each with its figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.endpoints import free_ports
@@ -447,11 +451,33 @@ def _served_tokens(
                 kind: client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
                 for kind, (prompt, images) in requests.items()
             }
+            hits = _cache_hit(server, client, next((r, tokens[k]) for k, r in requests.items() if r[1]))
         finally:
             client.close()
-        return tokens, _heals(server)
+        return tokens, hits, _heals(server)
     finally:
         server.stop()
+
+
+def _cache_hit(server: Any, client: Any, sent: tuple[tuple[str, list[bytes]], list[int]]) -> tuple[bool, str]:
+    """The request with images sent again: the same tokens, the visual cache's hit, no image decoded and no
+    vision encoder execution (Triton's statistics)."""
+    from .serving import interface, stage_metrics
+
+    def runs() -> int:
+        stats = client.grpc.get_inference_statistics(model_name=interface.VISION_ENCODER, as_json=True)
+        return int(stats["model_stats"][0].get("execution_count", 0))
+
+    def counted(metric: stage_metrics.Metric) -> float:
+        return stage_metrics.read(server.metrics_url).get((metric.name, interface.PREPROCESSING), 0.0)
+
+    (prompt, images), first = sent
+    before = (runs(), counted(stage_metrics.VISUAL_CACHE_HITS), counted(stage_metrics.IMAGES_DECODED))
+    again = client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
+    after = (runs(), counted(stage_metrics.VISUAL_CACHE_HITS), counted(stage_metrics.IMAGES_DECODED))
+    vision_runs, hits, decoded = (int(b - a) for a, b in zip(before, after, strict=True))
+    figure = f"{'same' if again == first else 'different'} tokens, {hits} hit(s), {decoded} decoded, {vision_runs} runs"
+    return again == first and hits == len(images) and decoded == 0 and vision_runs == 0, figure
 
 
 def _heals(server: Any) -> tuple[bool, str]:

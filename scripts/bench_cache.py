@@ -61,6 +61,13 @@ def draw(requests: int, pool: int, reuse: float, seed: int) -> list[int]:
     return sequence
 
 
+def photo_pool(size: int, seed: int) -> list[bytes]:
+    """Synthetic photos of sizes drawn at random from SIZES: popularity (a photo's place in the pool) and cost
+    independent."""
+    rng = np.random.default_rng(seed)
+    return [synthetic_jpeg(*SIZES[rng.integers(len(SIZES))], seed=1000 * seed + i) for i in range(size)]
+
+
 @dataclass(frozen=True)
 class Level:
     config: str
@@ -162,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             build(model_dir, build_dir, llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
         repo = build_dir / "triton_repo"
 
-        pools = {c: [synthetic_jpeg(*SIZES[i % len(SIZES)], seed=1000 * c + i) for i in range(args.pool)]
-                 for c in args.concurrency}  # fmt: skip
+        pools = {c: photo_pool(args.pool, seed=c) for c in args.concurrency}
         sequences = {c: draw(args.requests, args.pool, args.reuse, seed=c) for c in args.concurrency}
         levels: list[Level] = []
         answers: dict[tuple[str, int], list[list[int]]] = {}

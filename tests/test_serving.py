@@ -4,6 +4,7 @@ tritonclient, against transformers' generate on the same requests."""
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,7 @@ def test_load_8_clients_20_requests_no_failures_no_memory_growth(dense):
 
 
 def _infer_model(url, model, arrays: dict[str, np.ndarray]):
+    """One request to one model, over a stream (decoupled models, preprocessing among them, answer only there)."""
     client = grpcclient.InferenceServerClient(url)
     inputs = []
     for name, array in arrays.items():
@@ -232,7 +234,16 @@ def _infer_model(url, model, arrays: dict[str, np.ndarray]):
         )
         spec.set_data_from_numpy(array)
         inputs.append(spec)
-    return client.infer(model, inputs)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs)
+        result, error = answers.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is None, error
+    return result
 
 
 def test_tensors_cross_every_model_intact(dense):

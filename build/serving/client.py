@@ -43,14 +43,6 @@ class ServerBusyError(ServerUnavailableError):
     max_queue_size); the request may succeed when retried later."""
 
 
-# Triton core's dynamic batcher refuses a request over its queue policy's max_queue_size, or one that waited past
-# its queue timeout, with these messages (core r24.10 and r26.04 src/scheduler_utils.cc and
-# src/dynamic_batch_scheduler.cc, status UNAVAILABLE); on a stream they arrive as the response's error_message,
-# without the status.
-QUEUE_FULL = "Exceeds maximum queue size"
-QUEUE_TIMEOUT = "Request timeout expired"
-
-
 # A request whose stream stays silent this long asks whether the deployment is still ready. A stage whose python
 # stub died leaves the requests in it unanswered (python_backend r24.10 has no cleanup for a dead decoupled
 # stub), while the launcher's supervisor unloads and reloads that stage: readiness is false for the whole reload
@@ -81,7 +73,7 @@ def _server_error(url: str, error: Any) -> InferenceError:
     message = message or ""
     if interface.REJECTED_REQUEST in message:
         return RequestRejectedError(f"{url}: {message}")
-    if QUEUE_FULL in message or QUEUE_TIMEOUT in message:
+    if interface.QUEUE_FULL in message or interface.QUEUE_TIMEOUT in message:
         return ServerBusyError(f"{url} is busy: {message}")
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return ServerUnavailableError(f"{url} is unavailable: {message}")

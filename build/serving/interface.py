@@ -42,6 +42,9 @@ PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
     "qwen3vl",
 )
 MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE)
+# Models that other models call themselves (BLS), by their callers: not steps of the ensemble, so Triton does not
+# turn the ensemble not ready while one is unloaded; its callers are unloaded with it instead (serving.supervisor).
+CALLED_BY = {VISION_ENCODER: (PREPROCESSING,)}
 
 
 # Triton's DataType names (without TYPE_) of the contracts' dtypes; "model" is the LLM checkpoint's dtype.
@@ -200,3 +203,10 @@ PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
 # Error messages of requests the deployment refuses as sent start with this: gRPC stream responses carry
 # a message and no status code, and clients (the OpenAI gateway: HTTP 400) tell these from failures.
 REJECTED_REQUEST = "request rejected"
+
+# Triton core's dynamic batcher refuses a request over its queue policy's max_queue_size, or one that waited past
+# its queue timeout, with these messages (core r24.10 and r26.04 src/scheduler_utils.cc and
+# src/dynamic_batch_scheduler.cc, status UNAVAILABLE); on a stream they arrive as the response's error_message,
+# without the status. Preprocessing, which bounds its own waiting requests, refuses with the first too.
+QUEUE_FULL = "Exceeds maximum queue size"
+QUEUE_TIMEOUT = "Request timeout expired"

@@ -203,6 +203,7 @@ def model_configs(
         [cfg.model_output(t, model_type) for t in interface.PREPROCESSING_OUTPUTS],
         kind,
         preprocessing,
+        decoupled=True,  # its async execute answers hits while a batch waits for the vision encoder
     )
     configs[interface.VISION_ENCODER] = _python_model(
         interface.VISION_ENCODER,

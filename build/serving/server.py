@@ -31,7 +31,7 @@ from . import config as serving_config
 from .endpoints import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from .interface import ENSEMBLE
 from .launch import ConfigOverrides, launch_command, repository_models
-from .supervisor import StageSupervisor
+from .supervisor import StageSupervisor, group_stubs
 from .tritonserver_install import NGC_IMAGE, find_tritonserver
 
 if TYPE_CHECKING:
@@ -60,6 +60,10 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
             os.kill(os.getpid(), signal.SIGUSR1)
 
     return preexec
+
+
+# How long `wait_ready` waits for superseded instances' stubs to end (seen: 1.7 s for the decoupled preprocessing).
+SUPERSEDED_STUBS_S = 30.0
 
 
 class TritonServer:
@@ -248,6 +252,20 @@ class TritonServer:
                 time.sleep(0.2)
         finally:
             client.close()
+        if self.overrides:
+            self._await_superseded_stubs(deadline)
+
+    def _await_superseded_stubs(self, deadline: float) -> None:
+        """Waits (until `deadline`) for the stubs of the instances that loading with overrides superseded to end:
+        Triton unloads an old instance after the new one is ready, a decoupled one seconds later, and a stub that
+        ends while the supervisor watches is one it must tell from a crash (a model left with no stub). Ready
+        means one stub per python model."""
+        deadline = min(deadline, time.monotonic() + SUPERSEDED_STUBS_S)
+        while time.monotonic() < deadline and self.poll() is None:
+            models = [stub.model for stub in group_stubs(self.pid).live.values()]
+            if len(models) == len(set(models)):
+                return
+            time.sleep(0.1)
 
     def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
         """Loads `models` through the repository API, each with its config override if it has one. Loading an
@@ -272,6 +290,9 @@ class TritonServer:
             raise ServingError(f"tritonserver did not keep the config override of {', '.join(reverted)}")
 
     def _overridden(self, client: InferenceServerClient, model: str) -> bool:
+        """Whether a model carries its override; one not loaded now (a stage being reloaded) has none to carry."""
+        if not client.is_model_ready(model):
+            return True
         return self.config_overrides.kept_by(client.get_model_config(model).config)
 
     def _model_ready(self, model: str) -> bool:

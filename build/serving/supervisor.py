@@ -7,7 +7,8 @@ TRITONBACKEND_ModelInstanceExecute: "TODO: Implement restart on decoupled"), and
 reporting ready. So the launcher runs the server under explicit model control and this supervisor watches the
 stub processes in the server's process group (/proc, Linux) and the python models' readiness: when a stub dies,
 it unloads that model, which unloads the ensemble that holds it too (core r26.04 ModelsToLoadUnload), so
-the model and the ensemble are not ready, and loads it again, which brings both back.
+the model and the ensemble are not ready, and loads it again, which brings both back. A model the ensemble reaches
+only through another model's BLS calls (interface.CALLED_BY) is unloaded after its callers and loaded before them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .interface import CALLED_BY
 
 STUB_BINARY = "triton_python_backend_stub"
 # A dead stub is noticed within two looks (1 s); the stage is back after that plus its own load time (its
@@ -207,6 +210,7 @@ class StageSupervisor:
 
     def _recover(self, model: str, dead: set[int]) -> None:
         started = time.monotonic()
+        callers = CALLED_BY.get(model, ())
         unloaded = False
         while not self._stopping.is_set():
             if not self._alive():
@@ -214,12 +218,15 @@ class StageSupervisor:
                 return
             try:
                 if not unloaded:
+                    for caller in callers:  # the ensemble turns not ready with them
+                        self._unload(caller)
                     self._unload(model)  # not ready from here on, as is the server (--strict-readiness)
                     unloaded = True
                     settle = time.monotonic() + SETTLE_S
                     while dead & group_stubs(self.group).exited.keys() and time.monotonic() < settle:
                         self._stopping.wait(POLL_INTERVAL_S / 5)
-                self._load(model)
+                for loaded in (model, *callers):
+                    self._load(loaded)
             except Exception as e:  # the server's refusal, e.g. initialize failing again; keep trying
                 first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._log(f"stage '{model}' failed to load again ({first_line}); retrying in {RETRY_DELAY_S:g} s")

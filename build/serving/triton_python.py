@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ class _Model:
         keep_freed_memory()
         self.threads = intra_op_threads()
         torch.set_num_threads(self.threads)
-        config = json.loads(args["model_config"])
+        self.config = config = json.loads(args["model_config"])
         self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
         self.device_id = int(args.get("model_instance_device_id", 0))
@@ -252,10 +252,16 @@ _CACHE_METRICS = {
 }
 
 
-class Preprocessing(_BatchModel):
-    """Prepares a batch, then sends the images that the visual cache did not hold to `vision_encoder` as one
-    request (BLS: so a batch whose images all hit runs no vision encoder, and Triton's statistics show it) and
-    answers each request with the LLM's inputs and its prompt table."""
+class Preprocessing(_Model):
+    """Decoupled, with an async execute (python_backend r24.05+, "Decoupled Async Execute"): a batch is prepared,
+    its requests that need no vision encoder (all images in the visual cache, text only, refused) are answered at
+    once, and its images the cache did not hold go to `vision_encoder` as one request (BLS, async_exec: a batch
+    whose images all hit runs no vision encoder, and Triton's statistics show it). While a batch waits for the
+    vision encoder, the next ones are prepared and answered: a hit never waits for another request's miss.
+
+    Triton hands an async model its next batch without waiting for the last, so its queue bound no longer holds
+    requests back; this model bounds them itself: beyond its queue policy's max_queue_size plus one batch waiting
+    for the vision encoder, it refuses a request with the dynamic batcher's own message (interface.QUEUE_FULL)."""
 
     metrics_published = stage_metrics.PREPROCESSING
 
@@ -265,9 +271,10 @@ class Preprocessing(_BatchModel):
         # The backend passes the instance's GPU as model_instance_device_id and sets no current device
         # (python_backend r26.04 src/stub_launcher.cc): "cuda" alone would put every instance on GPU 0.
         device = f"cuda:{self.device_id}" if self.params["device"] == "cuda" else self.params["device"]
+        limits = self.limits()
         self.component = Component(
             self.param_path("model_dir"),
-            self.limits(),
+            limits,
             getattr(torch, self.params["llm_dtype"]),
             int(self.params["llm_hidden_size"]),
             mrope_positions=int(self.params["mrope_positions"]),
@@ -283,58 +290,86 @@ class Preprocessing(_BatchModel):
             int(self.params["visual_cache_ttl_s"]),
             observer=self.cache_counts.add,
         )
+        queue = self.config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 0)
+        self.waiting_limit = int(queue) + limits.max_batch_size if int(queue) else None
+        self.waiting = 0  # requests waiting for the vision encoder
 
     def finalize(self) -> None:
         if self.component.cache is not None:
             self.component.cache.close()
         super().finalize()
 
-    def execute(self, requests: Sequence[Any]) -> list[Any]:
-        inputs = [self.read(r) for r in requests]
-        try:
-            return self.respond(requests, lambda: self._serve(inputs))
-        finally:
-            for event, count in self.cache_counts.take().items():
-                self.metrics.add(_CACHE_METRICS[event], count)
-
-    def _serve(self, inputs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any] | Exception]:
+    async def execute(self, requests: Sequence[Any]) -> None:
         from .preprocessing import Prepared
 
-        prepared = self.component.execute(inputs)
-        ready = [p for p in prepared if isinstance(p, Prepared)]
-        misses = [image for p in ready for image in p.to_encode]
-        self.metrics.add(stage_metrics.IMAGES_DECODED, len(misses))
-        encoded: Iterator[torch.Tensor] | StageError = iter(())
-        if misses:
-            try:
-                encoded = iter(self.component.split_rows(self._encode(self.component.vision_request(misses)), misses))
-            except StageError as e:
-                encoded = e
-        results: list[Mapping[str, Any] | Exception] = []
-        for outcome in prepared:
-            if isinstance(outcome, Exception) or (isinstance(encoded, StageError) and outcome.to_encode):
-                results.append(outcome if isinstance(outcome, Exception) else encoded)  # type: ignore[arg-type]
-                continue
-            rows = [] if isinstance(encoded, StageError) else [next(encoded) for _ in outcome.to_encode]
-            try:
-                results.append(self.component.finish(outcome, rows))
-            except Qwen3VLTrtError as e:
-                results.append(e)
-        return results
+        self.metrics.add(stage_metrics.REQUESTS, len(requests))
+        senders = [r.get_response_sender() for r in requests]
+        try:
+            outcomes: list[Prepared | Exception] = self.component.execute([self.read(r) for r in requests])
+        except Qwen3VLTrtError as e:
+            outcomes = [e] * len(requests)
+        except Exception as e:  # a bug: still one final response per request, the traceback in Triton's log
+            _log.exception("preprocessing failed a batch")
+            outcomes = [StageError(f"preprocessing failed: {type(e).__name__}: {e}")] * len(requests)
+        waiting: list[tuple[Any, Prepared]] = []
+        for sender, outcome in zip(senders, outcomes, strict=True):
+            if isinstance(outcome, Prepared) and outcome.to_encode:
+                if self.waiting_limit is not None and self.waiting + len(waiting) >= self.waiting_limit:
+                    waiting_for = f"{self.waiting_limit} requests wait for the vision encoder"
+                    outcome = StageError(f"{interface.QUEUE_FULL} of preprocessing: {waiting_for}")
+                else:
+                    waiting.append((sender, outcome))
+                    continue
+            self._answer(sender, outcome if isinstance(outcome, Exception) else self._finish(outcome, {}))
+        self._publish_cache_counts()
+        if not waiting:
+            return
+        self.waiting += len(waiting)
+        try:
+            encoded = await self._encode_images([image for _, outcome in waiting for image in outcome.to_encode])
+        finally:
+            self.waiting -= len(waiting)
+        for sender, outcome in waiting:
+            self._answer(sender, encoded if isinstance(encoded, Exception) else self._finish(outcome, encoded))
+        self._publish_cache_counts()
 
-    def _encode(self, vision_inputs: Mapping[str, Any]) -> torch.Tensor:
-        """The vision encoder's prompt-table rows of the images in vision_inputs, or StageError with its error."""
+    async def _encode_images(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor] | StageError:
+        """Each image's prompt-table rows, by digest, from one vision encoder request (an image sent twice in the
+        batch, a popular one before its first encode is cached, is encoded once); or the error it answered."""
+        self.metrics.add(stage_metrics.IMAGES_DECODED, len(images))
+        unique = list({image.digest: image for image in images}.values())
         request = pb_utils.InferenceRequest(
             model_name=interface.VISION_ENCODER,
-            inputs=[_tensor(name, value) for name, value in vision_inputs.items()],
+            inputs=[_tensor(name, value) for name, value in self.component.vision_request(unique).items()],
             requested_output_names=[interface.PROMPT_TABLE.name],
         )
-        answer = request.exec()
+        answer = await request.async_exec()
         if answer.has_error():
-            raise StageError(f"the vision encoder failed: {answer.error().message()}")
-        table = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
+            return StageError(f"the vision encoder failed: {answer.error().message()}")
+        output = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
         # A copy of its own: the response's tensor lives in the stub's shared memory until the response goes.
-        return torch.from_dlpack(table.to_dlpack())[0].clone()
+        table = torch.from_dlpack(output.to_dlpack())[0].clone()
+        try:
+            rows = self.component.split_rows(table, unique)
+        except StageError as e:
+            return e
+        return {image.digest: r for image, r in zip(unique, rows, strict=True)}
+
+    def _finish(self, prepared: Any, encoded: Mapping[bytes, torch.Tensor]) -> Mapping[str, Any] | Exception:
+        try:
+            return self.component.finish(prepared, [encoded[image.digest] for image in prepared.to_encode])
+        except Qwen3VLTrtError as e:
+            return e
+
+    def _answer(self, sender: Any, result: Mapping[str, Any] | Exception) -> None:
+        if isinstance(result, Exception):
+            self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
+        reply = error_response(result) if isinstance(result, Exception) else response(result)
+        sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _publish_cache_counts(self) -> None:
+        for event, count in self.cache_counts.take().items():
+            self.metrics.add(_CACHE_METRICS[event], count)
 
 
 class VisionEncoder(_BatchModel):

@@ -338,7 +338,7 @@ class VisualCache:
             rows = None
             if value is not None:
                 try:
-                    rows = decode_entry(bytes(value), self.scope, digest, grid, shape, dtype)
+                    rows = decode_entry(value, self.scope, digest, grid, shape, dtype)
                 except RejectedEntry as e:
                     log.warning("visual cache: dropped the entry %s: %s", key, e)
                     self.observer(Event.REJECTED, 1)
