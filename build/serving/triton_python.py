@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,9 +259,13 @@ class Preprocessing(_Model):
     whose images all hit runs no vision encoder, and Triton's statistics show it). While a batch waits for the
     vision encoder, the next ones are prepared and answered: a hit never waits for another request's miss.
 
-    Triton hands an async model its next batch without waiting for the last, so its queue bound no longer holds
-    requests back; this model bounds them itself: beyond its queue policy's max_queue_size plus one batch waiting
-    for the vision encoder, it refuses a request with the dynamic batcher's own message (interface.QUEUE_FULL)."""
+    The stub runs a coroutine that execute returns on an event loop of its own and hands the instance its next
+    batch at once, with no bound on the coroutines (python_backend r24.10 and r26.04 src/pb_stub.cc
+    ProcessRequests, RunCoroutine in background), so Triton's queue bound no longer holds requests back. execute
+    therefore admits a batch on the stub's own thread before returning the coroutine: beyond the queue policy's
+    max_queue_size plus one batch in flight it refuses a request at once with the dynamic batcher's own message
+    (interface.QUEUE_FULL). Each request gets exactly one final response, whatever is raised: the stub only logs
+    an exception that a coroutine raises."""
 
     metrics_published = stage_metrics.PREPROCESSING
 
@@ -290,48 +294,67 @@ class Preprocessing(_Model):
             int(self.params["visual_cache_ttl_s"]),
             observer=self.cache_counts.add,
         )
-        queue = self.config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 0)
-        self.waiting_limit = int(queue) + limits.max_batch_size if int(queue) else None
-        self.waiting = 0  # requests waiting for the vision encoder
+        queue = int(self.config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 0))
+        self.in_flight_limit = queue + limits.max_batch_size if queue else None
+        self.in_flight = 0  # requests admitted and not yet answered
+        self.in_flight_lock = threading.Lock()  # execute admits on the stub's thread, the loop's thread answers
 
     def finalize(self) -> None:
         if self.component.cache is not None:
             self.component.cache.close()
         super().finalize()
 
-    async def execute(self, requests: Sequence[Any]) -> None:
-        from .preprocessing import Prepared
-
+    def execute(self, requests: Sequence[Any]) -> Coroutine[Any, Any, None]:
         self.metrics.add(stage_metrics.REQUESTS, len(requests))
         senders = [r.get_response_sender() for r in requests]
+        with self.in_flight_lock:
+            room = len(requests) if self.in_flight_limit is None else max(0, self.in_flight_limit - self.in_flight)
+            admitted = min(room, len(requests))
+            self.in_flight += admitted
+        refusal = StageError(f"{interface.QUEUE_FULL} of preprocessing: {self.in_flight_limit} requests in flight")
+        for sender in senders[admitted:]:
+            self._answer(sender, refusal, admitted=False)
+        return self._serve(requests[:admitted], senders[:admitted])
+
+    async def _serve(self, requests: Sequence[Any], senders: Sequence[Any]) -> None:
+        from .preprocessing import Prepared
+
+        answered: set[int] = set()
+
+        def answer(i: int, result: Mapping[str, Any] | Exception) -> None:
+            answered.add(i)
+            self._answer(senders[i], result)
+
         try:
-            outcomes: list[Prepared | Exception] = self.component.execute([self.read(r) for r in requests])
-        except Qwen3VLTrtError as e:
-            outcomes = [e] * len(requests)
-        except Exception as e:  # a bug: still one final response per request, the traceback in Triton's log
-            _log.exception("preprocessing failed a batch")
-            outcomes = [StageError(f"preprocessing failed: {type(e).__name__}: {e}")] * len(requests)
-        waiting: list[tuple[Any, Prepared]] = []
-        for sender, outcome in zip(senders, outcomes, strict=True):
-            if isinstance(outcome, Prepared) and outcome.to_encode:
-                if self.waiting_limit is not None and self.waiting + len(waiting) >= self.waiting_limit:
-                    waiting_for = f"{self.waiting_limit} requests wait for the vision encoder"
-                    outcome = StageError(f"{interface.QUEUE_FULL} of preprocessing: {waiting_for}")
+            if self.component.pre.device.type == "cuda":
+                # The event loop's thread: BLS tensors' proxy streams are looked up by the current device.
+                torch.cuda.set_device(self.component.pre.device)
+            try:
+                outcomes: list[Prepared | Exception] = self.component.execute([self.read(r) for r in requests])
+            except Qwen3VLTrtError as e:
+                outcomes = [e] * len(requests)
+            waiting = []
+            for i, outcome in enumerate(outcomes):
+                if isinstance(outcome, Prepared) and outcome.to_encode:
+                    waiting.append(i)
                 else:
-                    waiting.append((sender, outcome))
-                    continue
-            self._answer(sender, outcome if isinstance(outcome, Exception) else self._finish(outcome, {}))
-        self._publish_cache_counts()
-        if not waiting:
-            return
-        self.waiting += len(waiting)
-        try:
-            encoded = await self._encode_images([image for _, outcome in waiting for image in outcome.to_encode])
-        finally:
-            self.waiting -= len(waiting)
-        for sender, outcome in waiting:
-            self._answer(sender, encoded if isinstance(encoded, Exception) else self._finish(outcome, encoded))
-        self._publish_cache_counts()
+                    answer(i, outcome if isinstance(outcome, Exception) else self._finish(outcome, {}))
+            self._publish_cache_counts()
+            if waiting:
+                images = [image for i in waiting for image in outcomes[i].to_encode]  # type: ignore[union-attr]
+                encoded = await self._encode_images(images)
+                for i in waiting:
+                    answer(i, encoded if isinstance(encoded, Exception) else self._finish(outcomes[i], encoded))
+                self._publish_cache_counts()
+        except Exception as e:  # a bug or a failed transfer: still one final response per request
+            _log.exception("preprocessing failed a batch")
+            failure = StageError(f"preprocessing failed: {type(e).__name__}: {e}")
+            for i in range(len(senders)):
+                if i not in answered:
+                    try:
+                        answer(i, failure)
+                    except Exception:  # the response itself could not be sent; nothing more to do for it
+                        _log.exception("preprocessing could not answer a request")
 
     async def _encode_images(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor] | StageError:
         """Each image's prompt-table rows, by digest, from one vision encoder request (an image sent twice in the
@@ -347,7 +370,8 @@ class Preprocessing(_Model):
         if answer.has_error():
             return StageError(f"the vision encoder failed: {answer.error().message()}")
         output = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
-        # A copy of its own: the response's tensor lives in the stub's shared memory until the response goes.
+        # A copy of its own, so the response's buffer (on the GPU target a block of Triton's CUDA memory pool, which
+        # the DLPack capsule would hold) goes back at once.
         table = torch.from_dlpack(output.to_dlpack())[0].clone()
         try:
             rows = self.component.split_rows(table, unique)
@@ -361,11 +385,17 @@ class Preprocessing(_Model):
         except Qwen3VLTrtError as e:
             return e
 
-    def _answer(self, sender: Any, result: Mapping[str, Any] | Exception) -> None:
-        if isinstance(result, Exception):
-            self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
-        reply = error_response(result) if isinstance(result, Exception) else response(result)
-        sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _answer(self, sender: Any, result: Mapping[str, Any] | Exception, admitted: bool = True) -> None:
+        """Sends a request its one final response; an admitted request stops counting as in flight."""
+        try:
+            if isinstance(result, Exception):
+                self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
+            reply = error_response(result) if isinstance(result, Exception) else response(result)
+            sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            if admitted:
+                with self.in_flight_lock:
+                    self.in_flight -= 1
 
     def _publish_cache_counts(self) -> None:
         for event, count in self.cache_counts.take().items():
