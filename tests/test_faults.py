@@ -163,7 +163,7 @@ def test_overload_is_refused_at_once_and_the_server_stays_ready(supervised, repo
     probe = grpcclient.InferenceServerClient(supervised.url)
     for model in (PREPROCESSING, LLM):
         assert probe.get_model_config(model).config.dynamic_batching.default_queue_policy.max_queue_size == 1
-    # Unbounded: its one client, preprocessing, sends it a request per batch and waits for it.
+    # Unbounded: its one client, preprocessing, sends it a request per batch of the requests it admitted.
     assert not probe.get_model_config(VISION_ENCODER).config.dynamic_batching.default_queue_policy.max_queue_size
 
     def one(i: int) -> tuple[str, float]:

@@ -213,7 +213,7 @@ def model_configs(
         [cfg.model_output(interface.PROMPT_TABLE, model_type)],
         kind,
         {**common, **vision, "attention_budget_bytes": settings.attention_budget_bytes},
-        # Its one client is preprocessing (a request per batch, while that batch waits), whose queue is bounded.
+        # Its one client is preprocessing (a request per batch), which bounds the requests it has in flight.
         bounded_queue=False,
     )
     if memory is not None and gpu:
