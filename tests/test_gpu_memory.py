@@ -52,9 +52,11 @@ def test_transfer_pool_holds_two_full_batches_of_pixels_and_prompt_tables():
     # Qwen3-VL-8B: hidden 4096, K = 3 DeepStack layers, bf16 prompt table; patch_dim 1536, 2 x 2 merge.
     row = 4 * 4096 * 2
     per_patch = 1536 * 4 + 4 * 4 + 4 * 4 + 2 * 4 + 4
-    expected = 2 * 8 * (8192 * 4 * per_patch + 8192 * row)  # in flight, and gathered by the next model's batcher
+    # In flight, and gathered by the next model's batcher; the table twice: vision_encoder's rows back to
+    # preprocessing (BLS), the request's table on to the llm.
+    expected = 2 * 8 * (8192 * 4 * per_patch + 2 * 8192 * row)
     assert gpu_memory.transfer_pool_bytes(limits, 1536, 4, row) == expected
-    assert 7.0 * GIB < expected < 7.1 * GIB
+    assert 11.0 * GIB < expected < 11.1 * GIB
 
 
 def test_decode_memory_counts_the_largest_decoded_frame_and_the_resized_copies():

@@ -19,11 +19,12 @@ the LLM first:
 LLM's share of what is then free is smaller still, so the plan holds both ways.
 
 The CUDA memory pool. Device tensors that pass between models (pixels and their metadata from preprocessing to
-vision_encoder, prompt tables from vision_encoder to llm) come from Triton's CUDA memory pool of that GPU. When it is
-exhausted, python_backend hands its outputs over by CUDA IPC (r26.04 src/infer_response.cc) and Triton core places
-the ensemble's tensors in pinned host memory (core memory.cc): a device-host-device round trip per request. The pool
-holds two full batches of both: the batch in flight between two models, and the contiguous copy the next model's
-dynamic batcher makes of it (python_be.cc gathers a batch's GPU inputs into pool memory). `serve` passes
+vision_encoder and its rows back, by BLS; prompt tables from preprocessing to llm) come from Triton's CUDA memory
+pool of that GPU. When it is exhausted, python_backend hands its outputs over by CUDA IPC (r26.04
+src/infer_response.cc) and Triton core places the ensemble's tensors in pinned host memory (core memory.cc): a
+device-host-device round trip per request. The pool holds two full batches of both: the batch in flight between two
+models, and the contiguous copy the next model's dynamic batcher makes of it (python_be.cc gathers a batch's GPU
+inputs into pool memory). `serve` passes
 `--cuda-memory-pool-byte-size=<gpu>:<bytes>` to the server (rank 0 under MPI, as TensorRT-LLM's
 launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
 """
@@ -114,9 +115,10 @@ class GpuMemoryPlan:
 def transfer_pool_bytes(limits: EngineLimits, patch_dim: int, merge_unit: int, prompt_table_row_bytes: int) -> int:
     """Device bytes between the models for two full batches of requests with the most visual tokens each (one in
     flight, one gathered by the next model's batcher): per-patch inputs of the vision encoder, and prompt tables
-    ((K+1) rows per visual token)."""
+    ((K+1) rows per visual token) twice: the vision encoder's rows back to preprocessing, the request's table on to
+    the llm."""
     patches = limits.max_visual_tokens * merge_unit
-    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + limits.max_visual_tokens * (
+    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + 2 * limits.max_visual_tokens * (
         prompt_table_row_bytes
     )
     return _BATCHES_IN_POOL * limits.max_batch_size * per_request
