@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from deployment import LIMITS, build_cpu_repository
@@ -376,3 +377,25 @@ def test_the_scope_tells_models_and_settings_apart(repo, checkpoints):
     resized = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64)
     resized.pre.normalize.backend = "pil"
     assert resized.feature_scope(vision, None) != scope()
+
+
+def test_an_image_an_earlier_batch_is_encoding_is_neither_looked_up_nor_decoded(checkpoints):
+    component = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64)
+    counts = Counts()
+    component.cache = VisualCache(MemoryStore(1 << 20), SCOPE, counts)
+    request = {
+        interface.TEXT_INPUT.name: np.array([b"What is it?"], dtype=object),
+        interface.MAX_TOKENS.name: np.array([4], np.int32),
+        interface.IMAGES.name: np.array([jpeg(256, 256, seed=5)], dtype=object),
+    }
+    (first,) = component.execute([request])
+    (image,) = first.images
+    assert first.to_encode == [image] and counts[Event.MISS] == 1
+    (joined,) = component.execute([request], encoding={image.digest})
+    assert joined.to_encode == [] and [i.digest for i in joined.pending] == [image.digest]
+    assert counts[Event.MISS] == 1 and counts[Event.HIT] == 0  # not even looked up
+    rows = torch.randn(component.table.shape(image.tokens))
+    table = component.finish(joined, {image.digest: rows})[interface.PROMPT_TABLE.name]
+    assert torch.equal(table, rows) and counts[Event.STORE] == 0  # the batch that encodes it stores it
+    component.finish(first, {image.digest: rows})
+    assert counts[Event.STORE] == 1

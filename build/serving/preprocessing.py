@@ -12,7 +12,7 @@ decided here once, so both targets' `llm` models receive every input.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +101,9 @@ class PromptTableFormat:
 
 @dataclass(frozen=True)
 class ImageFeatures:
-    """One image of a request: its cache digest and grid, and its prompt-table rows when the cache had them,
-    or else the vision encoder's inputs for this image alone (contracts.VISION_INPUTS, grid and token count)."""
+    """One image of a request: its cache digest and grid, and its prompt-table rows when the cache had them, or
+    else the vision encoder's inputs for this image alone (contracts.VISION_INPUTS and grid), or neither when an
+    earlier batch is encoding the same image now (the request waits for that encode)."""
 
     digest: bytes
     grid: tuple[int, int, int]
@@ -120,6 +121,12 @@ class Prepared:
 
     @property
     def to_encode(self) -> list[ImageFeatures]:
+        """Images this request sends to the vision encoder."""
+        return [image for image in self.images if image.vision_inputs is not None]
+
+    @property
+    def pending(self) -> list[ImageFeatures]:
+        """Images whose rows this request still needs: its own to encode, and those being encoded already."""
         return [image for image in self.images if image.rows is None]
 
 
@@ -147,6 +154,7 @@ class Preprocessing:
         if not self.end_ids:
             raise RequestError(f"{model_dir}/generation_config.json names no eos_token_id; the server needs one")
         self._found: dict[bytes, torch.Tensor] = {}  # the cache's rows for the batch being prepared
+        self._encoding: Collection[bytes] = ()  # images an earlier batch is encoding (see execute)
 
     def feature_scope(self, vision_dir: Path, engine_dir: Path | None) -> FeatureScope:
         """What decides an image's features besides its bytes and grid: the vision model (its weights, graph
@@ -180,9 +188,11 @@ class Preprocessing:
             }
         )
 
-    def execute(self, requests: Sequence[Arrays]) -> list[Prepared | Exception]:
+    def execute(self, requests: Sequence[Arrays], encoding: Collection[bytes] = ()) -> list[Prepared | Exception]:
         """Per request: what it needs of the vision encoder and the rest of its output tensors (no batch
-        dimension), or the error to answer it with."""
+        dimension), or the error to answer it with. `encoding`: digests of images an earlier batch is encoding
+        now; those are neither looked up nor decoded (their requests wait for that encode)."""
+        self._encoding = encoding
         results: dict[int, Prepared | Exception] = {}
         parsed: dict[int, _Parsed] = {}
         for i, inputs in enumerate(requests):
@@ -205,30 +215,30 @@ class Preprocessing:
         joined[interface.VISUAL_TOKEN_COUNT.name] = np.array([sum(image.tokens for image in images)], np.int32)
         return joined
 
-    def split_rows(self, table: torch.Tensor, images: Sequence[ImageFeatures]) -> list[torch.Tensor]:
-        """The vision encoder's prompt table of a vision_request, cut into each image's rows."""
+    def split_rows(self, table: torch.Tensor, images: Sequence[ImageFeatures]) -> dict[bytes, torch.Tensor]:
+        """The vision encoder's prompt table of a vision_request, cut into each image's rows, by digest."""
         sizes = [self.table.shape(image.tokens)[0] for image in images]
         if table.shape[0] != sum(sizes):
             raise StageError(f"the vision encoder answered {table.shape[0]} rows for images of {sum(sizes)}")
-        return list(torch.split(table, sizes))
+        return {image.digest: rows for image, rows in zip(images, torch.split(table, sizes), strict=True)}
 
-    def finish(self, prepared: Prepared, encoded: Sequence[torch.Tensor]) -> dict[str, Any]:
+    def finish(self, prepared: Prepared, encoded: Mapping[bytes, torch.Tensor]) -> dict[str, Any]:
         """The request's output tensors with its prompt table, from its images' cached rows and the vision
-        encoder's rows of the others (`encoded`, in the order of `prepared.to_encode`), which the cache keeps.
-        A request without images gets one zero row, which no id addresses, so every request carries a table."""
-        new = iter(encoded)
+        encoder's rows of the others (`encoded`, by digest); the cache keeps the rows of the images this request
+        sent to the encoder. A request without images gets one zero row, which no id addresses, so every request
+        carries a table."""
         rows = []
         for image in prepared.images:
             if image.rows is not None:
                 rows.append(image.rows)
                 continue
-            made = next(new)
+            made = encoded[image.digest]
             if tuple(made.shape) != self.table.shape(image.tokens) or made.dtype != self.table.dtype:
                 raise StageError(
                     f"the vision encoder answered {list(made.shape)} {made.dtype} for an image of {image.tokens} "
                     f"tokens; expected {list(self.table.shape(image.tokens))} {self.table.dtype}"
                 )
-            if self.cache is not None:
+            if self.cache is not None and image.vision_inputs is not None:
                 self.cache.put(image.digest, image.grid, made)
             rows.append(made)
         if rows:
@@ -259,21 +269,22 @@ class Preprocessing:
             return e
 
     def _cached(self, plans: Sequence[ImagePlan]) -> list[list[bool]]:
-        """Preprocessor.batch's skip_decoding: looks every image of the batch up at once and keeps the rows
-        found for _prepared; an image is skipped when its rows were found."""
+        """Preprocessor.batch's skip_decoding: looks every image of the batch up at once (but those being encoded
+        now) and keeps the rows found for _prepared; an image is skipped when its rows were found or are coming."""
         self._found = {}
-        if self.cache is None:
-            return [[False] * len(plan.data) for plan in plans]
         merge = self.pre.image_config.merge_size
         digests = [[image_digest(d, g) for d, g in zip(plan.data, plan.image_grid_thw, strict=True)] for plan in plans]
+        coming = {digest for plan_digests in digests for digest in plan_digests if digest in self._encoding}
         wanted = {}
         for plan, plan_digests in zip(plans, digests, strict=True):
             for digest, grid in zip(plan_digests, plan.image_grid_thw, strict=True):
-                tokens = int(grid.prod()) // (merge * merge)
-                wanted[digest] = (tuple(int(g) for g in grid), self.table.shape(tokens))
-        found = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
-        self._found = {digest: rows for digest, rows in zip(wanted, found, strict=True) if rows is not None}
-        return [[digest in self._found for digest in plan_digests] for plan_digests in digests]
+                if digest not in coming:
+                    tokens = int(grid.prod()) // (merge * merge)
+                    wanted[digest] = (tuple(int(g) for g in grid), self.table.shape(tokens))
+        if self.cache is not None:
+            found = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
+            self._found = {digest: rows for digest, rows in zip(wanted, found, strict=True) if rows is not None}
+        return [[digest in self._found or digest in coming for digest in plan_digests] for plan_digests in digests]
 
     def _prepared(self, parsed: _Parsed, request: Request) -> Prepared:
         outputs = self._outputs(parsed, request)
@@ -291,7 +302,7 @@ class Preprocessing:
                     interface.IMAGE_GRID_THW.name: grid[None].astype(np.int64),
                 }
                 first += patches
-            rows = None if was_decoded else self._found[digest]
+            rows = None if was_decoded else self._found.get(digest)  # None: being encoded by an earlier batch
             t, h, w = (int(g) for g in grid)
             images.append(ImageFeatures(digest, (t, h, w), tokens, rows, vision_inputs))
         return Prepared(outputs, tuple(images))

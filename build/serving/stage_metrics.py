@@ -48,6 +48,10 @@ VISION_RUN_SECONDS = Metric(
     Kind.HISTOGRAM,
     (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
 )
+ENCODES_JOINED = Metric(
+    "qwen3vl_visual_encodes_joined_total",
+    "Images an earlier batch was encoding when they came: waited for, neither decoded nor encoded again",
+)
 VISUAL_CACHE_HITS = Metric(
     "qwen3vl_visual_cache_hits_total", "Images whose features the visual cache held: neither decoded nor encoded"
 )
@@ -78,7 +82,7 @@ VISUAL_CACHE = (
     VISUAL_CACHE_REJECTED,
     VISUAL_CACHE_BACKEND_ERRORS,
 )
-PREPROCESSING = (IMAGES_DECODED, *VISUAL_CACHE)
+PREPROCESSING = (IMAGES_DECODED, ENCODES_JOINED, *VISUAL_CACHE)
 VISION_ENCODER = (PATCHES_ENCODED, VISION_RUN_PATCHES, VISION_RUN_IMAGES, VISION_RUN_SECONDS)
 LLM = (TOKENS_GENERATED,)
 

@@ -9,6 +9,7 @@ stage_metrics on Triton's metrics port, measured here around the components.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import logging
@@ -298,6 +299,8 @@ class Preprocessing(_Model):
         self.in_flight_limit = queue + limits.max_batch_size if queue else None
         self.in_flight = 0  # requests admitted and not yet answered
         self.in_flight_lock = threading.Lock()  # execute admits on the stub's thread, the loop's thread answers
+        # Images being encoded now, by digest: a later batch's request for one waits for it (on the loop's thread).
+        self.encoding: dict[bytes, asyncio.Future[torch.Tensor | Exception]] = {}
 
     def finalize(self) -> None:
         if self.component.cache is not None:
@@ -330,21 +333,26 @@ class Preprocessing(_Model):
                 # The event loop's thread: BLS tensors' proxy streams are looked up by the current device.
                 torch.cuda.set_device(self.component.pre.device)
             try:
-                outcomes: list[Prepared | Exception] = self.component.execute([self.read(r) for r in requests])
+                outcomes: list[Prepared | Exception] = self.component.execute(
+                    [self.read(r) for r in requests], encoding=self.encoding.keys()
+                )
             except Qwen3VLTrtError as e:
                 outcomes = [e] * len(requests)
-            waiting = []
+            waiting: list[tuple[int, Prepared]] = []
             for i, outcome in enumerate(outcomes):
-                if isinstance(outcome, Prepared) and outcome.to_encode:
-                    waiting.append(i)
+                if isinstance(outcome, Prepared) and outcome.pending:
+                    waiting.append((i, outcome))
                 else:
                     answer(i, outcome if isinstance(outcome, Exception) else self._finish(outcome, {}))
             self._publish_cache_counts()
             if waiting:
-                images = [image for i in waiting for image in outcomes[i].to_encode]  # type: ignore[union-attr]
-                encoded = await self._encode_images(images)
-                for i in waiting:
-                    answer(i, encoded if isinstance(encoded, Exception) else self._finish(outcomes[i], encoded))
+                rows = await self._rows([image for _, outcome in waiting for image in outcome.pending])
+                for i, outcome in waiting:
+                    failed = next(
+                        (rows[image.digest] for image in outcome.pending if isinstance(rows[image.digest], Exception)),
+                        None,
+                    )
+                    answer(i, failed if failed is not None else self._finish(outcome, rows))  # type: ignore[arg-type]
                 self._publish_cache_counts()
         except Exception as e:  # a bug or a failed transfer: still one final response per request
             _log.exception("preprocessing failed a batch")
@@ -356,14 +364,37 @@ class Preprocessing(_Model):
                     except Exception:  # the response itself could not be sent; nothing more to do for it
                         _log.exception("preprocessing could not answer a request")
 
-    async def _encode_images(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor] | StageError:
-        """Each image's prompt-table rows, by digest, from one vision encoder request (an image sent twice in the
-        batch, a popular one before its first encode is cached, is encoded once); or the error it answered."""
-        self.metrics.add(stage_metrics.IMAGES_DECODED, len(images))
-        unique = list({image.digest: image for image in images}.values())
+    async def _rows(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor | Exception]:
+        """The prompt-table rows of a batch's pending images, by digest: those it decoded go to the vision encoder
+        as one request, each image once (a popular one may be in the batch twice before its first encode is
+        cached); those an earlier batch is encoding now are waited for (`self.encoding`). An image's rows are the
+        encoder's error when it failed."""
+        own = {image.digest: image for image in images if image.vision_inputs is not None}
+        joined = {image.digest: self.encoding[image.digest] for image in images if image.digest not in own}
+        self.metrics.add(stage_metrics.IMAGES_DECODED, sum(image.vision_inputs is not None for image in images))
+        self.metrics.add(stage_metrics.ENCODES_JOINED, len(images) - sum(i.vision_inputs is not None for i in images))
+        loop = asyncio.get_running_loop()
+        mine = {digest: loop.create_future() for digest in own}
+        self.encoding.update(mine)
+        try:
+            if own:
+                encoded = await self._encode(list(own.values()))
+                for digest, future in mine.items():
+                    future.set_result(encoded if isinstance(encoded, Exception) else encoded[digest])
+        finally:
+            for digest, future in mine.items():
+                del self.encoding[digest]
+                if not future.done():
+                    future.set_result(StageError("preprocessing failed while encoding this image"))
+        return {digest: future.result() for digest, future in mine.items()} | {
+            digest: await future for digest, future in joined.items()
+        }
+
+    async def _encode(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor] | StageError:
+        """The images' prompt-table rows by digest from one vision encoder request, or the error it answered."""
         request = pb_utils.InferenceRequest(
             model_name=interface.VISION_ENCODER,
-            inputs=[_tensor(name, value) for name, value in self.component.vision_request(unique).items()],
+            inputs=[_tensor(name, value) for name, value in self.component.vision_request(images).items()],
             requested_output_names=[interface.PROMPT_TABLE.name],
         )
         answer = await request.async_exec()
@@ -374,14 +405,13 @@ class Preprocessing(_Model):
         # the DLPack capsule would hold) goes back at once.
         table = torch.from_dlpack(output.to_dlpack())[0].clone()
         try:
-            rows = self.component.split_rows(table, unique)
+            return self.component.split_rows(table, images)
         except StageError as e:
             return e
-        return {image.digest: r for image, r in zip(unique, rows, strict=True)}
 
-    def _finish(self, prepared: Any, encoded: Mapping[bytes, torch.Tensor]) -> Mapping[str, Any] | Exception:
+    def _finish(self, prepared: Any, rows: Mapping[bytes, Any]) -> Mapping[str, Any] | Exception:
         try:
-            return self.component.finish(prepared, [encoded[image.digest] for image in prepared.to_encode])
+            return self.component.finish(prepared, rows)
         except Qwen3VLTrtError as e:
             return e
 
