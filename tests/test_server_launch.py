@@ -368,7 +368,7 @@ def test_config_overrides_reach_only_the_models_they_apply_to(tmp_path):
         (tmp_path / config.name).mkdir()
         serving_config.write(tmp_path / config.name, config)
     assert repository_models(tmp_path) == ["postprocessing", PREPROCESSING, ENSEMBLE]
-    assert not ConfigOverrides() and ConfigOverrides().configs(tmp_path) == {}
+    assert ConfigOverrides().configs(tmp_path) == {}  # nothing to override
     overrides = ConfigOverrides(max_queue_size=2, visual_cache="redis://cache:6379/0")
     configs = overrides.configs(tmp_path)
     assert list(configs) == [PREPROCESSING]

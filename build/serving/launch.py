@@ -170,9 +170,6 @@ class ConfigOverrides:
     max_queue_size: int | None = None
     visual_cache: str | None = None
 
-    def __bool__(self) -> bool:
-        return self.max_queue_size is not None or self.visual_cache is not None
-
     def apply(self, config: mc.ModelConfig) -> bool:
         """Changes `config` in place; whether any override applies to it."""
         applies = False
