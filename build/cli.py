@@ -18,18 +18,24 @@ if TYPE_CHECKING:
     from .serving.server import ServeOptions
 
 
-def _read_images(paths: Sequence[str]) -> list[bytes]:
+def _read_files(paths: Sequence[str], kind: str = "image") -> list[bytes]:
     from pathlib import Path
 
     from .errors import MessageError
 
-    images = []
+    read = []
     for path in paths:
         try:
-            images.append(Path(path).read_bytes())
+            read.append(Path(path).read_bytes())
         except OSError as e:
-            raise MessageError(f"cannot read image {path}: {e.strerror}") from None
-    return images
+            raise MessageError(f"cannot read {kind} {path}: {e.strerror}") from None
+    return read
+
+
+def _media_parts(args: argparse.Namespace) -> list[dict]:
+    """Chat content parts of --image and --video files, images first."""
+    images = [{"type": "image", "image": data} for data in _read_files(args.image)]
+    return images + [{"type": "video", "video": data} for data in _read_files(args.video, "video")]
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -386,9 +392,16 @@ def _infer(args: argparse.Namespace) -> None:
 
     from .serving.client import Client
 
-    images = _read_images(args.image)
+    images = _read_files(args.image)
     client = Client(args.url, timeout_s=args.timeout)
-    options = dict(stream=args.stream, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    options = dict(
+        stream=args.stream,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        videos=_read_files(args.video, "video"),
+    )
     if args.json:
         answer = client.generate(args.prompt, images, args.max_tokens, **options)
         print(json.dumps({"text": answer.text, "token_ids": answer.token_ids}))
@@ -410,7 +423,7 @@ def _generate(args: argparse.Namespace) -> None:
     from .runtime.sampling import SamplingParams
 
     pipeline = LocalPipeline(args.model, args.build)
-    parts: list[dict] = [{"type": "image", "image": image} for image in _read_images(args.image)]
+    parts = _media_parts(args)
     parts.append({"type": "text", "text": args.text})
     sampling = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -476,18 +489,20 @@ def _preprocess(args: argparse.Namespace) -> None:
     from .preprocess import Preprocessor
 
     pre = Preprocessor.from_pretrained(args.model, resize_backend=args.resize_backend, device=args.device)
-    images = _read_images(args.image)
     if args.prompt is not None:
-        request = pre(prompt=args.prompt, images=images)
+        request = pre(prompt=args.prompt, images=_read_files(args.image), videos=_read_files(args.video, "video"))
     else:
-        parts = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": args.text}]
-        request = pre([{"role": "user", "content": parts}])
+        request = pre([{"role": "user", "content": [*_media_parts(args), {"type": "text", "text": args.text}]}])
     summary = {
         "tokens": request.num_tokens,
         "visual_tokens": request.num_visual_tokens,
         "images": [
             {"file": path, "size": [h.width, h.height], "grid_thw": grid.tolist()}
             for path, h, grid in zip(args.image, request.headers, request.image_grid_thw, strict=True)
+        ],
+        "videos": [
+            {"file": path, "grid_thw": grid.tolist(), "timestamps": list(seconds)}
+            for path, grid, seconds in zip(args.video, request.video_grid_thw, request.video_timestamps, strict=True)
         ],
         "pixel_values": list(request.pixel_values.shape),
         "mrope_position_delta": request.mrope_position_delta,
@@ -550,12 +565,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_build_vision_engine)
 
-    s = sub.add_parser("preprocess", help="show what a request (text and images) becomes for the engines")
+    s = sub.add_parser("preprocess", help="show what a request (text, images, videos) becomes for the engines")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    s.add_argument("--video", action="append", default=[], help="video file: MP4, WebM, MKV, MOV (repeat for several)")
     text = s.add_mutually_exclusive_group()
     text.add_argument("--text", default="Describe the image.", help="user message after the images (chat template)")
-    text.add_argument("--prompt", help="raw prompt instead; one <|image_pad|> per image, no chat template")
+    text.add_argument(
+        "--prompt",
+        help="raw prompt instead, no chat template: <|vision_start|><|image_pad|><|vision_end|> per image and "
+        "<|vision_start|><|video_pad|><|vision_end|> per video",
+    )
     s.add_argument("--resize-backend", default="torchvision", choices=["torchvision", "pil"])
     s.add_argument("--device", default="cpu", help="cpu, or cuda (nvImageCodec decode into device memory)")
     s.add_argument("--ids", action="store_true", help="print the token ids")
@@ -599,7 +619,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("infer", help="send one request to a running deployment over gRPC")
     s.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address")
     s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
-    s.add_argument("--prompt", required=True, help="the user's message (after the images)")
+    s.add_argument("--video", action="append", default=[], help="video file: MP4, WebM, MKV, MOV (repeat for several)")
+    s.add_argument("--prompt", required=True, help="the user's message (after the images and videos)")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--stream", action="store_true", help="print the text as it is generated")
     s.add_argument("--temperature", type=float, help="default greedy")
@@ -614,7 +635,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (tokenizer, processor)")
     s.add_argument("--build", required=True, help="directory written by `qwen3vl-trt build`")
     s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
-    s.add_argument("--text", default="Describe the image.", help="user message after the images")
+    s.add_argument("--video", action="append", default=[], help="video file: MP4, WebM, MKV, MOV (repeat for several)")
+    s.add_argument("--text", default="Describe the image.", help="user message after the images and videos")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     s.add_argument("--top-k", type=int, default=0, help="0: no limit")

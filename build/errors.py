@@ -47,8 +47,20 @@ class ImageShapeError(RequestError):
     """An image's aspect ratio is beyond what the model's resizing accepts."""
 
 
+class VideoDecodeError(RequestError):
+    """Video bytes are empty, not a video container, audio only, in an unsupported codec, truncated or corrupt."""
+
+
+class VideoTooLargeError(RequestError):
+    """A video is over a limit: its encoded bytes, duration, frame size or sampled frames."""
+
+
 class TooManyImagesError(RequestError):
     """A request carries more images than the configured limit."""
+
+
+class TooManyVideosError(RequestError):
+    """A request carries more videos than the configured limit."""
 
 
 class PromptTooLongError(RequestError):

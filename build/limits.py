@@ -40,7 +40,25 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
-class RequestLimits(ImageLimits):
+class VideoLimits:
+    """Video limits, all checked from the container's headers and packet index before any frame is decoded.
+    max_video_pixels lowers the video processor's whole-video pixel budget (size.longest_edge: 24 MP on released
+    models, 12k visual tokens) to 16 MP: 8192 visual tokens, the default request's visual-token limit; frames
+    bounds the sampled frames (the processor samples at most max_frames, 768 on released models)."""
+
+    max_videos: int = 4
+    max_video_bytes: int = 256 * 2**20
+    max_video_seconds: int = 3600
+    max_video_frames: int = 768
+    max_video_pixels: int = 16 * 2**20
+    max_video_frame_pixels: int = 4096 * 2304  # one decoded frame: 4K UHD and smaller
+
+    def __post_init__(self) -> None:
+        _require_positive(self)
+
+
+@dataclass(frozen=True)
+class RequestLimits(ImageLimits, VideoLimits):
     """What preprocessing accepts in one request."""
 
     max_prompt_tokens: int = MAX_INPUT_LEN

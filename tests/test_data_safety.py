@@ -288,7 +288,7 @@ def _image_url_message(url: str) -> list[dict]:
 @pytest.mark.parametrize("size", [1000, 1001, 1002])  # every base64 padding length
 def test_data_url_cap_is_exact(size):
     data = os.urandom(size)
-    _, images = normalize_messages(_image_url_message(_data_url(data)), max_image_bytes=size)
+    _, images, _ = normalize_messages(_image_url_message(_data_url(data)), max_image_bytes=size)
     assert images == [data]
     with pytest.raises(ImageTooLargeError, match="message 0 part 0: the image is"):
         normalize_messages(_image_url_message(_data_url(data)), max_image_bytes=size - 1)

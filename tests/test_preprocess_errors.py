@@ -113,8 +113,8 @@ def test_malformed_messages(pre):
         pre([])
     with pytest.raises(MessageError, match="message 0 part 0 has type 'audio'"):
         pre([{"role": "user", "content": [{"type": "audio", "audio": b"x"}]}])
-    with pytest.raises(MessageError, match="video input is not supported"):
-        pre([{"role": "user", "content": [{"type": "video", "video": b"x"}]}])
+    with pytest.raises(MessageError, match="video parts must carry encoded bytes under 'video'"):
+        pre([{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}])
 
 
 def test_prompt_placeholders_must_match_images(pre):
@@ -182,7 +182,7 @@ def test_broken_template_is_a_checkpoint_error(tiny_dense, tmp_path):
 def test_prompt_images_must_be_wrapped(pre):
     with pytest.raises(MessageError, match=r"image placeholder 0 is not written as <\|vision_start\|>"):
         pre(prompt="<|image_pad|> what is this?", images=[jpeg(32, 32)])
-    with pytest.raises(MessageError, match="video input is not supported"):
+    with pytest.raises(MessageError, match="has 1 <\\|video_pad\\|> placeholder\\(s\\) but 0 video"):
         pre(prompt="<|vision_start|><|video_pad|><|vision_end|>", images=[])
     with pytest.raises(MessageError, match="the prompt is empty"):
         pre(prompt="")

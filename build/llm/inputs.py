@@ -40,18 +40,20 @@ T_AXIS, H_AXIS, W_AXIS = 0, 1, 2
 
 
 def rope_index(
-    input_ids: np.ndarray, image_grid_thw: np.ndarray, image_token_id: int, merge_size: int
+    input_ids: np.ndarray, image_grid_thw: np.ndarray, visual_token_ids: int | Sequence[int], merge_size: int
 ) -> tuple[np.ndarray, int]:
     """3-D positions [3, L] and the position delta of one unpadded request, as transformers'
     Qwen3-VL get_rope_index computes them: text advances all axes together; an image's tokens take
     (t, row, col) offsets from the position after the preceding text, and the text after it resumes
-    at that start + max(rows, cols).
+    at that start + max(rows, cols). image_grid_thw: one grid per run of visual tokens, in order; a video
+    comes as one [1, h, w] grid per temporal patch (get_rope_index splits video grids so: each patch has its
+    own timestamp text and placeholder run).
 
     Vectorized over tokens: every token starts from the sum of what the tokens before it advance
     (a text token 1, an image max(rows, cols) at its last token, 0 at the others)."""
     ids = np.asarray(input_ids).reshape(-1)
     grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
-    is_image = ids == image_token_id
+    is_image = np.isin(ids, visual_token_ids)
     t, rows, cols = grids[:, 0], grids[:, 1] // merge_size, grids[:, 2] // merge_size
     counts = t * rows * cols
     if int(is_image.sum()) != int(counts.sum()):
@@ -110,11 +112,13 @@ def engine_mrope_rotary_cos_sin(cos_sin: np.ndarray, max_position_embeddings: in
     return table.reshape(-1)
 
 
-def fake_prompt_ids(input_ids: np.ndarray, image_token_id: int, vocab_size: int, deepstack_count: int) -> np.ndarray:
-    """int32 engine ids: the k-th visual token of the request becomes vocab_size + (K+1)*k."""
+def fake_prompt_ids(
+    input_ids: np.ndarray, visual_token_ids: int | Sequence[int], vocab_size: int, deepstack_count: int
+) -> np.ndarray:
+    """int32 engine ids: the k-th visual token (image or video) of the request becomes vocab_size + (K+1)*k."""
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
     engine_ids = ids.copy()
-    visual = ids == image_token_id
+    visual = np.isin(ids, visual_token_ids)
     engine_ids[visual] = vocab_size + (deepstack_count + 1) * np.arange(int(visual.sum()))
     return engine_ids.astype(np.int32)
 
@@ -141,29 +145,32 @@ def prompt_table_row(token_ids, vocab_size: int, layer: int | None = None):
     return token_ids - vocab_size + feature
 
 
-def image_digest(image: bytes, grid_thw: np.ndarray) -> bytes:
-    """16 bytes that name the embeddings an image yields within one deployment: a hash of its encoded bytes
-    and its grid (a deployment's preprocessing settings are fixed, so these fix its pixels). The visual-feature
-    cache keys images by it, and KV-cache block reuse by image_content_id, its first 8 bytes."""
-    digest = hashlib.blake2b(image, digest_size=16)
-    digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
+def visual_digest(grid_thw: np.ndarray, *content: bytes | memoryview) -> bytes:
+    """16 bytes that name the embeddings an image or video yields within one deployment: a hash of its grid and
+    its content (encoded bytes; a caller-decoded video's frames and times). A deployment's preprocessing settings
+    (sampling included) are fixed, so these fix its pixels. The visual-feature cache keys images and videos by it,
+    and KV-cache block reuse by image_content_id, its first 8 bytes."""
+    digest = hashlib.blake2b(np.asarray(grid_thw, dtype=np.int64).tobytes(), digest_size=16)
+    for part in content:
+        digest.update(part)
     return digest.digest()
 
 
 def image_content_id(digest: bytes) -> int:
-    """The 64-bit id of the embeddings an image yields, from its image_digest. Never 0, which marks text."""
+    """The 64-bit id of the embeddings an image or video yields, from its visual_digest. Never 0 (text)."""
     return int.from_bytes(digest[:8], "little") | 1
 
 
 def prompt_table_extra_ids(
     input_ids: np.ndarray,
-    image_token_id: int,
+    visual_token_ids: int | Sequence[int],
     image_digests: Sequence[bytes],
     image_grid_thw: np.ndarray,
     merge_size: int,
 ) -> np.ndarray:
     """TensorRT-LLM's `prompt_table_extra_ids` for one request: uint64, one per prompt token, 0 for
-    text and the image's content id for each of its visual tokens.
+    text and the content id of the image or video for each of its visual tokens (digests and grids of the
+    request's images and videos in prompt order).
 
     The tensorrtllm backend hands them to the executor as PromptTuningConfig's inputTokenExtraIds
     (triton_backend inflight_batcher_llm/src/utils.cc, getPromptTuningConfigFromTensors; ignored
@@ -171,7 +178,7 @@ def prompt_table_extra_ids(
     id): the fake ids alone are the same for any two images of the same size at the same place."""
     ids = np.asarray(input_ids).reshape(-1)
     grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
-    visual = ids == image_token_id
+    visual = np.isin(ids, visual_token_ids)
     tokens_per_image = grids.prod(axis=1) // (merge_size * merge_size)
     if len(image_digests) != len(grids) or int(visual.sum()) != int(tokens_per_image.sum()):
         raise InputError(

@@ -1,11 +1,17 @@
-"""Prompts: chat messages or a plain prompt -> token ids with one placeholder per image, and the
-images' bytes in prompt order.
+"""Prompts: chat messages or a plain prompt -> token ids with one placeholder per image and per video frame
+pair, and the images' and videos' bytes in prompt order.
 
 The chat template is the checkpoint's own, rendered the way transformers renders it (sandboxed
 Jinja with trim_blocks/lstrip_blocks, its tojson, raise_exception, strftime_now), and tokenized by
 the checkpoint's tokenizer.json, so the ids equal `processor.apply_chat_template(..., tokenize=True)`.
-Images travel as bytes: OpenAI-style `image_url` parts with a data: URL, or `image` parts holding
-the bytes. URLs and paths are not fetched: a server has no business reading them.
+Images and videos travel as bytes: OpenAI-style `image_url` / `video_url` parts with a data: URL, or `image` /
+`video` parts holding the bytes. URLs and paths are not fetched: a server has no business reading them.
+
+A video's `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, `<{t:.1f} seconds>` and that
+patch's `<|vision_start|><|video_pad|><|vision_end|>`, substituted in the text before it is tokenized, as
+transformers 4.57.3's processor (and vLLM) do. transformers 5.x keeps the outer wrapper as well (one more
+<|vision_start|> before the first timestamp and <|vision_end|> after the last); the layout Qwen3-VL was released
+with is 4.57's.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ..errors import CheckpointError, ImageTooLargeError, MessageError
-from ..limits import ImageLimits
+from ..errors import CheckpointError, ImageTooLargeError, MessageError, VideoTooLargeError
+from ..limits import ImageLimits, VideoLimits
+from .videos import DecodedVideo, VideoSource
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 VISION_START, VISION_END, VIDEO_PLACEHOLDER = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
+VIDEO_WRAPPED = VISION_START + VIDEO_PLACEHOLDER + VISION_END
 # Names transformers passes a message's reasoning under; templates read the first (5.x aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -104,10 +112,13 @@ def load_chat_template(model_dir: str | os.PathLike[str]) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Token ids with one image placeholder per image, and the images' bytes in the same order."""
+    """The prompt's text with one wrapped placeholder per image and per video, and their sources in the same order;
+    PromptBuilder.token_ids tokenizes it once the videos' timestamps are known."""
 
-    token_ids: np.ndarray  # int64
+    text: str
+    add_special_tokens: bool
     images: tuple[bytes, ...]
+    videos: tuple[VideoSource, ...] = ()
 
 
 class PromptBuilder:
@@ -146,35 +157,45 @@ class PromptBuilder:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         max_image_bytes: int = ImageLimits.max_image_bytes,
+        max_video_bytes: int = VideoLimits.max_video_bytes,
         **template_kwargs: Any,
     ) -> Prompt:
         """Renders the checkpoint's chat template; extra keyword arguments (tools, documents, template
         switches) reach the template as transformers passes them."""
         if "continue_final_message" in template_kwargs:
             raise MessageError("continue_final_message is not supported; send the conversation to continue from")
-        chat, images = normalize_messages(messages, max_image_bytes)
+        chat, images, videos = normalize_messages(messages, max_image_bytes, max_video_bytes)
         try:
             text = self.template.render(
                 messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
             )
         except Exception as e:  # raise_exception() from the template, or its code tripping on odd content
             raise MessageError(f"the chat template rejected the messages: {e}") from e
-        ids = self._encode(text, add_special_tokens=False)
-        self._check_placeholders(ids, len(images), "the rendered chat")
-        return Prompt(ids, tuple(images))
+        prompt = Prompt(text, False, tuple(images), tuple(videos))
+        self._check_placeholders(prompt, self._encode(text, add_special_tokens=False), "the rendered chat")
+        return prompt
 
     def from_prompt(
-        self, prompt: str, images: Sequence[bytes] = (), max_image_bytes: int = ImageLimits.max_image_bytes
+        self,
+        prompt: str,
+        images: Sequence[bytes] = (),
+        max_image_bytes: int = ImageLimits.max_image_bytes,
+        videos: Sequence[VideoSource] = (),
+        max_video_bytes: int = VideoLimits.max_video_bytes,
     ) -> Prompt:
-        """A raw prompt (no template); each image is <|vision_start|><|image_pad|><|vision_end|> in it."""
+        """A raw prompt (no template); each image is <|vision_start|><|image_pad|><|vision_end|> in it, each
+        video <|vision_start|><|video_pad|><|vision_end|>."""
         if not isinstance(prompt, str):
             raise MessageError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise MessageError("the prompt is empty")
         for k, image in enumerate(images):
             _check_image_bytes(len(image), max_image_bytes, f"image {k}")
+        for k, video in enumerate(videos):
+            _check_video(video, max_video_bytes, f"video {k}")
+        made = Prompt(prompt, True, tuple(images), tuple(videos))
         ids = self._encode(prompt, add_special_tokens=True)
-        self._check_placeholders(ids, len(images), "the prompt")
+        self._check_placeholders(made, ids, "the prompt")
         pads = np.flatnonzero(ids == self.image_token_id)
         wrapped = (pads > 0) & (pads < ids.size - 1)
         wrapped[wrapped] &= (ids[pads[wrapped] - 1] == self._vision_start) & (
@@ -186,14 +207,33 @@ class PromptBuilder:
                 f"image placeholder {int(np.flatnonzero(~wrapped)[0])} is not written as "
                 f"{VISION_START}{IMAGE_PLACEHOLDER}{VISION_END}"
             )
-        return Prompt(ids, tuple(images))
+        return made
+
+    def token_ids(self, prompt: Prompt, video_timestamps: Sequence[Sequence[float]] = ()) -> np.ndarray:
+        """The prompt's ids, each video's placeholder replaced by its temporal patches (one <|video_pad|> each,
+        introduced by its time) before tokenizing, as the processor substitutes text."""
+        if len(video_timestamps) != len(prompt.videos):
+            raise MessageError(f"{len(prompt.videos)} videos but timestamps for {len(video_timestamps)}")
+        pieces = prompt.text.split(VIDEO_WRAPPED)
+        text = pieces[0]
+        for seconds, piece in zip(video_timestamps, pieces[1:], strict=True):
+            text += "".join(f"<{t:.1f} seconds>{VIDEO_WRAPPED}" for t in seconds) + piece
+        return self._encode(text, prompt.add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int64)
 
-    def _check_placeholders(self, ids: np.ndarray, num_images: int, where: str) -> None:
-        if self._video_token_id is not None and (ids == self._video_token_id).any():
-            raise MessageError(f"{where} contains {VIDEO_PLACEHOLDER}: video input is not supported yet")
+    def _check_placeholders(self, prompt: Prompt, ids: np.ndarray, where: str) -> None:
+        num_images = len(prompt.images)
+        if self._video_token_id is not None:
+            wrapped, bare = prompt.text.count(VIDEO_WRAPPED), int((ids == self._video_token_id).sum())
+            if bare != wrapped:
+                raise MessageError(f"{where}: write each video placeholder as {VIDEO_WRAPPED}")
+            if wrapped != len(prompt.videos):
+                raise MessageError(
+                    f"{where} has {wrapped} {VIDEO_PLACEHOLDER} placeholder(s) but {len(prompt.videos)} video(s) were "
+                    f"sent; put {VIDEO_WRAPPED} where each video goes"
+                )
         placeholders = int((ids == self.image_token_id).sum())
         if placeholders != num_images:
             raise MessageError(
@@ -202,10 +242,12 @@ class PromptBuilder:
             )
 
 
-def expand_image_tokens(ids: np.ndarray, image_token_id: int, tokens_per_image: Sequence[int]) -> np.ndarray:
-    """Repeats the k-th image placeholder tokens_per_image[k] times, as the processor does in text."""
+def expand_visual_tokens(ids: np.ndarray, tokens_per_placeholder: Mapping[int, Sequence[int]]) -> np.ndarray:
+    """Repeats the k-th placeholder of each token id (image pad: per image; video pad: per temporal patch of every
+    video) tokens_per_placeholder[id][k] times, as the processor does in text."""
     repeats = np.ones(ids.size, dtype=np.int64)
-    repeats[ids == image_token_id] = np.asarray(tokens_per_image, dtype=np.int64)
+    for token_id, counts in tokens_per_placeholder.items():
+        repeats[ids == token_id] = np.asarray(counts, dtype=np.int64)
     return np.repeat(ids, repeats)
 
 
@@ -217,6 +259,22 @@ def _check_image_bytes(size: int, max_image_bytes: int, where: str) -> None:
         )
 
 
+def _check_video_bytes(size: int, max_video_bytes: int, where: str) -> None:
+    if size > max_video_bytes:
+        raise VideoTooLargeError(
+            f"{where}: the video is {size:,} bytes, over the limit of {max_video_bytes:,} bytes per video "
+            "(max_video_bytes); send a shorter or more compressed clip"
+        )
+
+
+def _check_video(video: object, max_video_bytes: int, where: str) -> None:
+    if isinstance(video, DecodedVideo):
+        return
+    if not isinstance(video, (bytes, bytearray, memoryview)):
+        raise MessageError(f"{where}: expected the encoded video's bytes, got {type(video).__name__}")
+    _check_video_bytes(len(video), max_video_bytes, where)
+
+
 def _base64_decoded_size(payload: str) -> int:
     """How many bytes a base64 payload (MIME line breaks allowed) decodes to, counted without decoding it."""
     chars = len(payload) - sum(payload.count(c) for c in _BASE64_LINE_BREAKS)
@@ -224,43 +282,54 @@ def _base64_decoded_size(payload: str) -> int:
     return chars * 3 // 4 - padding
 
 
-def _image_bytes(part: Mapping[str, Any], where: str, max_image_bytes: int) -> bytes:
-    if "image_url" in part:
-        url = part["image_url"]
+def _media_bytes(part: Mapping[str, Any], kind: str, where: str, max_bytes: int) -> bytes | DecodedVideo:
+    """The bytes of an image or video part (kind "image" or "video"), from its data: URL (`<kind>_url`) or
+    `<kind>` key; a video part may also hold a DecodedVideo. The size is checked before base64 is decoded."""
+    check = _check_image_bytes if kind == "image" else _check_video_bytes
+    if f"{kind}_url" in part:
+        url = part[f"{kind}_url"]
         url = url.get("url") if isinstance(url, Mapping) else url
         if not isinstance(url, str) or not url:
-            raise MessageError(f"{where}: image_url has no url")
+            raise MessageError(f"{where}: {kind}_url has no url")
         if not url.startswith("data:"):
-            raise MessageError(f"{where}: only data: URLs are accepted (got {url[:40]!r}); send the image bytes inline")
+            raise MessageError(
+                f"{where}: only data: URLs are accepted (got {url[:40]!r}); send the {kind} bytes inline"
+            )
         header, _, payload = url.partition(",")
         if ";base64" not in header:
             raise MessageError(f"{where}: the data: URL must be base64 encoded")
-        _check_image_bytes(_base64_decoded_size(payload), max_image_bytes, where)  # before decoding it
+        check(_base64_decoded_size(payload), max_bytes, where)
         try:
             return base64.b64decode("".join(payload.split()), validate=True)  # MIME line breaks are fine
         except (binascii.Error, ValueError) as e:
             raise MessageError(f"{where}: the data: URL is not valid base64 ({e})") from e
-    image = part.get("image")
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        _check_image_bytes(len(image), max_image_bytes, where)
-        return bytes(image)
-    if image is None and not any(k in part for k in ("url", "path", "base64")):
-        raise MessageError(f"{where}: image part without an image; put the encoded bytes under 'image'")
+    media = part.get(kind)
+    if isinstance(media, (bytes, bytearray, memoryview)):
+        check(len(media), max_bytes, where)
+        return bytes(media)
+    if kind == "video" and isinstance(media, DecodedVideo):
+        return media
+    if media is None and not any(k in part for k in ("url", "path", "base64")):
+        raise MessageError(f"{where}: {kind} part without an {kind}; put the encoded bytes under '{kind}'")
     raise MessageError(
-        f"{where}: image parts must carry encoded bytes under 'image' or a data: URL under 'image_url'; "
+        f"{where}: {kind} parts must carry encoded bytes under '{kind}' or a data: URL under '{kind}_url'; "
         "URLs and paths are not fetched"
     )
 
 
 def normalize_messages(
-    messages: Sequence[Mapping[str, Any]], max_image_bytes: int = ImageLimits.max_image_bytes
-) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Validated messages in the form the template expects (image parts reduced to {"type": "image"})
-    and the image bytes in order; an image over max_image_bytes is refused before it is decoded."""
+    messages: Sequence[Mapping[str, Any]],
+    max_image_bytes: int = ImageLimits.max_image_bytes,
+    max_video_bytes: int = VideoLimits.max_video_bytes,
+) -> tuple[list[dict[str, Any]], list[bytes], list[VideoSource]]:
+    """Validated messages in the form the template expects (image and video parts reduced to {"type": "image"}
+    and {"type": "video"}), the image bytes and the videos in order; one over its byte limit is refused before
+    it is decoded."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise MessageError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     chat: list[dict[str, Any]] = []
     images: list[bytes] = []
+    videos: list[VideoSource] = []
     for m, original in enumerate(messages):
         if not isinstance(original, Mapping):
             raise MessageError(f"message {m} must be a dict with 'role' and 'content', got {type(original).__name__}")
@@ -291,11 +360,14 @@ def normalize_messages(
                     raise MessageError(f"{where}: text part without a 'text' string")
                 parts.append({"type": "text", "text": text})
             elif kind in ("image", "image_url"):
-                images.append(_image_bytes(part, where, max_image_bytes))
+                images.append(_media_bytes(part, "image", where, max_image_bytes))  # type: ignore[arg-type]
                 parts.append({"type": "image"})
             elif kind in ("video", "video_url"):
-                raise MessageError(f"{where}: video input is not supported yet; send frames as images")
+                videos.append(_media_bytes(part, "video", where, max_video_bytes))
+                parts.append({"type": "video"})
             else:
-                raise MessageError(f"{where} has type {kind!r}; use 'text', 'image' or 'image_url'")
+                raise MessageError(
+                    f"{where} has type {kind!r}; use 'text', 'image', 'image_url', 'video' or 'video_url'"
+                )
         chat.append({**message, "content": parts})
-    return chat, images
+    return chat, images, videos

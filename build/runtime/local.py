@@ -28,7 +28,7 @@ def engine_request(
     messages: list[dict[str, Any]],
     sampling: SamplingParams | None = None,
 ) -> LLMRequest:
-    """Preprocesses chat messages, encodes their images and returns the reference runtime's request
+    """Preprocesses chat messages, encodes their images and videos and returns the reference runtime's request
     (the engine's inputs, with only the prompt's rows of the mrope table)."""
     request = pre(messages)
     embeds: tuple[Any, Any] = (None, None)

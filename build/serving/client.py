@@ -193,8 +193,10 @@ def request_inputs(
     messages: list[dict[str, Any]] | None = None,
     raw_prompt: bool = False,
     exclude_input_in_output: bool = True,
+    videos: Sequence[bytes] = (),
 ) -> list[Any]:
-    """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that)."""
+    """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that). Videos are
+    encoded files (MP4, WebM, ...), placed after the images, or by the messages' video parts."""
     values: list[tuple[interface.Tensor, Sequence[Any]]] = [
         (interface.TEXT_INPUT, [prompt.encode()]),
         (interface.STREAM, [stream]),
@@ -213,6 +215,7 @@ def request_inputs(
     values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
     for tensor, items in (
         (interface.IMAGES, images),
+        (interface.VIDEOS, videos),
         (interface.STOP_WORDS, stop_words),
         (interface.BAD_WORDS, bad_words),
     ):

@@ -367,6 +367,7 @@ class _Plan:
     model: str
     chat: list[dict[str, Any]]
     images: list[bytes]
+    videos: list[Any]  # encoded bytes (the gateway takes no DecodedVideo)
     prompt_tokens: int
     max_tokens: int
     options: dict[str, Any]
@@ -442,14 +443,15 @@ class Gateway:
         stops = stop_strings(body.stop)
         messages = await self._fetch_remote_images(body.messages)
         try:
-            chat, images = normalize_messages(messages, settings.limits.request_limits().max_image_bytes)
+            limits = settings.limits.request_limits()
+            chat, images, videos = normalize_messages(messages, limits.max_image_bytes, limits.max_video_bytes)
             if _text_chars(chat) > self.max_prompt_chars:
                 raise PromptTooLongError(
                     f"the messages hold over {self.max_prompt_chars:,} characters of text, more than a prompt of "
                     f"{settings.limits.max_input_len} tokens can; the limit is {settings.limits.max_input_len} tokens"
                 )
             # On a worker thread: tens of milliseconds for a long prompt would stall every stream on the loop.
-            prompt_tokens = await anyio.to_thread.run_sync(self._count_tokens, chat, images)
+            prompt_tokens = await anyio.to_thread.run_sync(self._count_tokens, chat, images, videos)
         except RequestError as e:
             raise request_error(e) from None
         room = settings.limits.max_seq_len - prompt_tokens
@@ -476,6 +478,7 @@ class Gateway:
             model=settings.served_model_name,
             chat=chat,
             images=images,
+            videos=videos,
             prompt_tokens=prompt_tokens,
             max_tokens=asked or room,
             options=options,
@@ -485,10 +488,15 @@ class Gateway:
             piecewise=body.stream or bool(stops),
         )
 
-    def _count_tokens(self, chat: list[dict[str, Any]], images: list[bytes]) -> int:
-        pending = iter(images)
+    def _count_tokens(self, chat: list[dict[str, Any]], images: list[bytes], videos: list[Any]) -> int:
+        pending = {"image": iter(images), "video": iter(videos)}
         filled = [
-            {**m, "content": [{**p, "image": next(pending)} if p["type"] == "image" else p for p in m["content"]]}
+            {
+                **m,
+                "content": [
+                    {**p, p["type"]: next(pending[p["type"]])} if p["type"] in pending else p for p in m["content"]
+                ],
+            }
             if isinstance(m.get("content"), list)
             else m
             for m in chat
@@ -508,20 +516,21 @@ class Gateway:
                 continue
             parts = []
             for part in content:
-                url = _remote_image_url(part)
-                parts.append({"type": "image", "image": await self._download(url)} if url else part)
+                kind, url = _remote_url(part)
+                parts.append({"type": kind, kind: await self._download(url, kind)} if url else part)
             fetched.append({**message, "content": parts})
         return fetched
 
-    async def _download(self, url: str) -> bytes:
-        limit = self.settings.limits.request_limits().max_image_bytes
+    async def _download(self, url: str, kind: str) -> bytes:
+        limits = self.settings.limits.request_limits()
+        limit = limits.max_image_bytes if kind == "image" else limits.max_video_bytes
 
         def get() -> bytes:
             with urllib.request.urlopen(url, timeout=self.settings.remote_image_timeout_s) as response:
                 data = response.read(limit + 1)
             if len(data) > limit:
                 raise APIError(
-                    400, f"the image at {url} is over {limit:,} bytes", param="messages", code="image_too_large"
+                    400, f"the {kind} at {url} is over {limit:,} bytes", param="messages", code=f"{kind}_too_large"
                 )
             return data
 
@@ -529,7 +538,9 @@ class Gateway:
             # urllib blocks; only gateways that allow remote images get here, and anyio's pool bounds the threads.
             return await anyio.to_thread.run_sync(get)
         except OSError as e:
-            raise APIError(400, f"cannot fetch the image at {url}: {e}", param="messages", code="invalid_image") from e
+            raise APIError(
+                400, f"cannot fetch the {kind} at {url}: {e}", param="messages", code=f"invalid_{kind}"
+            ) from e
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -544,6 +555,7 @@ class Gateway:
             request_id=plan.id,
             stream=plan.piecewise,
             messages=plan.chat,
+            videos=plan.videos,
             **plan.options,
         )
         try:
@@ -666,12 +678,14 @@ def _text_chars(value: Any) -> int:
     return 0
 
 
-def _remote_image_url(part: Any) -> str | None:
-    if not isinstance(part, dict) or part.get("type") != "image_url":
-        return None
-    url = part.get("image_url")
+def _remote_url(part: Any) -> tuple[str, str | None]:
+    """("image" or "video", the http(s) URL of an image_url or video_url part, or None)."""
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "video_url"):
+        return "", None
+    kind = part["type"].removesuffix("_url")
+    url = part.get(f"{kind}_url")
     url = url.get("url") if isinstance(url, dict) else url
-    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+    return kind, url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
 
 
 def _event(payload: str) -> str:

@@ -100,6 +100,7 @@ BAD_WORDS = Tensor("bad_words", "STRING", (-1,), optional=True)
 MIN_TOKENS_IN = _scalar("min_tokens", "INT32")
 EXCLUDE_INPUT_IN = _scalar("exclude_input_in_output", "BOOL")
 IMAGES = Tensor("images", "STRING", (-1,), optional=True)
+VIDEOS = Tensor("videos", "STRING", (-1,), optional=True)
 MESSAGES = _scalar("messages", "STRING")
 RAW_PROMPT = _scalar("raw_prompt", "BOOL")
 
@@ -118,6 +119,7 @@ REQUEST_INPUTS: tuple[Tensor, ...] = (
     MIN_TOKENS_IN,
     EXCLUDE_INPUT_IN,
     IMAGES,
+    VIDEOS,
     MESSAGES,
     RAW_PROMPT,
 )

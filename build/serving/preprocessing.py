@@ -1,8 +1,8 @@
-"""The `preprocessing` model: a Triton request (tensorrtllm_backend-style inputs plus images) ->
+"""The `preprocessing` model: a Triton request (tensorrtllm_backend-style inputs plus images and videos) ->
 the LLM engine's inputs, for a batch of requests at once, in two steps: `execute` checks and tokenizes
-each request, looks its images up in the visual-feature cache and decodes only the others, each with the
-vision encoder's inputs for it alone (`ImageFeatures`); once the vision encoder has encoded those, `finish`
-stores them in the cache and lays each request's prompt table out from its images' rows, cached or new.
+each request, looks its images and videos up in the visual-feature cache and decodes only the others, each with
+the vision encoder's inputs for it alone (`VisualFeatures`); once the vision encoder has encoded those, `finish`
+stores them in the cache and lays each request's prompt table out from their rows, cached or new, in prompt order.
 
 A request that cannot be served gets its own error; the others in the batch go on. Sampling inputs
 are turned into what the tensorrt_llm backend reads (greedy is runtime_top_k 1), with the defaults
@@ -22,10 +22,8 @@ import torch
 
 from ..errors import MessageError, PromptTooLongError, RequestError, StageError
 from ..limits import EngineLimits
-from ..llm.inputs import image_digest
 from ..preprocess import Preprocessor
-from ..preprocess.images import ImagePlan
-from ..preprocess.preprocessor import Request
+from ..preprocess.preprocessor import Request, VisualInput
 from ..runtime.local import generation_end_ids
 from ..vision.metadata import vision_metadata
 from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
@@ -100,10 +98,10 @@ class PromptTableFormat:
 
 
 @dataclass(frozen=True)
-class ImageFeatures:
-    """One image of a request: its cache digest and grid, and its prompt-table rows when the cache had them, or
-    else the vision encoder's inputs for this image alone (contracts.VISION_INPUTS and grid), or neither when an
-    earlier batch is encoding the same image now (the request waits for that encode)."""
+class VisualFeatures:
+    """One image or video of a request: its cache digest and grid, and its prompt-table rows when the cache had
+    them, or else the vision encoder's inputs for it alone (contracts.VISION_INPUTS and grid), or neither when an
+    earlier batch is encoding the same one now (the request waits for that encode)."""
 
     digest: bytes
     grid: tuple[int, int, int]
@@ -117,15 +115,15 @@ class Prepared:
     """A request ready for the LLM but for its prompt table: its output tensors, and its images in order."""
 
     outputs: dict[str, Any]
-    images: tuple[ImageFeatures, ...]
+    images: tuple[VisualFeatures, ...]
 
     @property
-    def to_encode(self) -> list[ImageFeatures]:
+    def to_encode(self) -> list[VisualFeatures]:
         """Images this request sends to the vision encoder."""
         return [image for image in self.images if image.vision_inputs is not None]
 
     @property
-    def pending(self) -> list[ImageFeatures]:
+    def pending(self) -> list[VisualFeatures]:
         """Images whose rows this request still needs: its own to encode, and those being encoded already."""
         return [image for image in self.images if image.rows is None]
 
@@ -183,6 +181,8 @@ class Preprocessing:
                 "runner": runner,
                 "prompt_table": {"dtype": str(self.table.dtype), "hidden_size": self.table.hidden_size},
                 "image_processing": asdict(self.pre.image_config),
+                "video_processing": asdict(self.pre.video_config) if self.pre.video_config is not None else None,
+                "video_decoder": type(self.pre.video_decoder).__name__ if self.pre.video_decoder else "pyav",
                 "resize_backend": self.pre.normalize.backend,
                 "device": self.pre.device.type,
             }
@@ -203,7 +203,7 @@ class Preprocessing:
         results.update(self._run(parsed))
         return [results[i] for i in range(len(requests))]
 
-    def vision_request(self, images: Sequence[ImageFeatures]) -> dict[str, Any]:
+    def vision_request(self, images: Sequence[VisualFeatures]) -> dict[str, Any]:
         """One vision encoder request of images to encode (of any requests): their inputs concatenated, as the
         encoder takes several images (vision.metadata's per-patch arrays concatenate)."""
         first = images[0].vision_inputs
@@ -215,7 +215,7 @@ class Preprocessing:
         joined[interface.VISUAL_TOKEN_COUNT.name] = np.array([sum(image.tokens for image in images)], np.int32)
         return joined
 
-    def split_rows(self, table: torch.Tensor, images: Sequence[ImageFeatures]) -> dict[bytes, torch.Tensor]:
+    def split_rows(self, table: torch.Tensor, images: Sequence[VisualFeatures]) -> dict[bytes, torch.Tensor]:
         """The vision encoder's prompt table of a vision_request, cut into each image's rows, by digest."""
         sizes = [self.table.shape(image.tokens)[0] for image in images]
         if table.shape[0] != sum(sizes):
@@ -268,19 +268,19 @@ class Preprocessing:
         except RequestError as e:
             return e
 
-    def _cached(self, plans: Sequence[ImagePlan]) -> list[list[bool]]:
-        """Preprocessor.batch's skip_decoding: looks every image of the batch up at once (but those being encoded
-        now) and keeps the rows found for _prepared; an image is skipped when its rows were found or are coming."""
+    def _cached(self, visual: Sequence[Sequence[VisualInput]]) -> list[list[bool]]:
+        """Preprocessor.batch's skip_decoding: looks every image and video of the batch up at once (but those being
+        encoded now) and keeps the rows found for _prepared; one is skipped when its rows were found or are coming."""
         self._found = {}
         merge = self.pre.image_config.merge_size
-        digests = [[image_digest(d, g) for d, g in zip(plan.data, plan.image_grid_thw, strict=True)] for plan in plans]
+        digests = [[item.digest for item in items] for items in visual]
         coming = {digest for plan_digests in digests for digest in plan_digests if digest in self._encoding}
         wanted = {}
-        for plan, plan_digests in zip(plans, digests, strict=True):
-            for digest, grid in zip(plan_digests, plan.image_grid_thw, strict=True):
-                if digest not in coming:
-                    tokens = int(grid.prod()) // (merge * merge)
-                    wanted[digest] = (tuple(int(g) for g in grid), self.table.shape(tokens))
+        for items in visual:
+            for item in items:
+                if item.digest not in coming:
+                    tokens = int(item.grid_thw.prod()) // (merge * merge)
+                    wanted[item.digest] = (tuple(int(g) for g in item.grid_thw), self.table.shape(tokens))
         if self.cache is not None:
             found = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
             self._found = {digest: rows for digest, rows in zip(wanted, found, strict=True) if rows is not None}
@@ -289,9 +289,10 @@ class Preprocessing:
     def _prepared(self, parsed: _Parsed, request: Request) -> Prepared:
         outputs = self._outputs(parsed, request)
         merge = self.pre.image_config.merge_size
-        decoded = request.decoded or (True,) * len(request.image_grid_thw)
+        decoded = request.decoded or (True,) * len(request.visual)
         images, first = [], 0
-        for digest, grid, was_decoded in zip(request.image_digests, request.image_grid_thw, decoded, strict=True):
+        for item, was_decoded in zip(request.visual, decoded, strict=True):
+            digest, grid = item.digest, item.grid_thw
             patches = int(grid.prod())
             tokens = patches // (merge * merge)
             vision_inputs = None
@@ -304,7 +305,7 @@ class Preprocessing:
                 first += patches
             rows = None if was_decoded else self._found.get(digest)  # None: being encoded by an earlier batch
             t, h, w = (int(g) for g in grid)
-            images.append(ImageFeatures(digest, (t, h, w), tokens, rows, vision_inputs))
+            images.append(VisualFeatures(digest, (t, h, w), tokens, rows, vision_inputs))
         return Prepared(outputs, tuple(images))
 
     def _parse(self, inputs: Arrays) -> _Parsed:
@@ -313,13 +314,14 @@ class Preprocessing:
             raise RequestError(f"the request lacks the required input(s) {', '.join(missing)}")
         text = _scalar(inputs, interface.TEXT_INPUT, "")
         images = _strings(inputs, interface.IMAGES)
+        videos = _strings(inputs, interface.VIDEOS)
         messages_json = _scalar(inputs, interface.MESSAGES, None)
         if _scalar(inputs, interface.RAW_PROMPT, False):
             if messages_json is not None:
                 raise MessageError("raw_prompt sends text_input as the prompt; do not send messages with it")
-            call: dict[str, Any] = {"prompt": text, "images": images}
+            call: dict[str, Any] = {"prompt": text, "images": images, "videos": videos}
         else:
-            call = {"messages": self._messages(text, images, messages_json)}
+            call = {"messages": self._messages(text, {"image": images, "video": videos}, messages_json)}
         max_tokens = int(_scalar(inputs, interface.MAX_TOKENS, 0))
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -357,11 +359,12 @@ class Preprocessing:
     def _encode(self, words: list[bytes]) -> list[list[int]]:
         return [self.tokenizer.encode(w.decode(errors="replace"), add_special_tokens=False).ids for w in words]
 
-    def _messages(self, text: str, images: list[bytes], messages_json: str | None) -> list[dict[str, Any]]:
-        """The chat: one user turn (the images, then the text), or the JSON messages whose image parts
-        without data take the request's images in order, followed by text_input as a user turn if any."""
+    def _messages(self, text: str, media: dict[str, list[bytes]], messages_json: str | None) -> list[dict[str, Any]]:
+        """The chat: one user turn (the images, the videos, then the text), or the JSON messages whose image and
+        video parts without data take the request's images and videos in order, followed by text_input as a user
+        turn if any."""
         if messages_json is None:
-            parts: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images]
+            parts: list[dict[str, Any]] = [{"type": kind, kind: data} for kind, sent in media.items() for data in sent]
             return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
         try:
             messages = json.loads(messages_json)
@@ -369,16 +372,20 @@ class Preprocessing:
             raise MessageError(f"messages is not valid JSON: {e}") from None
         if not isinstance(messages, list):
             raise MessageError("messages must be a JSON list of chat messages")
-        pending = list(images)
+        pending = {kind: list(sent) for kind, sent in media.items()}
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             for part in content if isinstance(content, list) else ():
-                if isinstance(part, dict) and part.get("type") == "image" and "image" not in part:
-                    if not pending:
-                        raise MessageError(f"messages have more image parts than the {len(images)} images sent")
-                    part["image"] = pending.pop(0)
-        if pending:
-            raise MessageError(f"{len(pending)} of the {len(images)} images sent have no image part in messages")
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in pending and kind not in part:
+                    if not pending[kind]:
+                        raise MessageError(f"messages have more {kind} parts than the {len(media[kind])} {kind}s sent")
+                    part[kind] = pending[kind].pop(0)
+        for kind, left in pending.items():
+            if left:
+                raise MessageError(
+                    f"{len(left)} of the {len(media[kind])} {kind}s sent have no {kind} part in messages"
+                )
         if text:
             messages.append({"role": "user", "content": text})
         return messages

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -81,16 +82,34 @@ def load_hf_text_model(model_dir: str | os.PathLike[str]) -> nn.Module:
     return Model(config).eval()
 
 
+def _grid(grid_thw: np.ndarray | None) -> torch.Tensor | None:
+    return None if grid_thw is None or len(grid_thw) == 0 else torch.as_tensor(grid_thw)
+
+
+def _mm_token_type_ids(ids: torch.Tensor, image_token_id: int, video_token_id: int | None) -> torch.Tensor:
+    """transformers 5.x's per-token modality: 0 text, 1 image, 2 video."""
+    types = (ids == image_token_id).int()
+    return types if video_token_id is None else types + 2 * (ids == video_token_id).int()
+
+
 @torch.inference_mode()
 def hf_rope_index(
-    model: Any, input_ids: np.ndarray, image_grid_thw: np.ndarray | None, image_token_id: int
+    model: Any,
+    input_ids: np.ndarray,
+    image_grid_thw: np.ndarray | None,
+    image_token_id: int,
+    video_grid_thw: np.ndarray | None = None,
+    video_token_id: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """get_rope_index for one unpadded request: positions [3, L] and the delta."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
-    grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else torch.as_tensor(image_grid_thw)
-    kwargs: dict[str, Any] = {"image_grid_thw": grid, "attention_mask": torch.ones_like(ids)}
+    kwargs: dict[str, Any] = {
+        "image_grid_thw": _grid(image_grid_thw),
+        "video_grid_thw": _grid(video_grid_thw),
+        "attention_mask": torch.ones_like(ids),
+    }
     if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:  # transformers 5.x
-        kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
+        kwargs["mm_token_type_ids"] = _mm_token_type_ids(ids, image_token_id, video_token_id)
     positions, deltas = model.get_rope_index(ids, **kwargs)
     return positions[:, 0].numpy(), int(deltas.reshape(-1)[0])
 
@@ -110,13 +129,69 @@ def hf_model_inputs(
     image_token_id: int,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: np.ndarray | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    video_token_id: int | None = None,
 ) -> dict[str, Any]:
     """forward()/generate() inputs of Qwen3VLForConditionalGeneration for one unpadded request;
-    transformers 5.x also wants the processor's mm_token_type_ids (1 at image tokens)."""
+    transformers 5.x also wants the processor's mm_token_type_ids (1 at image tokens, 2 at video tokens)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if pixel_values is not None and image_grid_thw is not None and len(image_grid_thw):
         inputs |= {"pixel_values": pixel_values, "image_grid_thw": torch.as_tensor(image_grid_thw)}
-        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-            inputs["mm_token_type_ids"] = (ids == image_token_id).int()
+    if pixel_values_videos is not None and video_grid_thw is not None and len(video_grid_thw):
+        inputs |= {"pixel_values_videos": pixel_values_videos, "video_grid_thw": torch.as_tensor(video_grid_thw)}
+    if len(inputs) > 2 and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        inputs["mm_token_type_ids"] = _mm_token_type_ids(ids, image_token_id, video_token_id)
     return inputs
+
+
+def hf_video_reference(processor: Any, text: str, path: str | os.PathLike[str], images: Sequence[Any] = ()) -> dict:
+    """transformers' processor outputs (numpy) for a prompt text with one video file, decoded as transformers does
+    with PyAV (video_utils.load_video, backend "pyav", the video processor's own sampling); a container that records
+    no frame count (WebM), where that decoder fails, is decoded whole and sampled by the processor from its metadata.
+    Input ids in the layout 4.57.3 writes (see released_video_layout)."""
+    import av
+    from transformers.video_utils import VideoMetadata, load_video
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        counted, fps = int(stream.frames), float(stream.average_rate or 0)
+        frames = None if counted else np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+    if frames is None:
+        frames, metadata = load_video(
+            str(path),  # type: ignore[arg-type]  # a path or URL, as its docstring says
+            backend="pyav",
+            sample_indices_fn=processor.video_processor.sample_frames,
+        )
+        kwargs: dict[str, Any] = {"do_sample_frames": False}
+    else:
+        metadata = VideoMetadata(total_num_frames=len(frames), fps=fps)
+        kwargs = {}
+    out = processor(
+        text=[text],
+        images=list(images) or None,
+        videos=[frames],
+        video_metadata=[metadata],
+        return_tensors="pt",
+        **kwargs,
+    )
+    out = {k: v.numpy() for k, v in out.items()}
+    out["input_ids"] = released_video_layout(out["input_ids"][0], processor.tokenizer)
+    return out
+
+
+def released_video_layout(input_ids: np.ndarray, tokenizer: Any) -> np.ndarray:
+    """Ids in the layout transformers 4.57.3 writes: 5.x keeps the chat template's <|vision_start|> and
+    <|vision_end|> around a video's timestamped frames (one more before the first timestamp and after the last);
+    4.57.3, vLLM and the released model's processor replace the whole placeholder."""
+    start, end = tokenizer.convert_tokens_to_ids("<|vision_start|>"), tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    pads = {tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
+    ids = np.asarray(input_ids).reshape(-1)
+    keep = np.ones(ids.size, dtype=bool)
+    for i in range(ids.size - 1):
+        if ids[i] == start and ids[i + 1] not in pads and ids[i + 1] != start:
+            keep[i] = False  # 5.x's outer start, before the first timestamp
+        if ids[i] == end and ids[i + 1] == end:
+            keep[i + 1] = False  # 5.x's outer end, after the last frame
+    return ids[keep]

@@ -322,3 +322,38 @@ def synthetic_jpeg(height: int, width: int, seed: int = 0, quality: int = 90, **
     buf = io.BytesIO()
     Image.fromarray(synthetic_photo(height, width, seed)).save(buf, "JPEG", quality=quality, **save_options)
     return buf.getvalue()
+
+
+def synthetic_video(
+    frames: int,
+    height: int,
+    width: int,
+    fps: float = 10,
+    codec: str = "libx264",
+    container: str = "mp4",
+    seed: int = 0,
+    options: dict[str, str] | None = None,
+) -> bytes:
+    """A clip for tests, demos and benchmarks, encoded by FFmpeg (PyAV): a photo-like scene panning sideways with a
+    square crossing it, so frames differ as in real footage. options go to the encoder (e.g. {"g": "8"}: a keyframe
+    every 8 frames; {"bf": "2"}: B-frames)."""
+    from fractions import Fraction
+
+    import av
+
+    scene = synthetic_photo(height, width + 2 * frames, seed)
+    side = max(4, min(height, width) // 4)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001), options=options or {})
+        assert isinstance(stream, av.VideoStream)
+        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+        for i in range(frames):
+            frame = np.ascontiguousarray(scene[:, 2 * i : 2 * i + width])
+            top, left = (i * 3) % max(1, height - side), (i * 5) % max(1, width - side)
+            frame[top : top + side, left : left + side] = (255 * (i % 2), 40, 200)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

@@ -1,0 +1,433 @@
+"""Videos -> sampled, timestamped, normalized patches, equal to transformers' Qwen3-VL video processor and processor.
+
+What transformers does (`video_processing_qwen3_vl.py`, `processing_qwen3_vl.py`, `video_utils.read_video_pyav`),
+and so what this module does:
+
+- Sampling: `fps` frames per second of the container's frame count (`stream.frames`) at its average rate, clamped
+  to [min_frames, max_frames] and to the frame count; indices `linspace(0, total - 1, n).round()`. Frames are
+  numbered in presentation order, as PyAV's decoder outputs them.
+- Resizing: one size per video from the video `smart_resize` (the whole video's pixels within `size`, frames too
+  small for a merged patch scaled up first as 5.x does; 4.57.3 refuses them), bicubic with antialias on uint8
+  (torchvision), then the fused rescale-normalize and the patchify of images, two frames per temporal patch (the
+  last frame repeated when the count is odd).
+- Timestamps: each temporal patch is introduced in the prompt by `<{t:.1f} seconds>`, t the mean time of its two
+  frames (index / fps).
+- `cap_pixels_per_frame` (5.x only: qwen-vl-utils' per-frame cap) applies when the checkpoint's
+  video_preprocessor_config.json sets it; transformers 5.x's default (unset) leaves it off, as 4.57.3 does.
+
+Decoding is faster than transformers' without changing a pixel: only the packet index is read up front (frame count,
+keyframes, limits, all checked before anything is decoded), the decoder runs its own threads, each sampled frame is
+reached by seeking to the keyframe before it when that skips frames, only sampled frames are converted to RGB
+(swscale's rgb24, as `to_ndarray` in transformers), and each is resized and patchified as soon as it is decoded.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..errors import ImageShapeError, VideoDecodeError, VideoTooLargeError
+from ..fsutil import read_json
+from ..limits import VideoLimits
+from .images import MAX_ASPECT_RATIO, ImageProcessingConfig, Normalizer, _empty_float32, resize_torchvision
+
+VIDEO_PREPROCESSOR_CONFIG_FILE = "video_preprocessor_config.json"
+# Codecs accepted: what FFmpeg decodes here and NVDEC decodes on GPU hosts.
+ACCEPTED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg")
+# The processor's class defaults (Qwen3VLVideoProcessor, both 4.57.3 and 5.x) where the checkpoint's file is silent.
+_DEFAULT_FPS, _DEFAULT_MIN_FRAMES, _DEFAULT_MAX_FRAMES, _DEFAULT_MAX_VIDEO_TOKENS = 2.0, 4, 768, 768
+
+
+@dataclass(frozen=True)
+class VideoProcessingConfig:
+    """The checkpoint's video_preprocessor_config.json. `pixels` holds patching, normalization and the whole
+    video's pixel bounds (size.shortest_edge / longest_edge, over all sampled frames)."""
+
+    pixels: ImageProcessingConfig
+    fps: float
+    min_frames: int
+    max_frames: int
+    cap_pixels_per_frame: bool
+    max_video_tokens: int
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> VideoProcessingConfig:
+        path = Path(model_dir) / VIDEO_PREPROCESSOR_CONFIG_FILE
+        cfg = read_json(path, f"{path} is missing; copy video_preprocessor_config.json from the released checkpoint")
+        return cls(
+            pixels=ImageProcessingConfig.from_dict(cfg, where=str(path)),
+            fps=float(cfg.get("fps", _DEFAULT_FPS)),
+            min_frames=int(cfg.get("min_frames", _DEFAULT_MIN_FRAMES)),
+            max_frames=int(cfg.get("max_frames", _DEFAULT_MAX_FRAMES)),
+            cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame") or False),
+            max_video_tokens=int(cfg.get("max_video_tokens", _DEFAULT_MAX_VIDEO_TOKENS)),
+        )
+
+    def settings(self) -> dict[str, object]:
+        """Everything that shapes a video's pixels and prompt besides its bytes (the feature cache's scope)."""
+        return {
+            "fps": self.fps,
+            "min_frames": self.min_frames,
+            "max_frames": self.max_frames,
+            "cap_pixels_per_frame": self.cap_pixels_per_frame,
+            "max_video_tokens": self.max_video_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """A video the caller decoded and sampled: RGB uint8 frames [T, H, W, 3] and each frame's time in seconds.
+    Used as given (no sampling), as transformers' processor with do_sample_frames=False."""
+
+    frames: np.ndarray
+    timestamps: tuple[float, ...]
+
+
+VideoSource = bytes | DecodedVideo
+
+
+def _label(index: int) -> str:
+    return f"video {index}"
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What the container says before any frame is decoded. frame_pts/keyframes (per frame, presentation order)
+    are None when the packet index cannot be trusted to name frames; then frames are found by decoding in order."""
+
+    index: int
+    codec: str
+    width: int
+    height: int
+    fps: float
+    total_frames: int
+    frame_pts: tuple[int, ...] | None
+    keyframes: tuple[bool, ...] | None
+
+    @property
+    def seconds(self) -> float:
+        return self.total_frames / self.fps
+
+
+def probe_video(data: bytes, index: int, limits: VideoLimits) -> VideoHeader:
+    """Opens the container and reads its packet index (no frame is decoded); checks codec and limits."""
+    import av
+
+    where = _label(index)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise VideoDecodeError(f"{where}: expected encoded video bytes, got {type(data).__name__}")
+    if len(data) == 0:
+        raise VideoDecodeError(f"{where}: empty bytes")
+    if len(data) > limits.max_video_bytes:
+        raise VideoTooLargeError(
+            f"{where}: the video is {len(data):,} bytes, over the limit of {limits.max_video_bytes:,} bytes per video "
+            "(max_video_bytes); send a shorter or more compressed clip"
+        )
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except (av.FFmpegError, ValueError, OSError) as e:
+        head = bytes(data[:8]).hex(" ")
+        raise VideoDecodeError(
+            f"{where}: not a readable video container ({len(data)} bytes starting {head}: {e}); it may be truncated. "
+            "Send MP4, WebM, MKV or MOV"
+        ) from e
+    with container:
+        if container.format.name.endswith("_pipe") or container.format.name == "image2":
+            raise VideoDecodeError(f"{where}: this is an image ({container.format.long_name}); send it as an image")
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams})
+            raise VideoDecodeError(f"{where}: the file has no video stream (streams: {', '.join(kinds) or 'none'})")
+        stream = container.streams.video[0]
+        codec = stream.codec_context.name if stream.codec_context is not None else "unknown"
+        if codec not in ACCEPTED_CODECS:
+            raise VideoDecodeError(f"{where}: codec {codec!r} is not supported; send {', '.join(ACCEPTED_CODECS)}")
+        width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+        if width <= 0 or height <= 0:
+            raise VideoDecodeError(f"{where}: the stream declares no frame size")
+        if width * height > limits.max_video_frame_pixels:
+            raise VideoTooLargeError(
+                f"{where}: frames are {width}x{height}, over the limit of {limits.max_video_frame_pixels:,} pixels "
+                "per frame (max_video_frame_pixels); downscale the video"
+            )
+        rate = stream.average_rate
+        if not rate or float(rate) <= 0:
+            raise VideoDecodeError(f"{where}: the stream declares no frame rate, so frames cannot be timed")
+        fps = float(rate)
+        pts, keys = [], []
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0 or packet.is_discard:
+                    continue
+                pts.append(packet.pts)
+                keys.append(bool(packet.is_keyframe))
+                if len(pts) > limits.max_video_seconds * fps:  # bounds the index read on endless streams
+                    break
+        except av.FFmpegError as e:
+            raise VideoDecodeError(f"{where}: the container is corrupt ({e})") from e
+        # transformers counts stream.frames (0 where the muxer records none, as WebM; there it fails, here the
+        # packet index counts them).
+        total = int(stream.frames) or len(pts)
+    if total == 0:
+        raise VideoDecodeError(f"{where}: the video stream has no frames")
+    if total / fps > limits.max_video_seconds:
+        raise VideoTooLargeError(
+            f"{where}: the video lasts {total / fps:.1f} s, over the limit of {limits.max_video_seconds} s "
+            "(max_video_seconds); send a shorter clip"
+        )
+    trusted = len(pts) == total and None not in pts and len(set(pts)) == total
+    order = np.argsort(np.asarray(pts, dtype=np.int64)) if trusted else None
+    return VideoHeader(
+        index=index,
+        codec=codec,
+        width=width,
+        height=height,
+        fps=fps,
+        total_frames=total,
+        frame_pts=tuple(int(pts[i]) for i in order) if order is not None else None,
+        keyframes=tuple(keys[i] for i in order) if order is not None else None,
+    )
+
+
+def sample_indices(total_frames: int, video_fps: float, config: VideoProcessingConfig) -> np.ndarray:
+    """Qwen3VLVideoProcessor.sample_frames at the config's fps."""
+    count = int(total_frames / video_fps * config.fps)
+    count = min(max(count, config.min_frames), config.max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, count).round().astype(int)
+
+
+def patch_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -> list[float]:
+    """Qwen3VLProcessor._calculate_timestamps: each temporal patch's mean time (the last frame repeated to fill)."""
+    seconds = list(frame_seconds)
+    if len(seconds) % temporal_patch_size:
+        seconds.extend([seconds[-1]] * (temporal_patch_size - len(seconds) % temporal_patch_size))
+    return [
+        (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)
+    ]
+
+
+def video_smart_resize(
+    num_frames: int, height: int, width: int, config: VideoProcessingConfig, max_video_pixels: int
+) -> tuple[int, int]:
+    """The video processor's resize size (5.x: frames smaller than a merged patch are scaled up first), with the
+    whole-video budget lowered to max_video_pixels and the per-frame cap when the config asks for it."""
+    pixels = config.pixels
+    factor, temporal = pixels.factor, pixels.temporal_patch_size
+    max_pixels = min(pixels.max_pixels, max_video_pixels)
+    min_pixels = pixels.min_pixels
+    if config.cap_pixels_per_frame:
+        frame_cap = config.max_video_tokens * factor * factor
+        max_pixels = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05)) * num_frames
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageShapeError(
+            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 ({width}x{height}) is over "
+            f"{MAX_ASPECT_RATIO}:1, the most the model's resizing accepts; crop the video"
+        )
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """One video after its container index was read and checked: which frames decoding will produce and how."""
+
+    source: VideoSource
+    header: VideoHeader | None  # None for a DecodedVideo
+    indices: np.ndarray  # sampled frames (presentation order); all frames of a DecodedVideo
+    timestamps: tuple[float, ...]  # per temporal patch, as the prompt shows them
+    size: tuple[int, int]  # resized (height, width)
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+def plan_video(source: VideoSource, index: int, config: VideoProcessingConfig, limits: VideoLimits) -> VideoPlan:
+    """Reads the container's index (or checks decoded frames), samples and sizes the video; no frame is decoded."""
+    where = _label(index)
+    if isinstance(source, DecodedVideo):
+        frames = source.frames
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+            raise VideoDecodeError(f"{where}: decoded frames must be RGB uint8 [frames, height, width, 3]")
+        if len(source.timestamps) != len(frames) or not len(frames):
+            raise VideoDecodeError(f"{where}: {len(frames)} decoded frames need as many timestamps")
+        header, indices, seconds = None, np.arange(len(frames)), [float(t) for t in source.timestamps]
+        height, width = int(frames.shape[1]), int(frames.shape[2])
+    else:
+        header = probe_video(source, index, limits)
+        indices = sample_indices(header.total_frames, header.fps, config)
+        seconds = [int(i) / header.fps for i in indices]
+        height, width = header.height, header.width
+    temporal = config.pixels.temporal_patch_size
+    if len(indices) < temporal:
+        raise VideoDecodeError(f"{where}: {len(indices)} frame(s); the model needs at least {temporal}")
+    if len(indices) > limits.max_video_frames:
+        raise VideoTooLargeError(
+            f"{where}: {len(indices)} frames sampled, over the limit of {limits.max_video_frames} "
+            "(max_video_frames); send a shorter clip"
+        )
+    try:
+        size = video_smart_resize(len(indices), height, width, config, limits.max_video_pixels)
+    except ImageShapeError as e:
+        raise ImageShapeError(f"{where}: {e}") from None
+    p = config.pixels.patch_size
+    grid = (-(-len(indices) // temporal), size[0] // p, size[1] // p)
+    return VideoPlan(source, header, indices, tuple(patch_timestamps(seconds, temporal)), size, grid)
+
+
+class VideoFrameDecoder(Protocol):
+    """Decodes the sampled frames of one video to RGB uint8 [n, H, W, 3] on its device (a GPU decoder)."""
+
+    device: torch.device
+
+    def decode(self, data: bytes, indices: Sequence[int]) -> torch.Tensor: ...
+
+
+def decode_frames(data: bytes, header: VideoHeader, indices: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+    """(position in indices, RGB uint8 [H, W, 3]) for each sampled frame, decoded by FFmpeg (PyAV) on this host.
+    With a trustworthy packet index each frame is reached from the keyframe before it (seeking past every frame not
+    needed); otherwise frames are decoded in order from the start, as transformers does."""
+    import av
+
+    wanted = [int(i) for i in indices]
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"  # frame and slice threads: the same frames, decoded in parallel
+            if header.frame_pts is None or header.keyframes is None:
+                yield from _decode_in_order(container, stream, wanted)
+            else:
+                yield from _decode_seeking(container, stream, header, wanted)
+    except av.FFmpegError as e:
+        raise VideoDecodeError(f"{_label(header.index)}: corrupt video data ({e})") from e
+
+
+def _rgb(frame) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return frame.to_ndarray(format="rgb24")
+
+
+def _decode_in_order(container, stream, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:  # type: ignore[no-untyped-def]
+    position, number = 0, -1
+    for number, frame in enumerate(container.decode(stream)):
+        if number < wanted[position]:
+            continue
+        rgb = _rgb(frame)
+        while position < len(wanted) and wanted[position] == number:
+            yield position, rgb
+            position += 1
+        if position == len(wanted):
+            return
+    raise VideoDecodeError(
+        f"the video ended after {number + 1} frames, before frame {wanted[position]}: it is truncated"
+    )
+
+
+def _decode_seeking(container, stream, header: VideoHeader, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:  # type: ignore[no-untyped-def]
+    assert header.frame_pts is not None and header.keyframes is not None
+    number_of = {pts: n for n, pts in enumerate(header.frame_pts)}
+    keyframe_before = np.maximum.accumulate(np.where(header.keyframes, np.arange(header.total_frames), -1))
+    position, next_out = 0, None  # next_out: the frame the running decoder gives next (None: not started)
+    while position < len(wanted):
+        target = wanted[position]
+        key = int(keyframe_before[target])
+        if next_out is None or key > next_out or target < next_out:
+            # A seek lands on the keyframe at or before the timestamp; the decoder restarts clean there.
+            container.seek(header.frame_pts[max(key, 0)], stream=stream, backward=True, any_frame=False)
+            frames = container.decode(stream)
+        found = False
+        for frame in frames:
+            number = number_of.get(frame.pts) if frame.pts is not None else None
+            if number is None:
+                raise VideoDecodeError(f"{_label(header.index)}: decoded a frame the index does not list")
+            next_out = number + 1
+            if number < target:
+                continue
+            if number > target:
+                break
+            rgb = _rgb(frame)
+            while position < len(wanted) and wanted[position] == number:
+                yield position, rgb
+                position += 1
+            found = True
+            break
+        if not found:
+            raise VideoDecodeError(
+                f"{_label(header.index)}: frame {target} of {header.total_frames} could not be decoded; "
+                "the video is truncated or corrupt"
+            )
+
+
+def render_video(
+    plan: VideoPlan,
+    config: VideoProcessingConfig,
+    normalize: Normalizer,
+    out: torch.Tensor,
+    decoder: VideoFrameDecoder | None = None,
+) -> None:
+    """Decodes the plan's frames, resizes each as soon as it is decoded and writes the patches into out
+    [num_patches, patch_dim] in the processor's order."""
+    pixels = config.pixels
+    height, width = plan.size
+    temporal, p, m = pixels.temporal_patch_size, pixels.patch_size, pixels.merge_size
+    t = plan.grid_thw[0]
+    device = out.device
+    resized = torch.empty((t * temporal, height, width, 3), dtype=torch.uint8, device=device)
+    count = len(plan.indices)
+
+    def keep(position: int, frame: torch.Tensor) -> None:
+        resized[position] = resize_torchvision(frame, height, width)
+
+    if isinstance(plan.source, DecodedVideo):
+        for position, frame_np in enumerate(plan.source.frames):
+            keep(position, torch.from_numpy(np.ascontiguousarray(frame_np)).to(device))
+    elif decoder is not None:
+        assert plan.header is not None
+        for position, frame in enumerate(decoder.decode(plan.source, plan.indices.tolist())):
+            keep(position, frame)
+    else:
+        assert plan.header is not None
+        for position, frame_np in decode_frames(plan.source, plan.header, plan.indices.tolist()):
+            keep(position, torch.from_numpy(frame_np).to(device))
+    resized[count:] = resized[count - 1]  # the last frame fills the last temporal patch
+    bh, bw = height // (p * m), width // (p * m)
+    for g in range(t):
+        pair = resized[g * temporal : (g + 1) * temporal]
+        blocks = _pair_block_order(pair, bh, bw, m, p)  # [bh*bw*m*m, 3, T, p*p]
+        rows = out[g * bh * bw * m * m : (g + 1) * bh * bw * m * m]
+        normalize(blocks, rows.view(-1, 3, temporal, p * p))
+
+
+def _pair_block_order(frames_thwc: torch.Tensor, bh: int, bw: int, m: int, p: int) -> torch.Tensor:
+    """uint8 [T, H, W, 3] (one temporal patch) -> [bh*bw*m*m, 3, T, p*p]: merge blocks row-major, patches
+    row-major inside a block, then (C, T, ph, pw), as the processor's patchify."""
+    t = frames_thwc.shape[0]
+    order = (1, 4, 2, 5, 7, 0, 3, 6)  # (bh, bw, mh, mw, C, T, ph, pw)
+    if frames_thwc.device.type == "cpu":
+        blocks = frames_thwc.numpy().reshape(t, bh, m, p, bw, m, p, 3).transpose(order)
+        return torch.from_numpy(np.ascontiguousarray(blocks)).view(-1, 3, t, p * p)
+    return frames_thwc.reshape(t, bh, m, p, bw, m, p, 3).permute(order).contiguous().view(-1, 3, t, p * p)
+
+
+def empty_rows(plans: Sequence[VideoPlan], patch_dim: int, device: torch.device) -> torch.Tensor:
+    return _empty_float32((sum(plan.num_patches for plan in plans), patch_dim), device)
