@@ -309,7 +309,7 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-remote-images",
         action="store_true",
-        help="fetch http(s) image URLs in messages (default: only data: URLs are accepted)",
+        help="fetch http(s) image and video URLs in messages (default: only data: URLs are accepted)",
     )
     parser.add_argument(
         "--max-concurrent-requests",

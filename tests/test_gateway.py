@@ -25,6 +25,7 @@ from images import jpeg
 from PIL import Image
 from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.testing.hf_reference import load_hf_processor
+from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
@@ -100,8 +101,12 @@ def _data_url(image: bytes) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(image).decode()
 
 
-def _user(text: str, *images: bytes) -> list[dict]:
+def _user(text: str, *images: bytes, videos: tuple[bytes, ...] = ()) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": _data_url(i)}} for i in images]
+    parts += [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(v).decode()}}
+        for v in videos
+    ]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
@@ -112,12 +117,16 @@ def _error_body(error: openai.APIStatusError) -> dict:
     return body.get("error", body)
 
 
-def _infer_json(served, tmp_path, prompt: str, images: list[bytes], max_tokens: int) -> dict:
+def _infer_json(served, tmp_path, prompt: str, images: list[bytes], max_tokens: int, videos=()) -> dict:
     args = ["infer", "--url", served.grpc_url, "--prompt", prompt, "--max-tokens", str(max_tokens), "--json"]
     for k, image in enumerate(images):
         path = tmp_path / f"image{k}.jpg"
         path.write_bytes(image)
         args += ["--image", str(path)]
+    for k, video in enumerate(videos):
+        path = tmp_path / f"video{k}.mp4"
+        path.write_bytes(video)
+        args += ["--video", str(path)]
     process = _cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
@@ -159,6 +168,27 @@ def test_openai_client_gets_what_infer_returns_and_usage_counts_the_tokens(serve
     assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
     assert len({c.id for c in chunks}) == 1
+
+
+def test_a_video_streamed_through_the_gateway_equals_infer(served, tmp_path):
+    video = clip("h264 3 s 10 fps")
+    expected = _infer_json(served, tmp_path, PROMPT, [PHOTO], 16, videos=[video])
+    client = served.client()
+    chunks = list(
+        client.chat.completions.create(
+            model="dense",
+            messages=_user(PROMPT, PHOTO, videos=(video,)),
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == expected["text"]
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
+    whole = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO, videos=(video,)), max_tokens=16)
+    assert whole.choices[0].message.content == expected["text"]
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 36  # the video's 36 visual tokens included
 
 
 def test_text_only_and_sampling_options(served, tmp_path):
@@ -224,6 +254,36 @@ BAD_REQUESTS = {
         None,
     ),
     "n > 1": (dict(messages=_user("Hi."), n=2), 400, "n = 2", None),
+    "audio-only video": (
+        dict(messages=_user("Watch.", videos=(audio_only(),))),
+        400,
+        "no video stream",
+        "invalid_video",
+    ),
+    "truncated video": (
+        dict(messages=_user("Watch.", videos=(clip("h264 3 s 10 fps")[:5000],))),
+        400,
+        "not a readable video container",
+        "invalid_video",
+    ),
+    "unsupported video codec": (dict(messages=_user("Watch.", videos=(ffv1_mkv(),))), 400, "'ffv1'", "invalid_video"),
+    "corrupt video frames": (
+        dict(
+            messages=_user(
+                "Watch.", videos=(corrupt_middle(clip("h264 portrait 30 fps, keyframe every 12, B-frames")),)
+            )
+        ),
+        400,
+        "video 0",
+        None,
+    ),
+    "zero-length video": (dict(messages=_user("Watch.", videos=(b"",))), 400, "empty", "invalid_video"),
+    "remote video URL": (
+        dict(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/a.mp4"}}]}]),
+        400,
+        "only data: URLs",
+        None,
+    ),
     "tools": (
         dict(messages=_user("Hi."), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         400,

@@ -22,8 +22,9 @@ from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.serving.server import TritonServer
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID
+from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText
+from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -42,14 +43,25 @@ class Deployment:
     def client(self) -> Client:
         return Client(self.url, timeout_s=120)
 
-    def expected(self, prompt, images=(), max_tokens=16) -> list[int]:
+    def expected(self, prompt, images=(), max_tokens=16, videos=()) -> list[int]:
         """transformers' greedy tokens for the same request (end ids dropped, as the server does)."""
         if self._hf is None:
             self._hf = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
             self._pre = Preprocessor.from_pretrained(self.model_dir)
-        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        parts = [{"type": "image", "image": image} for image in images]
+        parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
         r = self._pre([{"role": "user", "content": parts}])
-        inputs = hf_model_inputs(self._hf, r.input_ids, self._pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
+        image_rows = int(r.image_grid_thw.prod(axis=1).sum())  # images come first in this chat
+        inputs = hf_model_inputs(
+            self._hf,
+            r.input_ids,
+            self._pre.info.image_token_id,
+            r.pixel_values[:image_rows],
+            r.image_grid_thw,
+            r.pixel_values_videos,
+            r.video_grid_thw,
+            self._pre.info.video_token_id,
+        )
         with torch.no_grad():
             out = self._hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(END_IDS))
         return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
@@ -76,12 +88,28 @@ def test_greedy_tokens_equal_transformers_generate(dense, images):
     assert answer.text
 
 
+CLIP = clip("h264 3 s 10 fps")
+WEBM = clip("vp9 webm 25 fps odd size", seed=2)
+
+
+@pytest.mark.parametrize(
+    "images, videos",
+    [([], [CLIP]), ([PHOTO], [WEBM]), ([], [CLIP, WEBM])],
+    ids=["video", "image and video", "2 videos"],
+)
+def test_video_greedy_tokens_equal_transformers_generate(dense, images, videos):
+    answer = dense.client().generate("What happens?", images, max_tokens=16, videos=videos)
+    assert answer.token_ids == dense.expected("What happens?", images, videos=videos)
+
+
 def test_moe_greedy_tokens_equal_transformers_generate(checkpoints, tmp_path):
     moe = Deployment(checkpoints["moe"], tmp_path)
     try:
         images = [jpeg(96, 64, seed=5), PHOTO]
         answer = moe.client().generate("Compare the two images.", images, max_tokens=16)
         assert answer.token_ids == moe.expected("Compare the two images.", images)
+        answer = moe.client().generate("What moves?", [PHOTO], max_tokens=16, videos=[CLIP])
+        assert answer.token_ids == moe.expected("What moves?", [PHOTO], videos=[CLIP])
     finally:
         moe.server.stop()
 
@@ -187,6 +215,52 @@ def test_bad_requests_fail_alone_and_the_server_stays_ready(dense):
         assert fragment in results[name], f"{name}: {results[name]}"
     assert client.is_ready()
     assert client.generate("Still here?", max_tokens=4).token_ids
+
+
+BAD_VIDEOS = {
+    "truncated": (CLIP[:5000], "video 0: not a readable video container"),
+    "corrupt frames": (corrupt_middle(clip("h264 portrait 30 fps, keyframe every 12, B-frames")), "video 0"),
+    "zero-length": (b"", "video 0: empty bytes"),
+    "audio only": (audio_only(), "no video stream (streams: audio)"),
+    "unsupported codec": (ffv1_mkv(), "codec 'ffv1' is not supported"),
+    "over the duration limit": (synthetic_video(3700, 32, 32, 1), "over the limit of 3600 s"),
+}
+
+
+def test_bad_videos_fail_alone_while_their_batch_succeeds(dense):
+    good = [("What happens?", [], [CLIP]), ("Describe.", [PHOTO], [])]
+    expected = [dense.client().generate(p, i, max_tokens=8, videos=v).token_ids for p, i, v in good]
+    items = [("good", g) for g in good] + [(name, ("Watch.", [], [data])) for name, (data, _) in BAD_VIDEOS.items()]
+    for _ in range(5):  # until some bad and good requests met in one preprocessing batch
+
+        def run(item):
+            _, (prompt, images, videos) = item
+            try:
+                return dense.client().generate(prompt, images, max_tokens=8, videos=videos).token_ids
+            except InferenceError as e:
+                return str(e)
+
+        with ThreadPoolExecutor(len(items)) as pool:
+            results = list(pool.map(run, items))
+        assert results[: len(good)] == expected
+        for (name, _), result in zip(items[len(good) :], results[len(good) :], strict=True):
+            assert BAD_VIDEOS[name][1] in result, f"{name}: {result}"
+        if _largest_batch(dense.statistics(interface.PREPROCESSING)) > 1:
+            break
+    assert dense.client().is_ready()
+
+
+def test_infer_cli_takes_videos_and_exits_2_on_a_bad_one(dense, capsys, tmp_path):
+    from qwen3vl_trt.cli import main
+
+    good, bad = tmp_path / "clip.mp4", tmp_path / "song.mp4"
+    good.write_bytes(CLIP)
+    bad.write_bytes(audio_only())
+    args = ["infer", "--url", dense.url, "--prompt", "What happens?", "--max-tokens", "16", "--json"]
+    assert main([*args, "--video", str(good)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == dense.expected("What happens?", videos=[CLIP])
+    assert main([*args, "--video", str(bad)]) == 2
+    assert "no video stream (streams: audio)" in capsys.readouterr().err
 
 
 def test_load_8_clients_20_requests_no_failures_no_memory_growth(dense):

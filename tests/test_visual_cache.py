@@ -11,7 +11,7 @@ import pytest
 import torch
 from deployment import LIMITS, build_cpu_repository
 from images import jpeg
-from qwen3vl_trt.llm.inputs import image_digest
+from qwen3vl_trt.llm.inputs import visual_digest
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving import interface, stage_metrics
@@ -33,6 +33,7 @@ from qwen3vl_trt.serving.visual_cache import (
     encode_entry,
 )
 from qwen3vl_trt.testing.redis_server import RedisServer
+from videos import clip
 
 SCOPE = FeatureScope.of({"model": "a"})
 DIGEST = bytes(range(16))
@@ -210,10 +211,10 @@ def uncached(repo):
     server.stop()
 
 
-def _answer(server: TritonServer, prompt: str, images: list[bytes]) -> list[int]:
+def _answer(server: TritonServer, prompt: str, images: list[bytes], videos: list[bytes] = ()) -> list[int]:
     client = Client(server.url, timeout_s=120)
     try:
-        return client.generate(prompt, images, max_tokens=6).token_ids
+        return client.generate(prompt, images, max_tokens=6, videos=videos).token_ids
     finally:
         client.close()
 
@@ -265,6 +266,14 @@ def test_a_repeated_image_is_neither_decoded_nor_encoded_and_answers_as_uncached
         assert seen.counted(stage_metrics.VISUAL_CACHE_HITS) == 1
         assert seen.counted(stage_metrics.VISUAL_CACHE_STORES) == 1
         assert mixed == _answer(uncached, "Compare them.", [other, photo])
+
+        video = clip("h264 3 s 10 fps", seed=4)
+        first = _answer(cached, PROMPTS[0], [], [video])
+        seen = Observed(cached)
+        again = _answer(cached, PROMPTS[1], [], [video])  # a video is keyed by its bytes and sampled grid too
+        assert seen.vision_runs() == 0 and seen.counted(stage_metrics.IMAGES_DECODED) == 0
+        assert seen.counted(stage_metrics.VISUAL_CACHE_HITS) == 1
+        assert [first, again] == [_answer(uncached, prompt, [], [video]) for prompt in PROMPTS]
     finally:
         cached.stop()
 
@@ -346,7 +355,7 @@ def test_garbage_or_another_models_entry_is_rejected_and_recomputed(shared, unca
     grid = Preprocessor.from_pretrained(checkpoints["dense"])(
         prompt="<|vision_start|><|image_pad|><|vision_end|>", images=[photo]
     ).image_grid_thw
-    digest = image_digest(photo, grid[0])
+    digest = visual_digest(grid[0], photo)
     assert key.decode() == scope.key(digest)
     client = redis_server.client()
     entry = client.get(key)
@@ -389,7 +398,7 @@ def test_an_image_an_earlier_batch_is_encoding_is_neither_looked_up_nor_decoded(
         interface.IMAGES.name: np.array([jpeg(256, 256, seed=5)], dtype=object),
     }
     (first,) = component.execute([request])
-    (image,) = first.images
+    (image,) = first.visual
     assert first.to_encode == [image] and counts[Event.MISS] == 1
     (joined,) = component.execute([request], encoding={image.digest})
     assert joined.to_encode == [] and [i.digest for i in joined.pending] == [image.digest]

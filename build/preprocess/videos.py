@@ -289,8 +289,8 @@ def plan_video(source: VideoSource, index: int, config: VideoProcessingConfig, l
         )
     try:
         size = video_smart_resize(len(indices), height, width, config, limits.max_video_pixels)
-    except ImageShapeError as e:
-        raise ImageShapeError(f"{where}: {e}") from None
+    except ImageShapeError as e:  # the model's resizing bound; for a video, an invalid video
+        raise VideoDecodeError(f"{where}: {e}") from None
     p = config.pixels.patch_size
     grid = (-(-len(indices) // temporal), size[0] // p, size[1] // p)
     return VideoPlan(source, header, indices, tuple(patch_timestamps(seconds, temporal)), size, grid)

@@ -15,6 +15,9 @@ from ..errors import (
     PromptTooLongError,
     RequestError,
     TooManyImagesError,
+    TooManyVideosError,
+    VideoDecodeError,
+    VideoTooLargeError,
 )
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
@@ -66,6 +69,9 @@ _ERROR_CODES: list[tuple[type[RequestError], str]] = [
     (ImageTooLargeError, "image_too_large"),
     (ImageDecodeError, "invalid_image"),
     (ImageShapeError, "invalid_image"),
+    (TooManyVideosError, "too_many_videos"),
+    (VideoTooLargeError, "video_too_large"),
+    (VideoDecodeError, "invalid_video"),
 ]
 
 

@@ -112,20 +112,21 @@ class VisualFeatures:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready for the LLM but for its prompt table: its output tensors, and its images in order."""
+    """A request ready for the LLM but for its prompt table: its output tensors, and its images and videos in prompt
+    order."""
 
     outputs: dict[str, Any]
-    images: tuple[VisualFeatures, ...]
+    visual: tuple[VisualFeatures, ...]
 
     @property
     def to_encode(self) -> list[VisualFeatures]:
-        """Images this request sends to the vision encoder."""
-        return [image for image in self.images if image.vision_inputs is not None]
+        """Images and videos this request sends to the vision encoder."""
+        return [item for item in self.visual if item.vision_inputs is not None]
 
     @property
     def pending(self) -> list[VisualFeatures]:
         """Images whose rows this request still needs: its own to encode, and those being encoded already."""
-        return [image for image in self.images if image.rows is None]
+        return [item for item in self.visual if item.rows is None]
 
 
 class Preprocessing:
@@ -228,7 +229,7 @@ class Preprocessing:
         sent to the encoder. A request without images gets one zero row, which no id addresses, so every request
         carries a table."""
         rows = []
-        for image in prepared.images:
+        for image in prepared.visual:
             if image.rows is not None:
                 rows.append(image.rows)
                 continue

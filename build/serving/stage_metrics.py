@@ -31,7 +31,7 @@ STUB_LABEL = "stub_pid"  # the python stub that counted (a reloaded model's inst
 
 REQUESTS = Metric("qwen3vl_requests_total", "Requests the model executed")
 REQUEST_ERRORS = Metric("qwen3vl_request_errors_total", "Requests the model answered with an error")
-IMAGES_DECODED = Metric("qwen3vl_images_decoded_total", "Images decoded into patches")
+IMAGES_DECODED = Metric("qwen3vl_images_decoded_total", "Images and videos decoded into patches")
 PATCHES_ENCODED = Metric("qwen3vl_patches_encoded_total", "Patches through the vision encoder")
 VISION_RUN_PATCHES = Metric(
     "qwen3vl_vision_run_patches",
