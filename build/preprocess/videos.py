@@ -23,13 +23,16 @@ reached by seeking to the keyframe before it when that skips frames, only sample
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -304,21 +307,61 @@ class VideoFrameDecoder(Protocol):
     def decode(self, data: bytes, indices: Sequence[int]) -> torch.Tensor: ...
 
 
-def decode_frames(data: bytes, header: VideoHeader, indices: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
-    """(position in indices, RGB uint8 [H, W, 3]) for each sampled frame, decoded by FFmpeg (PyAV) on this host.
-    With a trustworthy packet index each frame is reached from the keyframe before it (seeking past every frame not
-    needed); otherwise frames are decoded in order from the start, as transformers does."""
+def decode_frames(
+    data: bytes,
+    header: VideoHeader,
+    indices: Sequence[int],
+    workers: int = 1,
+    transform: Callable[[np.ndarray], Any] | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """(position in indices, RGB uint8 [H, W, 3]) for each sampled frame, decoded by FFmpeg (PyAV) on this host, in
+    no particular order. With a trustworthy packet index each frame is reached from the keyframe before it (seeking
+    past every frame not needed), and with several workers the video's GOPs are cut into that many runs decoded at
+    once, each by its own decoder (a GOP decodes alike from its keyframe, whoever decodes it); otherwise frames are
+    decoded in order from the start, as transformers does. transform, if given, is applied to each frame on the
+    thread that decoded it."""
+    wanted = [int(i) for i in indices]
+    if header.frame_pts is None or header.keyframes is None:
+        yield from _decode_part(data, header, wanted, 0, "SLICE", transform)
+        return
+    keyframe_before = np.maximum.accumulate(np.where(header.keyframes, np.arange(header.total_frames), -1))
+    gops = np.flatnonzero(np.diff(keyframe_before[wanted], prepend=-2)) if wanted else np.array([], int)
+    if workers <= 1 or len(gops) <= 1:
+        yield from _decode_part(data, header, wanted, 0, "SLICE", transform)
+        return
+    # Contiguous runs of GOPs, as even in sampled frames as GOP bounds allow; one single-threaded decoder each.
+    cuts = gops[np.linspace(0, len(gops), min(workers, len(gops)) + 1).astype(int)[1:-1]].tolist()
+    bounds = [0, *cuts, len(wanted)]
+    parts = [
+        _decode_part(data, header, wanted[a:b], a, "NONE", transform)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    yield from merged(parts, depth=4)
+
+
+def _decode_part(
+    data: bytes,
+    header: VideoHeader,
+    wanted: list[int],
+    offset: int,
+    threads: str,
+    transform: Callable[[np.ndarray], Any] | None,
+) -> Iterator[tuple[int, Any]]:
+    """Frames `wanted` (ascending) by one decoder, with their positions offset; threads: FFmpeg's thread_type."""
     import av
 
-    wanted = [int(i) for i in indices]
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
-            stream.thread_type = "AUTO"  # frame and slice threads: the same frames, decoded in parallel
+            stream.thread_type = threads
+            if threads == "NONE":
+                stream.thread_count = 1
             if header.frame_pts is None or header.keyframes is None:
-                yield from _decode_in_order(container, stream, wanted)
+                frames = _decode_in_order(container, stream, wanted)
             else:
-                yield from _decode_seeking(container, stream, header, wanted)
+                frames = _decode_seeking(container, stream, header, wanted)
+            for position, frame in frames:
+                yield offset + position, frame if transform is None else transform(frame)
     except av.FFmpegError as e:
         raise VideoDecodeError(f"{_label(header.index)}: corrupt video data ({e})") from e
 
@@ -346,6 +389,7 @@ def _decode_in_order(container, stream, wanted: list[int]) -> Iterator[tuple[int
 def _decode_seeking(container, stream, header: VideoHeader, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:  # type: ignore[no-untyped-def]
     assert header.frame_pts is not None and header.keyframes is not None
     number_of = {pts: n for n, pts in enumerate(header.frame_pts)}
+    wanted_pts = {header.frame_pts[n] for n in wanted}
     keyframe_before = np.maximum.accumulate(np.where(header.keyframes, np.arange(header.total_frames), -1))
     position, next_out = 0, None  # next_out: the frame the running decoder gives next (None: not started)
     while position < len(wanted):
@@ -354,7 +398,7 @@ def _decode_seeking(container, stream, header: VideoHeader, wanted: list[int]) -
         if next_out is None or key > next_out or target < next_out:
             # A seek lands on the keyframe at or before the timestamp; the decoder restarts clean there.
             container.seek(header.frame_pts[max(key, 0)], stream=stream, backward=True, any_frame=False)
-            frames = container.decode(stream)
+            frames = _decode_skipping(container, stream, wanted_pts)
         found = False
         for frame in frames:
             number = number_of.get(frame.pts) if frame.pts is not None else None
@@ -378,6 +422,76 @@ def _decode_seeking(container, stream, header: VideoHeader, wanted: list[int]) -
             )
 
 
+def _decode_skipping(container, stream, wanted_pts: set[int]) -> Iterator:  # type: ignore[no-untyped-def]
+    """Frames from the demuxer's position on, where a frame that is not wanted and that no other frame references
+    (H.264/HEVC non-reference pictures, often half the frames of a clip with B-frames) is not decoded at all: the
+    decoder discards it (skip_frame NONREF, set per packet before it is sent), which changes no other frame."""
+    context = stream.codec_context
+    try:
+        for packet in container.demux(stream):
+            context.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in wanted_pts else "NONREF"
+            yield from context.decode(packet)
+    finally:
+        context.skip_frame = "DEFAULT"
+
+
+_T = TypeVar("_T")
+
+
+def merged(producers: Sequence[Iterator[_T]], depth: int) -> Iterator[_T]:
+    """The items of every producer, each run on a thread of its own (FFmpeg releases the GIL while it decodes), in
+    the order they are made, at most `depth` waiting; a producer's error is raised here, and the producers stop
+    when the consumer does."""
+    made: queue.Queue[tuple[bool, object]] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: tuple[bool, object]) -> bool:
+        while not stop.is_set():
+            try:
+                made.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce(items: Iterator[_T]) -> None:
+        try:
+            for item in items:
+                if not put((True, item)):
+                    return
+            put((False, None))
+        except BaseException as e:  # handed to the consumer
+            put((False, e))
+
+    workers = [threading.Thread(target=produce, args=(p,), name="video-decode", daemon=True) for p in producers]
+    for worker in workers:
+        worker.start()
+    try:
+        running = len(workers)
+        while running:
+            more, item = made.get()
+            if more:
+                yield item  # type: ignore[misc]
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                running -= 1
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def render_video(
     plan: VideoPlan,
     config: VideoProcessingConfig,
@@ -385,8 +499,8 @@ def render_video(
     out: torch.Tensor,
     decoder: VideoFrameDecoder | None = None,
 ) -> None:
-    """Decodes the plan's frames, resizes each as soon as it is decoded and writes the patches into out
-    [num_patches, patch_dim] in the processor's order."""
+    """Decodes the plan's frames and writes their patches into out [num_patches, patch_dim] in the processor's
+    order: each frame resized as soon as it is decoded, each temporal patch written as soon as its frames are in."""
     pixels = config.pixels
     height, width = plan.size
     temporal, p, m = pixels.temporal_patch_size, pixels.patch_size, pixels.merge_size
@@ -394,28 +508,49 @@ def render_video(
     device = out.device
     resized = torch.empty((t * temporal, height, width, 3), dtype=torch.uint8, device=device)
     count = len(plan.indices)
+    missing = [temporal] * t
+    missing[-1] = count - (t - 1) * temporal  # the last patch repeats the last frame to fill up
+    bh, bw = height // (p * m), width // (p * m)
+    rows_per_patch = bh * bw * m * m
 
     def keep(position: int, frame: torch.Tensor) -> None:
-        resized[position] = resize_torchvision(frame, height, width)
+        resized[position] = frame
+        g = position // temporal
+        missing[g] -= 1
+        if missing[g] == 0:
+            if g == t - 1:
+                resized[count:] = resized[count - 1]
+            blocks = _pair_block_order(resized[g * temporal : (g + 1) * temporal], bh, bw, m, p)
+            normalize(blocks, out[g * rows_per_patch : (g + 1) * rows_per_patch].view(-1, 3, temporal, p * p))
+
+    def resize(frame: torch.Tensor) -> torch.Tensor:
+        return resize_torchvision(frame, height, width)
 
     if isinstance(plan.source, DecodedVideo):
         for position, frame_np in enumerate(plan.source.frames):
-            keep(position, torch.from_numpy(np.ascontiguousarray(frame_np)).to(device))
+            keep(position, resize(torch.from_numpy(np.ascontiguousarray(frame_np)).to(device)))
     elif decoder is not None:
-        assert plan.header is not None
         for position, frame in enumerate(decoder.decode(plan.source, plan.indices.tolist())):
-            keep(position, frame)
-    else:
+            keep(position, resize(frame))
+    elif device.type == "cpu":
+        assert plan.header is not None
+        workers = torch.get_num_threads()  # this process's share of the cores
+        # Each decoder thread resizes its own frames and this one patchifies, one core each: torch's own threads
+        # would wait on the decoders' at every op.
+        with _torch_threads(1 if workers > 1 else workers):
+            frames = decode_frames(
+                plan.source,
+                plan.header,
+                plan.indices.tolist(),
+                workers,
+                lambda frame_np: resize(torch.from_numpy(frame_np)).contiguous(),
+            )
+            for position, small in frames:
+                keep(position, small)
+    else:  # decoded on the host, resized and patchified on the device
         assert plan.header is not None
         for position, frame_np in decode_frames(plan.source, plan.header, plan.indices.tolist()):
-            keep(position, torch.from_numpy(frame_np).to(device))
-    resized[count:] = resized[count - 1]  # the last frame fills the last temporal patch
-    bh, bw = height // (p * m), width // (p * m)
-    for g in range(t):
-        pair = resized[g * temporal : (g + 1) * temporal]
-        blocks = _pair_block_order(pair, bh, bw, m, p)  # [bh*bw*m*m, 3, T, p*p]
-        rows = out[g * bh * bw * m * m : (g + 1) * bh * bw * m * m]
-        normalize(blocks, rows.view(-1, 3, temporal, p * p))
+            keep(position, resize(torch.from_numpy(frame_np).to(device)))
 
 
 def _pair_block_order(frames_thwc: torch.Tensor, bh: int, bw: int, m: int, p: int) -> torch.Tensor:

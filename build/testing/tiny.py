@@ -351,7 +351,7 @@ def synthetic_video(
         for i in range(frames):
             frame = np.ascontiguousarray(scene[:, 2 * i : 2 * i + width])
             top, left = (i * 3) % max(1, height - side), (i * 5) % max(1, width - side)
-            frame[top : top + side, left : left + side] = (255 * (i % 2), 40, 200)
+            frame[top : top + side, left : left + side] = (230, 40, 200)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 out.mux(packet)
         for packet in stream.encode():
