@@ -95,6 +95,14 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         tested_here=True,
         extras="[nvjpeg]",
     ),
+    # Not a TensorRT-LLM dependency either. Its wheel installs on CPU machines but its import loads the driver's
+    # libnvcuvid/libnvidia-encode, so only GPU hosts test it (tests/test_video_cuda.py).
+    ImagePackage(
+        "PyNvVideoCodec",
+        "2.2.4",
+        "pyproject.toml gpu extra (NVDEC into device memory; SimpleDecoder reads bytes in memory since 2.2)",
+        provider="qwen3vl-trt",
+    ),
 )
 PYTHON_VERSION = "3.12"  # the image's /opt/venv-tritonserver (python3.12 -m venv): _BACKEND_DOCKERFILE
 TRITONSERVER_VERSION = "2.68.0"

@@ -56,7 +56,7 @@ def test_the_gpu_extra_agrees_with_the_table():
 def test_requirements_pin_what_qwen3vl_trt_brings_and_overlay_what_installs_here():
     requirements = _run("requirements")
     assert requirements.returncode == 0
-    assert requirements.stdout.split() == ["nvidia-nvimgcodec-cu13[nvjpeg]==0.9.0.20"]
+    assert requirements.stdout.split() == ["nvidia-nvimgcodec-cu13[nvjpeg]==0.9.0.20", "PyNvVideoCodec==2.2.4"]
     overlay = _run("overlay").stdout.split()
     assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.31.1"} <= set(overlay)
 

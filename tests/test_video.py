@@ -171,6 +171,10 @@ def test_seeking_decode_equals_decoding_every_frame(pre):
     for position, frame in in_order:
         np.testing.assert_array_equal(seeking[position], frame)
     assert len(seeking) == len(wanted)
+    in_parallel = dict(video_module.decode_frames(data, header, wanted, workers=3))  # GOP runs, 3 decoders at once
+    assert sorted(in_parallel) == list(range(len(wanted)))
+    for position, frame in in_parallel.items():
+        np.testing.assert_array_equal(seeking[position], frame)
 
 
 def test_seeking_skips_frames_it_does_not_need(monkeypatch):
