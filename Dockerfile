@@ -34,7 +34,7 @@ RUN python3 -m pip list --format=freeze | grep -viE '^(pip|setuptools|wheel)==' 
  && rm /tmp/image-constraints.txt /tmp/qwen3vl-trt-requirements.txt /tmp/gpu_image.py
 
 # NVDEC (video decoding into device memory) needs the driver's video libraries (libnvcuvid), which the NVIDIA
-# container runtime mounts only for the "video" capability; the base image asks for compute and utility.
+# container runtime mounts only when the driver capabilities include "video".
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility,video
 
 # HTTP, gRPC, metrics (serve binds loopback unless given --address 0.0.0.0).
