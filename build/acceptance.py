@@ -135,6 +135,7 @@ def _tritonserver() -> str | None:
 _POOL_MISS = re.compile(r"CUDA IPC|pinned (system|host) memory", re.IGNORECASE)
 _TRITON_LANGUAGE = _importable("triton", "the Triton language (triton)")
 _NVIMGCODEC = _importable("nvidia.nvimgcodec", "nvImageCodec (nvidia-nvimgcodec-cu13)")
+_PYNVVIDEOCODEC = _importable("PyNvVideoCodec", "PyNvVideoCodec (NVDEC)")
 _FLASH_ATTN = _importable("flash_attn", "flash-attn")
 
 
@@ -241,13 +242,15 @@ class Acceptance:
         )
 
     def served_rows(self, name: str, model: Path) -> None:
-        from .testing.tiny import synthetic_jpeg
+        from .testing.tiny import synthetic_jpeg, synthetic_video
 
-        requests = {
-            "text only": ("Describe a sunset in three words.", []),
-            "one JPEG": ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)]),
+        requests: dict[str, tuple[str, list[bytes], list[bytes]]] = {
+            "text only": ("Describe a sunset in three words.", [], []),
+            "one JPEG": ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)], []),
+            # 4 s of 640x360 H.264 at 30 fps, keyframe every second: NVDEC decodes it into device memory.
+            "an H.264 video": ("What happens?", [], [synthetic_video(120, 360, 640, 30, options={"g": "30"})]),
         }
-        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
+        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC, _PYNVVIDEOCODEC]
         served: dict[str, list[int]] = {}
         healed: list[tuple[bool, str]] = []
         cached: list[tuple[bool, str]] = []
@@ -278,10 +281,12 @@ class Acceptance:
                 self.report.rows.append(Row(check, SKIPPED, limit=check_limit, detail="the repository was not served"))
             return
         reference = _TransformersGreedy(model)
-        for kind, (prompt, images) in requests.items():
+        for kind, (prompt, images, videos) in requests.items():
 
-            def compare(prompt: str = prompt, images: list[bytes] = images, kind: str = kind) -> tuple[bool, str]:
-                equal, gaps = reference.score(prompt, images, served[kind])
+            def compare(
+                prompt: str = prompt, images: list[bytes] = images, videos: list[bytes] = videos, kind: str = kind
+            ) -> tuple[bool, str]:
+                equal, gaps = reference.score(prompt, images, videos, served[kind])
                 worst = max(gaps, default=0.0)
                 figure = f"{equal}/{len(served[kind])} tokens equal, largest gap {worst:.3f} of the logit spread"
                 return bool(served[kind]) and worst <= LOGIT_GAP, figure
@@ -430,7 +435,7 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
 
 
 def _served_tokens(
-    build_dir: Path, requests: dict[str, tuple[str, list[bytes]]], log_path: Path
+    build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]], log_path: Path
 ) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str]]:
     """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), and whether the deployment
@@ -448,10 +453,10 @@ def _served_tokens(
         client = Client(server.url, timeout_s=120)
         try:
             tokens = {
-                kind: client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
-                for kind, (prompt, images) in requests.items()
+                kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos).token_ids
+                for kind, (prompt, images, videos) in requests.items()
             }
-            hits = _cache_hit(server, client, next((r, tokens[k]) for k, r in requests.items() if r[1]))
+            hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
         finally:
             client.close()
         return tokens, hits, _heals(server)
@@ -543,17 +548,28 @@ class _TransformersGreedy:
         self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
         self.pre = Preprocessor.from_pretrained(model)
 
-    def score(self, prompt: str, images: list[bytes], served: list[int]) -> tuple[int, list[float]]:
+    def score(
+        self, prompt: str, images: list[bytes], videos: list[bytes], served: list[int]
+    ) -> tuple[int, list[float]]:
         import numpy as np
         import torch
 
         from .testing.hf_reference import hf_model_inputs
 
-        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
-        request = self.pre([{"role": "user", "content": parts}])
+        parts = [{"type": "image", "image": image} for image in images]
+        parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
+        request = self.pre([{"role": "user", "content": parts}])  # on the CPU: FFmpeg's frames, as transformers
         ids = np.concatenate([request.input_ids, np.asarray(served, dtype=request.input_ids.dtype)])
+        image_rows = int(request.image_grid_thw.prod(axis=1).sum())  # images come first in this chat
         inputs = hf_model_inputs(
-            self.model, ids, self.pre.info.image_token_id, request.pixel_values, request.image_grid_thw
+            self.model,
+            ids,
+            self.pre.info.image_token_id,
+            request.pixel_values[:image_rows],
+            request.image_grid_thw,
+            request.pixel_values_videos,
+            request.video_grid_thw,
+            self.pre.info.video_token_id,
         )
         with torch.no_grad():
             logits = self.model(**inputs).logits[0].float()

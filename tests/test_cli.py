@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
+from qwen3vl_trt.testing.tiny import synthetic_jpeg, synthetic_video
+from videos import audio_only
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -51,6 +52,15 @@ def test_build_writes_manifest(tiny_dense, tmp_path):
     assert answered.stdout.strip()
     missing = run_cli("generate", *args[:4], "--image", str(tmp_path / "nope.jpg"))
     assert missing.returncode == 2 and "cannot read image" in missing.stderr
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(synthetic_video(20, 64, 96))
+    with_video = run_cli("generate", *args, "--video", str(clip), "--json")
+    assert with_video.returncode == 0, with_video.stderr
+    assert len(json.loads(with_video.stdout)["token_ids"]) > 0
+    song = tmp_path / "song.mp4"
+    song.write_bytes(audio_only())
+    refused = run_cli("generate", *args[:4], "--video", str(song))
+    assert refused.returncode == 2 and "video 0: the file has no video stream (streams: audio)" in refused.stderr
 
 
 def test_errors_are_one_line_without_traceback(tmp_path):
@@ -90,3 +100,15 @@ def test_output_equal_to_the_model_is_refused_even_with_force(tiny_dense, tmp_pa
         "or around it); choose an --output outside the input"
     )
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_preprocess_summarizes_a_video(tiny_dense, tmp_path):
+    clip = tmp_path / "clip.webm"
+    clip.write_bytes(synthetic_video(25, 96, 128, 10, "libvpx-vp9", "webm"))
+    result = run_cli("preprocess", "--model", str(tiny_dense), "--video", str(clip), "--text", "What happens?")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    # 2.5 s at 10 fps sampled at 2 fps: 5 frames (0, 6, 12, 18, 24), 3 temporal patches at 0.3, 1.5 and 2.4 s.
+    assert summary["videos"][0]["grid_thw"] == [3, 6, 8]
+    assert [round(t, 1) for t in summary["videos"][0]["timestamps"]] == [0.3, 1.5, 2.4]
+    assert summary["visual_tokens"] == 3 * 12

@@ -27,6 +27,7 @@ CHECKS = [
             "serve the GPU repository",
             "served tokens vs transformers greedy, text only",
             "served tokens vs transformers greedy, one JPEG",
+            "served tokens vs transformers greedy, an H.264 video",
             "a repeated image: a visual cache hit, no decode, no vision encoder",
             "metrics published; a killed vision_encoder stub comes back",
         )
