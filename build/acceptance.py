@@ -554,23 +554,14 @@ class _TransformersGreedy:
         import numpy as np
         import torch
 
-        from .testing.hf_reference import hf_model_inputs
+        from .testing.hf_reference import hf_request_inputs
 
         parts = [{"type": "image", "image": image} for image in images]
         parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
         request = self.pre([{"role": "user", "content": parts}])  # on the CPU: FFmpeg's frames, as transformers
         ids = np.concatenate([request.input_ids, np.asarray(served, dtype=request.input_ids.dtype)])
-        image_rows = int(request.image_grid_thw.prod(axis=1).sum())  # images come first in this chat
-        inputs = hf_model_inputs(
-            self.model,
-            ids,
-            self.pre.info.image_token_id,
-            request.pixel_values[:image_rows],
-            request.image_grid_thw,
-            request.pixel_values_videos,
-            request.video_grid_thw,
-            self.pre.info.video_token_id,
-        )
+        info = self.pre.info
+        inputs = hf_request_inputs(self.model, request, info.image_token_id, info.video_token_id, ids)
         with torch.no_grad():
             logits = self.model(**inputs).logits[0].float()
         # Row i scores the token after position i: the served tokens are scored by the rows from the prompt's last.

@@ -21,7 +21,7 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.serving.server import TritonServer
-from qwen3vl_trt.testing.hf_reference import hf_model_inputs
+from qwen3vl_trt.testing.hf_reference import hf_request_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
@@ -51,17 +51,7 @@ class Deployment:
         parts = [{"type": "image", "image": image} for image in images]
         parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
         r = self._pre([{"role": "user", "content": parts}])
-        image_rows = int(r.image_grid_thw.prod(axis=1).sum())  # images come first in this chat
-        inputs = hf_model_inputs(
-            self._hf,
-            r.input_ids,
-            self._pre.info.image_token_id,
-            r.pixel_values[:image_rows],
-            r.image_grid_thw,
-            r.pixel_values_videos,
-            r.video_grid_thw,
-            self._pre.info.video_token_id,
-        )
+        inputs = hf_request_inputs(self._hf, r, self._pre.info.image_token_id, self._pre.info.video_token_id)
         with torch.no_grad():
             out = self._hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(END_IDS))
         return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]

@@ -137,14 +137,23 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
             f"aspect ratio {max(height, width) / min(height, width):.0f}:1 ({width}x{height}) is over "
             f"{MAX_ASPECT_RATIO}:1, the most the model's resizing accepts; crop the image"
         )
+    return fit_pixel_bounds(height, width, factor, min_pixels, max_pixels)
+
+
+def fit_pixel_bounds(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1, rounded_frames: int = 1
+) -> tuple[int, int]:
+    """smart_resize's core, shared by the image and the video processor: the size rounded to the factor, scaled
+    down (up) to keep frames x height x width within max_pixels (min_pixels); the video processor bounds its
+    frame count rounded to the temporal patch but scales by the frame count itself."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    if rounded_frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif rounded_frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

@@ -115,15 +115,25 @@ class Request:
         return np.array(grids, dtype=np.int64).reshape(-1, 3)
 
     @property
+    def pixel_values_images(self) -> torch.Tensor:
+        """The images' patches in order: transformers' pixel_values."""
+        return self._rows_of("image")
+
+    @property
     def pixel_values_videos(self) -> torch.Tensor:
         """The videos' patches in order: transformers' pixel_values_videos."""
+        return self._rows_of("video")
+
+    def _rows_of(self, kind: VisualKind) -> torch.Tensor:
         rows, first = [], 0
-        for item in self.visual:
-            patches = int(np.prod(item.grid_thw))
-            if item.kind == "video":
+        for item, decoded in zip(self.visual, self.decoded or (True,) * len(self.visual), strict=True):
+            patches = int(np.prod(item.grid_thw)) if decoded else 0
+            if item.kind == kind and decoded:
                 rows.append(self.pixel_values[first : first + patches])
             first += patches
-        return torch.cat(rows) if rows else self.pixel_values[:0]
+        if not rows:
+            return self.pixel_values[:0]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     @property
     def num_tokens(self) -> int:

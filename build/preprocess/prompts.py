@@ -32,9 +32,9 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ..errors import CheckpointError, ImageTooLargeError, MessageError, VideoTooLargeError
+from ..errors import CheckpointError, ImageTooLargeError, MessageError
 from ..limits import ImageLimits, VideoLimits
-from .videos import DecodedVideo, VideoSource
+from .videos import DecodedVideo, VideoSource, check_video_bytes
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PLACEHOLDER = "<|image_pad|>"
@@ -259,20 +259,12 @@ def _check_image_bytes(size: int, max_image_bytes: int, where: str) -> None:
         )
 
 
-def _check_video_bytes(size: int, max_video_bytes: int, where: str) -> None:
-    if size > max_video_bytes:
-        raise VideoTooLargeError(
-            f"{where}: the video is {size:,} bytes, over the limit of {max_video_bytes:,} bytes per video "
-            "(max_video_bytes); send a shorter or more compressed clip"
-        )
-
-
 def _check_video(video: object, max_video_bytes: int, where: str) -> None:
     if isinstance(video, DecodedVideo):
         return
     if not isinstance(video, (bytes, bytearray, memoryview)):
         raise MessageError(f"{where}: expected the encoded video's bytes, got {type(video).__name__}")
-    _check_video_bytes(len(video), max_video_bytes, where)
+    check_video_bytes(len(video), max_video_bytes, where)
 
 
 def _base64_decoded_size(payload: str) -> int:
@@ -285,7 +277,7 @@ def _base64_decoded_size(payload: str) -> int:
 def _media_bytes(part: Mapping[str, Any], kind: str, where: str, max_bytes: int) -> bytes | DecodedVideo:
     """The bytes of an image or video part (kind "image" or "video"), from its data: URL (`<kind>_url`) or
     `<kind>` key; a video part may also hold a DecodedVideo. The size is checked before base64 is decoded."""
-    check = _check_image_bytes if kind == "image" else _check_video_bytes
+    check = _check_image_bytes if kind == "image" else check_video_bytes
     if f"{kind}_url" in part:
         url = part[f"{kind}_url"]
         url = url.get("url") if isinstance(url, Mapping) else url

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import queue
 import threading
@@ -40,7 +39,14 @@ import torch
 from ..errors import ImageShapeError, VideoDecodeError, VideoTooLargeError
 from ..fsutil import read_json
 from ..limits import VideoLimits
-from .images import MAX_ASPECT_RATIO, ImageProcessingConfig, Normalizer, _empty_float32, resize_torchvision
+from .images import (
+    MAX_ASPECT_RATIO,
+    ImageProcessingConfig,
+    Normalizer,
+    _empty_float32,
+    fit_pixel_bounds,
+    resize_torchvision,
+)
 
 VIDEO_PREPROCESSOR_CONFIG_FILE = "video_preprocessor_config.json"
 # Codecs accepted: what FFmpeg decodes here and NVDEC decodes on GPU hosts.
@@ -120,6 +126,14 @@ class VideoHeader:
         return self.total_frames / self.fps
 
 
+def check_video_bytes(size: int, max_video_bytes: int, where: str) -> None:
+    if size > max_video_bytes:
+        raise VideoTooLargeError(
+            f"{where}: the video is {size:,} bytes, over the limit of {max_video_bytes:,} bytes per video "
+            "(max_video_bytes); send a shorter or more compressed clip"
+        )
+
+
 def probe_video(data: bytes, index: int, limits: VideoLimits) -> VideoHeader:
     """Opens the container and reads its packet index (no frame is decoded); checks codec and limits."""
     import av
@@ -129,11 +143,7 @@ def probe_video(data: bytes, index: int, limits: VideoLimits) -> VideoHeader:
         raise VideoDecodeError(f"{where}: expected encoded video bytes, got {type(data).__name__}")
     if len(data) == 0:
         raise VideoDecodeError(f"{where}: empty bytes")
-    if len(data) > limits.max_video_bytes:
-        raise VideoTooLargeError(
-            f"{where}: the video is {len(data):,} bytes, over the limit of {limits.max_video_bytes:,} bytes per video "
-            "(max_video_bytes); send a shorter or more compressed clip"
-        )
+    check_video_bytes(len(data), limits.max_video_bytes, where)
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, ValueError, OSError) as e:
@@ -236,17 +246,8 @@ def video_smart_resize(
             f"aspect ratio {max(height, width) / min(height, width):.0f}:1 ({width}x{height}) is over "
             f"{MAX_ASPECT_RATIO}:1, the most the model's resizing accepts; crop the video"
         )
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_pixel_bounds(height, width, factor, min_pixels, max_pixels, num_frames, t_bar)
 
 
 @dataclass(frozen=True)

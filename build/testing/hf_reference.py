@@ -146,6 +146,23 @@ def hf_model_inputs(
     return inputs
 
 
+def hf_request_inputs(
+    model: Any, request: Any, image_token_id: int, video_token_id: int, input_ids: np.ndarray | None = None
+) -> dict[str, Any]:
+    """hf_model_inputs for one of our preprocessed requests (qwen3vl_trt.preprocess.Request), its images and
+    videos in transformers' form; input_ids replaces the request's (its prompt and more, to score a sequence)."""
+    return hf_model_inputs(
+        model,
+        request.input_ids if input_ids is None else input_ids,
+        image_token_id,
+        request.pixel_values_images,
+        request.image_grid_thw,
+        request.pixel_values_videos,
+        request.video_grid_thw,
+        video_token_id,
+    )
+
+
 def hf_video_reference(processor: Any, text: str, path: str | os.PathLike[str], images: Sequence[Any] = ()) -> dict:
     """transformers' processor outputs (numpy) for a prompt text with one video file, decoded as transformers does
     with PyAV (video_utils.load_video, backend "pyav", the video processor's own sampling); a container that records
