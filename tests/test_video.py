@@ -276,3 +276,39 @@ def test_frames_too_small_for_a_merged_patch(pre, processor, hf_model, tmp_path)
 def test_aspect_ratio_over_200_is_refused(pre):
     with pytest.raises(VideoDecodeError, match="video 0: aspect ratio"):
         pre(_chat(synthetic_video(4, 2, 600)))
+
+
+class _HostAsDevice:
+    """A VideoFrameDecoder (the interface NVDEC implements on GPU hosts) made of FFmpeg's frames on the CPU, in
+    chunks of 4, that gives up after `fail_after` chunks: what render_video does with a device decoder's chunks and
+    with its refusal, checkable here."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, fail_after: int | None = None):
+        self.fail_after = fail_after
+
+    def decode(self, data, indices):
+        header = probe_video(data, 0, RequestLimits())
+        frames = dict(video_module.decode_frames(data, header, indices))
+        for k, first in enumerate(range(0, len(indices), 4)):
+            if self.fail_after is not None and k == self.fail_after:
+                raise VideoDecodeError("this decoder lacks the codec")
+            yield torch.stack([torch.from_numpy(frames[p]) for p in range(first, min(first + 4, len(indices)))])
+
+
+@pytest.mark.parametrize("fail_after", [None, 0, 1], ids=["decoded in chunks", "refused", "refused midway"])
+def test_a_device_decoders_chunks_and_refusals_give_the_host_paths_pixels(fail_after, pre):
+    from qwen3vl_trt.preprocess.videos import empty_rows, plan_video, render_video
+
+    data = clips.clip("h264 portrait 30 fps, keyframe every 12, B-frames")
+    plan = plan_video(data, 0, pre.video_config, RequestLimits())
+    host = empty_rows([plan], pre.video_config.pixels.patch_dim, torch.device("cpu"))
+    render_video(plan, pre.video_config, pre.video_normalize, host)
+    device = torch.full_like(host, float("nan"))
+    if fail_after is None:
+        render_video(plan, pre.video_config, pre.video_normalize, device, _HostAsDevice())
+    else:
+        with pytest.warns(UserWarning, match="video 0: decoded on the host: this decoder lacks the codec"):
+            render_video(plan, pre.video_config, pre.video_normalize, device, _HostAsDevice(fail_after))
+    torch.testing.assert_close(device, host, rtol=0, atol=0)

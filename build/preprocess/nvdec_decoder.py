@@ -19,7 +19,7 @@ tens of levels in saturated colours on untagged streams above 720x576 (NVDEC pic
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from ..errors import Qwen3VLTrtError, VideoDecodeError
 
 PYNVVIDEOCODEC_VERSION = "2.2.4"
+CHUNK_FRAMES = 16  # frames decoded per call: their full-size buffers are what is resident at once
 _INSTALL_HINT = f"install it with `pip install PyNvVideoCodec=={PYNVVIDEOCODEC_VERSION}`"
 
 
@@ -66,7 +67,11 @@ class NvdecVideoDecoder:
         # SimpleDecoder warns on every in-memory video over 8 MiB that it copies it (decoders/SimpleDecoder.py, 2.2.4).
         warnings.filterwarnings("ignore", message="SimpleDecoder: in-memory buffer", category=UserWarning)
 
-    def decode(self, data: bytes, indices: Sequence[int]) -> torch.Tensor:
+    def decode(self, data: bytes, indices: Sequence[int]) -> Iterator[torch.Tensor]:
+        """RGB uint8 [n, H, W, 3] on the device for the frames `indices` (presentation order, ascending), in order, a
+        chunk of at most CHUNK_FRAMES at a time: each chunk's frames hold decoder buffers until the next call, so only
+        one chunk is resident, copied out before the next is decoded. Raises VideoDecodeError for what NVDEC cannot
+        decode (a codec, profile or size this GPU's NVDEC lacks, or corrupt data): the caller decodes on the host."""
         wanted = [int(i) for i in indices]
         if not data:
             raise VideoDecodeError("the video is empty")
@@ -85,31 +90,38 @@ class NvdecVideoDecoder:
                     output_color_type=nvc.OutputColorType.RGB,
                 )
                 total = len(decoder)
+                meta = decoder.get_stream_metadata()
             except Exception as e:  # PyNvVCException(Unsupported), RuntimeError, ValueError, Exception: all upstream
                 raise VideoDecodeError(f"NVDEC cannot open the video: {_first_line(e)}") from e
-            unique = sorted(set(wanted))
-            if unique and (unique[0] < 0 or unique[-1] >= total):
-                bad = unique[0] if unique[0] < 0 else unique[-1]
+            if wanted and (wanted[0] < 0 or wanted[-1] >= total):
+                bad = wanted[0] if wanted[0] < 0 else wanted[-1]
                 raise VideoDecodeError(f"frame {bad} was asked for, but the video has {total} frames")
-            if not unique:
-                meta = decoder.get_stream_metadata()
-                return torch.empty((0, meta.height, meta.width, 3), dtype=torch.uint8, device=self.device)
-            try:
-                # get_batch_frames_by_index(indices): seeks to the keyframe before a target only when it lies in another
-                # GOP, else decodes on (SeekUtils::GetFramesByIdxList); it silently skips an index it cannot place.
-                frames = decoder.get_batch_frames_by_index(unique)
-            except Exception as e:
-                raise VideoDecodeError(f"NVDEC failed decoding the video: {_first_line(e)}") from e
-            if len(frames) != len(unique):
-                raise VideoDecodeError(f"NVDEC returned {len(frames)} of {len(unique)} frames: truncated or corrupt")
-            # torch.from_dlpack passes torch's current stream to DecodedFrame.__dlpack__, which makes it wait on the
-            # frame's decode event (ExternalBuffer::dlpack). The frames live in the decoder's buffers, reused by its
-            # next call and freed with it, so they are copied (stack) and the copy awaited before the decoder goes.
-            decoded = [torch.from_dlpack(frame) for frame in frames]
-            if any(t.dim() != 3 or t.shape[-1] != 3 or t.shape != decoded[0].shape for t in decoded):
-                raise VideoDecodeError(f"NVDEC frames are not one [H, W, 3] size: {[tuple(t.shape) for t in decoded]}")
-            position = {index: k for k, index in enumerate(unique)}
-            out = torch.stack([decoded[position[i]] for i in wanted])
-            torch.cuda.current_stream(self.device).synchronize()
-            del decoded, frames, decoder
-        return out
+            height, width = int(meta.height), int(meta.width)
+            for first in range(0, len(wanted), CHUNK_FRAMES):
+                chunk = wanted[first : first + CHUNK_FRAMES]
+                unique = sorted(set(chunk))
+                try:
+                    # get_batch_frames_by_index(indices): seeks to the keyframe before a target only when it lies in
+                    # another GOP, else decodes on (SeekUtils::GetFramesByIdxList); the codec's and size's support
+                    # is checked as the sequence starts, so an unsupported stream fails here.
+                    frames = decoder.get_batch_frames_by_index(unique)
+                except Exception as e:
+                    raise VideoDecodeError(f"NVDEC failed decoding the video: {_first_line(e)}") from e
+                if len(frames) != len(unique):
+                    raise VideoDecodeError(
+                        f"NVDEC returned {len(frames)} of {len(unique)} frames: truncated or corrupt"
+                    )
+                # torch.from_dlpack passes torch's current stream to DecodedFrame.__dlpack__, which makes it wait on
+                # the frame's decode event (ExternalBuffer::dlpack). The frames live in the decoder's buffers, reused
+                # by its next call, so they are copied (stack) and the copy awaited before the next call.
+                decoded = [torch.from_dlpack(frame) for frame in frames]
+                # Surfaces of odd-sized streams are rounded up (NvDecoder::GetWidth: NV12 needs even sizes): crop.
+                if any(t.dim() != 3 or t.shape[0] < height or t.shape[1] < width or t.shape[2] != 3 for t in decoded):
+                    shapes = [tuple(t.shape) for t in decoded]
+                    raise VideoDecodeError(f"NVDEC frames {shapes} do not hold the stream's {width}x{height}")
+                position = {index: k for k, index in enumerate(unique)}
+                out = torch.stack([decoded[position[i]][:height, :width] for i in chunk])
+                torch.cuda.current_stream(self.device).synchronize()
+                del decoded, frames
+                yield out
+            del decoder

@@ -28,6 +28,7 @@ import io
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,11 +302,12 @@ def plan_video(source: VideoSource, index: int, config: VideoProcessingConfig, l
 
 
 class VideoFrameDecoder(Protocol):
-    """Decodes the sampled frames of one video to RGB uint8 [n, H, W, 3] on its device (a GPU decoder)."""
+    """Decodes the sampled frames of one video (ascending) to RGB uint8 [n, H, W, 3] chunks on its device, in order
+    (a GPU decoder); VideoDecodeError for a video it cannot decode."""
 
     device: torch.device
 
-    def decode(self, data: bytes, indices: Sequence[int]) -> torch.Tensor: ...
+    def decode(self, data: bytes, indices: Sequence[int]) -> Iterator[torch.Tensor]: ...
 
 
 def decode_frames(
@@ -507,8 +509,9 @@ def render_video(
     device = out.device
     resized = torch.empty((t * temporal, height, width, 3), dtype=torch.uint8, device=device)
     count = len(plan.indices)
-    missing = [temporal] * t
-    missing[-1] = count - (t - 1) * temporal  # the last patch repeats the last frame to fill up
+    # Frames each temporal patch still waits for (the last patch repeats the last frame to fill up).
+    frames_per_patch = [temporal] * (t - 1) + [count - (t - 1) * temporal]
+    missing = list(frames_per_patch)
     bh, bw = height // (p * m), width // (p * m)
     rows_per_patch = bh * bw * m * m
 
@@ -528,10 +531,12 @@ def render_video(
     if isinstance(plan.source, DecodedVideo):
         for position, frame_np in enumerate(plan.source.frames):
             keep(position, resize(torch.from_numpy(np.ascontiguousarray(frame_np)).to(device)))
-    elif decoder is not None:
-        for position, frame in enumerate(decoder.decode(plan.source, plan.indices.tolist())):
-            keep(position, resize(frame))
-    elif device.type == "cpu":
+        return
+    if decoder is not None:
+        if _decoded_on_device(plan, decoder, keep, resize):
+            return
+        missing[:] = frames_per_patch  # the host decodes it all again
+    if device.type == "cpu":
         assert plan.header is not None
         workers = torch.get_num_threads()  # this process's share of the cores
         # Each decoder thread resizes its own frames and this one patchifies, torch single-threaded meanwhile: its
@@ -550,6 +555,27 @@ def render_video(
         assert plan.header is not None
         for position, frame_np in decode_frames(plan.source, plan.header, plan.indices.tolist()):
             keep(position, resize(torch.from_numpy(frame_np).to(device)))
+
+
+def _decoded_on_device(
+    plan: VideoPlan,
+    decoder: VideoFrameDecoder,
+    keep: Callable[[int, torch.Tensor], None],
+    resize: Callable[[torch.Tensor], torch.Tensor],
+) -> bool:
+    """Whether the device decoder decoded the whole video (into keep); False where it cannot (NVDEC lacks some
+    codecs, profiles and sizes per GPU: AV1 before Ampere, VP9 under 128 px...), so that the host decodes it."""
+    assert not isinstance(plan.source, DecodedVideo) and plan.header is not None
+    position = 0
+    try:
+        for chunk in decoder.decode(plan.source, plan.indices.tolist()):
+            for frame in chunk:
+                keep(position, resize(frame))
+                position += 1
+    except VideoDecodeError as e:
+        warnings.warn(f"{_label(plan.header.index)}: decoded on the host: {e}", stacklevel=2)
+        return False
+    return True
 
 
 def _pair_block_order(frames_thwc: torch.Tensor, bh: int, bw: int, m: int, p: int) -> torch.Tensor:
