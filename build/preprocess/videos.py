@@ -50,7 +50,7 @@ from .images import (
 )
 
 VIDEO_PREPROCESSOR_CONFIG_FILE = "video_preprocessor_config.json"
-# Codecs accepted: what FFmpeg decodes here and NVDEC decodes on GPU hosts.
+# Codecs accepted: what FFmpeg decodes here and NVDEC decodes on some GPU (what a GPU's NVDEC lacks, the host decodes).
 ACCEPTED_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg")
 # The processor's class defaults (Qwen3VLVideoProcessor, both 4.57.3 and 5.x) where the checkpoint's file is silent.
 _DEFAULT_FPS, _DEFAULT_MIN_FRAMES, _DEFAULT_MAX_FRAMES, _DEFAULT_MAX_VIDEO_TOKENS = 2.0, 4, 768, 768
