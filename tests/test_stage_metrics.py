@@ -13,6 +13,7 @@ from qwen3vl_trt.serving import interface, stage_metrics
 from qwen3vl_trt.serving.client import Answer, Client, RequestRejectedError
 from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.serving.server import TritonServer
+from videos import clip
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -90,3 +91,18 @@ def test_each_model_counts_what_it_was_sent(served, checkpoints):
     assert sent(stage_metrics.REQUESTS, interface.POSTPROCESSING) == 3 + len(pieces)
     for model in (interface.VISION_ENCODER, interface.LLM, interface.POSTPROCESSING):
         assert sent(stage_metrics.REQUEST_ERRORS, model) == 0, model
+
+
+def test_preprocessing_counts_videos_and_times_its_batches(served):
+    before = stage_metrics.read(served.metrics_url)
+    client = Client(served.url, timeout_s=120)
+    client.generate("What happens?", max_tokens=4, videos=[clip("h264 3 s 10 fps", seed=9)])
+    client.close()
+    after = stage_metrics.read(served.metrics_url)
+
+    def sent(metric: stage_metrics.Metric, sample: str = "") -> float:
+        key = (metric.name + sample, interface.PREPROCESSING)
+        return after[key] - before.get(key, 0.0)
+
+    assert sent(stage_metrics.VIDEOS_DECODED) == 1 and sent(stage_metrics.IMAGES_DECODED) == 0
+    assert sent(stage_metrics.PREPROCESS_SECONDS, "_count") == 1 and sent(stage_metrics.PREPROCESS_SECONDS, "_sum") > 0

@@ -271,7 +271,7 @@ def test_a_repeated_image_is_neither_decoded_nor_encoded_and_answers_as_uncached
         first = _answer(cached, PROMPTS[0], [], [video])
         seen = Observed(cached)
         again = _answer(cached, PROMPTS[1], [], [video])  # a video is keyed by its bytes and sampled grid too
-        assert seen.vision_runs() == 0 and seen.counted(stage_metrics.IMAGES_DECODED) == 0
+        assert seen.vision_runs() == 0 and seen.counted(stage_metrics.VIDEOS_DECODED) == 0
         assert seen.counted(stage_metrics.VISUAL_CACHE_HITS) == 1
         assert [first, again] == [_answer(uncached, prompt, [], [video]) for prompt in PROMPTS]
     finally:

@@ -23,7 +23,7 @@ import torch
 from ..errors import MessageError, PromptTooLongError, RequestError, StageError
 from ..limits import EngineLimits
 from ..preprocess import Preprocessor
-from ..preprocess.preprocessor import Request, VisualInput
+from ..preprocess.preprocessor import Request, VisualInput, VisualKind
 from ..runtime.local import generation_end_ids
 from ..vision.metadata import vision_metadata
 from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
@@ -103,6 +103,7 @@ class VisualFeatures:
     them, or else the vision encoder's inputs for it alone (contracts.VISION_INPUTS and grid), or neither when an
     earlier batch is encoding the same one now (the request waits for that encode)."""
 
+    kind: VisualKind
     digest: bytes
     grid: tuple[int, int, int]
     tokens: int
@@ -306,7 +307,7 @@ class Preprocessing:
                 first += patches
             rows = None if was_decoded else self._found.get(digest)  # None: being encoded by an earlier batch
             t, h, w = (int(g) for g in grid)
-            images.append(VisualFeatures(digest, (t, h, w), tokens, rows, vision_inputs))
+            images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs))
         return Prepared(outputs, tuple(images))
 
     def _parse(self, inputs: Arrays) -> _Parsed:

@@ -31,7 +31,15 @@ STUB_LABEL = "stub_pid"  # the python stub that counted (a reloaded model's inst
 
 REQUESTS = Metric("qwen3vl_requests_total", "Requests the model executed")
 REQUEST_ERRORS = Metric("qwen3vl_request_errors_total", "Requests the model answered with an error")
-IMAGES_DECODED = Metric("qwen3vl_images_decoded_total", "Images and videos decoded into patches")
+IMAGES_DECODED = Metric("qwen3vl_images_decoded_total", "Images decoded into patches")
+VIDEOS_DECODED = Metric("qwen3vl_videos_decoded_total", "Videos decoded into patches (their sampled frames)")
+PREPROCESS_SECONDS = Metric(
+    "qwen3vl_preprocess_batch_seconds",
+    "Seconds preprocessing spends on a batch before the vision encoder: tokenizing, the visual cache's lookup, "
+    "decoding images and videos",
+    Kind.HISTOGRAM,
+    (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0),
+)
 PATCHES_ENCODED = Metric("qwen3vl_patches_encoded_total", "Patches through the vision encoder")
 VISION_RUN_PATCHES = Metric(
     "qwen3vl_vision_run_patches",
@@ -82,7 +90,7 @@ VISUAL_CACHE = (
     VISUAL_CACHE_REJECTED,
     VISUAL_CACHE_BACKEND_ERRORS,
 )
-PREPROCESSING = (IMAGES_DECODED, ENCODES_JOINED, *VISUAL_CACHE)
+PREPROCESSING = (IMAGES_DECODED, VIDEOS_DECODED, PREPROCESS_SECONDS, ENCODES_JOINED, *VISUAL_CACHE)
 VISION_ENCODER = (PATCHES_ENCODED, VISION_RUN_PATCHES, VISION_RUN_IMAGES, VISION_RUN_SECONDS)
 LLM = (TOKENS_GENERATED,)
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -332,12 +333,14 @@ class Preprocessing(_Model):
             if self.component.pre.device.type == "cuda":
                 # The event loop's thread: BLS tensors' proxy streams are looked up by the current device.
                 torch.cuda.set_device(self.component.pre.device)
+            started = time.perf_counter()
             try:
                 outcomes: list[Prepared | Exception] = self.component.execute(
                     [self.read(r) for r in requests], encoding=self.encoding.keys()
                 )
             except Qwen3VLTrtError as e:
                 outcomes = [e] * len(requests)
+            self.metrics.observe(stage_metrics.PREPROCESS_SECONDS, time.perf_counter() - started)
             waiting: list[tuple[int, Prepared]] = []
             for i, outcome in enumerate(outcomes):
                 if isinstance(outcome, Prepared) and outcome.pending:
@@ -371,7 +374,9 @@ class Preprocessing(_Model):
         encoder's error when it failed."""
         own = {image.digest: image for image in images if image.vision_inputs is not None}
         joined = {image.digest: self.encoding[image.digest] for image in images if image.digest not in own}
-        self.metrics.add(stage_metrics.IMAGES_DECODED, sum(image.vision_inputs is not None for image in images))
+        decoded = Counter(image.kind for image in images if image.vision_inputs is not None)
+        self.metrics.add(stage_metrics.IMAGES_DECODED, decoded["image"])
+        self.metrics.add(stage_metrics.VIDEOS_DECODED, decoded["video"])
         self.metrics.add(stage_metrics.ENCODES_JOINED, len(images) - sum(i.vision_inputs is not None for i in images))
         loop = asyncio.get_running_loop()
         mine = {digest: loop.create_future() for digest in own}
