@@ -126,6 +126,11 @@ class VideoHeader:
     def seconds(self) -> float:
         return self.total_frames / self.fps
 
+    def keyframe_before(self) -> np.ndarray:
+        """Per frame, the last keyframe at or before it (-1 before the first); needs frame_pts and keyframes."""
+        assert self.keyframes is not None
+        return np.maximum.accumulate(np.where(self.keyframes, np.arange(self.total_frames), -1))
+
 
 def check_video_bytes(size: int, max_video_bytes: int, where: str) -> None:
     if size > max_video_bytes:
@@ -327,8 +332,7 @@ def decode_frames(
     if header.frame_pts is None or header.keyframes is None:
         yield from _decode_part(data, header, wanted, 0, transform)
         return
-    keyframe_before = np.maximum.accumulate(np.where(header.keyframes, np.arange(header.total_frames), -1))
-    gops = np.flatnonzero(np.diff(keyframe_before[wanted], prepend=-2)) if wanted else np.array([], int)
+    gops = np.flatnonzero(np.diff(header.keyframe_before()[wanted], prepend=-2)) if wanted else np.array([], int)
     if workers <= 1 or len(gops) <= 1:
         yield from _decode_part(data, header, wanted, 0, transform)
         return
@@ -358,7 +362,7 @@ def _decode_part(
             # single-threaded decoders (frame threads, slower than both) on 2 cores.
             stream.thread_type = "SLICE"
             if header.frame_pts is None or header.keyframes is None:
-                frames = _decode_in_order(container, stream, wanted)
+                frames = _decode_in_order(container, stream, wanted, header)
             else:
                 frames = _decode_seeking(container, stream, header, wanted)
             for position, frame in frames:
@@ -371,7 +375,7 @@ def _rgb(frame) -> np.ndarray:  # type: ignore[no-untyped-def]
     return frame.to_ndarray(format="rgb24")
 
 
-def _decode_in_order(container, stream, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:  # type: ignore[no-untyped-def]
+def _decode_in_order(container, stream, wanted: list[int], header: VideoHeader) -> Iterator[tuple[int, np.ndarray]]:  # type: ignore[no-untyped-def]
     position, number = 0, -1
     for number, frame in enumerate(container.decode(stream)):
         if number < wanted[position]:
@@ -383,7 +387,8 @@ def _decode_in_order(container, stream, wanted: list[int]) -> Iterator[tuple[int
         if position == len(wanted):
             return
     raise VideoDecodeError(
-        f"the video ended after {number + 1} frames, before frame {wanted[position]}: it is truncated"
+        f"{_label(header.index)}: the video ended after {number + 1} frames, before frame {wanted[position]}: "
+        "it is truncated"
     )
 
 
@@ -391,7 +396,7 @@ def _decode_seeking(container, stream, header: VideoHeader, wanted: list[int]) -
     assert header.frame_pts is not None and header.keyframes is not None
     number_of = {pts: n for n, pts in enumerate(header.frame_pts)}
     wanted_pts = {header.frame_pts[n] for n in wanted}
-    keyframe_before = np.maximum.accumulate(np.where(header.keyframes, np.arange(header.total_frames), -1))
+    keyframe_before = header.keyframe_before()
     position, next_out = 0, None  # next_out: the frame the running decoder gives next (None: not started)
     while position < len(wanted):
         target = wanted[position]
