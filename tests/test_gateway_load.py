@@ -203,10 +203,26 @@ def test_sigterm_stops_the_gateway_with_a_stream_in_flight(served, tmp_path):
         gateway.stop()
 
 
+def _llm_idle(served, quiet_s: float = 1.5, within_s: float = 90.0) -> None:
+    """Waits until the llm's generated-token count stops moving: an earlier test's long stream (the SIGTERM test's,
+    cut by the gateway's shutdown) may still be generating until the llm sees its cancellation."""
+    deadline = time.monotonic() + within_s
+    last = None
+    while time.monotonic() < deadline:
+        samples = stage_metrics.read(f"{served.triton_metrics_url}/metrics")
+        now = samples.get((stage_metrics.TOKENS_GENERATED.name, interface.LLM))
+        if now == last:
+            return
+        last = now
+        time.sleep(quiet_s)
+    pytest.fail(f"the llm was still generating {within_s:g} s later")
+
+
 def test_metrics_count_requests_tokens_and_stream_latencies(served):
     """The gateway's /metrics and, on Triton's metrics port, the python models' own, both counted against what
     the clients sent and received."""
     client = served.client()
+    _llm_idle(served)
     before, triton_before = _metrics(served.url), _metrics(served.triton_metrics_url)
     replies = [
         client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=k) for k in (3, 5)
