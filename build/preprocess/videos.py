@@ -81,16 +81,6 @@ class VideoProcessingConfig:
             max_video_tokens=int(cfg.get("max_video_tokens", _DEFAULT_MAX_VIDEO_TOKENS)),
         )
 
-    def settings(self) -> dict[str, object]:
-        """Everything that shapes a video's pixels and prompt besides its bytes (the feature cache's scope)."""
-        return {
-            "fps": self.fps,
-            "min_frames": self.min_frames,
-            "max_frames": self.max_frames,
-            "cap_pixels_per_frame": self.cap_pixels_per_frame,
-            "max_video_tokens": self.max_video_tokens,
-        }
-
 
 @dataclass(frozen=True)
 class DecodedVideo:
@@ -121,10 +111,6 @@ class VideoHeader:
     total_frames: int
     frame_pts: tuple[int, ...] | None
     keyframes: tuple[bool, ...] | None
-
-    @property
-    def seconds(self) -> float:
-        return self.total_frames / self.fps
 
     def keyframe_before(self) -> np.ndarray:
         """Per frame, the last keyframe at or before it (-1 before the first); needs frame_pts and keyframes."""
