@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import Qwen3VLTrtError
-from .serving.endpoints import GatewayOptions, ServerPorts
+from .serving.endpoints import DEFAULT_TRITON_REFRESH_S, GatewayOptions, ServerPorts
 
 if TYPE_CHECKING:
     from .serving.server import ServeOptions
@@ -260,7 +260,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _openai(args: argparse.Namespace) -> int:
     from .serving.gateway import run_openai
 
-    return run_openai(args.triton_url, args.repo, _gateway_options(args), args.address, args.port)
+    return run_openai(
+        args.triton_url,
+        args.repo,
+        _gateway_options(args),
+        args.address,
+        args.port,
+        refresh_s=args.triton_refresh,
+        wait_s=args.wait_ready,
+    )
 
 
 def _port(text: str) -> int:
@@ -285,6 +293,16 @@ def _visual_cache(text: str) -> str:
         return check_cache_setting(text)
     except LimitsError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _triton_url(text: str) -> str:
+    from .serving.fleet import FleetTarget, FleetTargetError
+
+    try:
+        FleetTarget.parse(text)
+    except FleetTargetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _non_negative_int(text: str) -> int:
@@ -609,8 +627,27 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("openai", help="serve the OpenAI-compatible API in front of a running deployment")
-    s.add_argument("--triton-url", default="127.0.0.1:8001", help="the deployment's tritonserver gRPC address")
+    s.add_argument(
+        "--triton-url",
+        type=_triton_url,
+        default="127.0.0.1:8001",
+        help="the deployment's tritonserver gRPC address; or several replicas: a name that resolves to each (a "
+        "Kubernetes headless Service), HOST:PORT,HOST:PORT,..., or dns://[DNS_SERVER:PORT]/NAME:PORT; requests are "
+        "balanced round robin over the ready replicas",
+    )
+    s.add_argument(
+        "--triton-refresh",
+        type=_positive_float,
+        default=DEFAULT_TRITON_REFRESH_S,
+        help=f"seconds between resolutions of the names in --triton-url (default: {DEFAULT_TRITON_REFRESH_S:g})",
+    )
     s.add_argument("--repo", type=pathlib.Path, help="the deployment's model repository (default: ask the server)")
+    s.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        help="without --repo: seconds to wait for a replica to answer at start (default: 0, fail at once)",
+    )
     s.add_argument("--port", type=_port, default=9000)
     s.add_argument("--address", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces); default loopback")
     _add_gateway_arguments(s)

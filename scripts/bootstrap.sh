@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) .venv with qwen3vl-trt, its dev tools, and two overlays of the GPU image's versions:
 # transformers 4.57.3 (the tests run against both 4.57 and 5.x), and the GPU-side packages whose wheels install on a
-# CPU machine (the Triton language, tritonclient/protobuf, nvImageCodec: build/gpu_image.py says which and why).
+# CPU machine (the Triton language, tritonclient/protobuf, nvImageCodec: build/gpu_image.py says which and why);
+# checkov, which checks the Kubernetes manifests, in an environment of its own inside it ($venv/checkov).
 # Idempotent: does nothing when pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +12,17 @@ venv=${QWEN3VL_VENV:-.venv}
 # must match torch exactly. Override TORCH_SPEC for another platform or a CPU-only index.
 torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 
-# The visual cache's tests start a real redis-server (Debian's package); CI runs as root on a fresh machine.
-if ! command -v redis-server > /dev/null; then
+# The tests start a real redis-server (the visual cache) and a real dnsmasq (a DNS name for two replicas: the
+# gateway's fleet test), from Debian's packages; CI runs as root on a fresh machine.
+missing=()
+command -v redis-server > /dev/null || missing+=(redis-server)
+command -v dnsmasq > /dev/null || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-        echo "bootstrap: installing redis-server (apt-get)" >&2
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } > /dev/null
+        echo "bootstrap: installing ${missing[*]} (apt-get)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } > /dev/null
     else
-        echo "bootstrap: redis-server is missing; install it (Debian/Ubuntu: apt-get install redis-server)" >&2
+        echo "bootstrap: ${missing[*]} missing; install (Debian/Ubuntu): apt-get install ${missing[*]}" >&2
         exit 1
     fi
 fi
@@ -45,5 +50,9 @@ rm -rf "$venv/overlay-gpu-image"
 # shellcheck disable=SC2046
 "${pip[@]}" install --no-deps --target "$venv/overlay-gpu-image" \
     $("$venv/bin/python" build/gpu_image.py overlay) >> "$log" 2>&1
+# checkov (tests/test_kubernetes.py) gets an environment of its own: its pins would downgrade packages of $venv
+# (packaging, networkx, importlib-metadata). The tests run $venv/checkov/bin/checkov.
+[ -x "$venv/checkov/bin/python" ] || "$python" -m venv "$venv/checkov" >> "$log" 2>&1
+"$venv/checkov/bin/python" -m pip --disable-pip-version-check install "checkov==3.3.30" >> "$log" 2>&1
 echo "$want" > "$stamp"
 echo "bootstrap: $venv ready" >&2

@@ -306,6 +306,18 @@ class Client:
         self.grpc.close()
 
 
+# tritonclient's own channel options (no message size limit; its keepalive defaults are gRPC's: off), and a
+# reconnection backoff of at most 2 s instead of gRPC's 120 s: a replica that comes back is seen at once by the
+# readiness probes (a channel between reconnection attempts fails every call without trying).
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 class AsyncClient:
     """The asyncio client (the OpenAI gateway): one gRPC channel that every request and health probe shares,
     each request on its own gRPC stream over it. Create, use and close it on one event loop (grpc.aio binds
@@ -323,7 +335,7 @@ class AsyncClient:
         import tritonclient.grpc.aio as grpcclient
 
         self.url, self.model = url, model
-        self.grpc = grpcclient.InferenceServerClient(url)
+        self.grpc = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
         self._stopping: set[asyncio.Future[None]] = set()
 
     async def is_ready(self, timeout_s: float = 5.0) -> bool:

@@ -34,6 +34,8 @@ class GatewayOptions:
     request_timeout_s: float | None = None
 
 
+# How often the gateway resolves the names of a fleet's replicas again (scaled out or in).
+DEFAULT_TRITON_REFRESH_S = 10.0
 DEFAULT_PORTS = ServerPorts()
 NO_GATEWAY_OPTIONS = GatewayOptions()
 

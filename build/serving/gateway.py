@@ -10,7 +10,8 @@ the server runs. Stop strings are matched in the decoded text, as the OpenAI API
 server also gets them as stop words, so it usually stops by itself); a match, a client that goes
 away mid-stream, or the request's deadline cancels the request on the server.
 
-It runs on one event loop with one gRPC channel to Triton (AsyncClient) that every request and health
+It runs on one event loop with one gRPC channel to each Triton replica (fleet.Fleet: one replica, or a fleet that
+a name or a list gives, balanced round robin with failed requests retried elsewhere), which every request and health
 probe shares. Requests are admitted up to a concurrency limit, a bounded queue waits behind it, and the
 rest are refused at once (429 with Retry-After); request bodies are bounded in size and JSON depth before
 they are parsed. GET /metrics serves Prometheus metrics (gateway_metrics).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -46,14 +48,14 @@ from . import config as serving_config
 from . import interface
 from .client import (
     Answer,
-    AsyncClient,
     Client,
     InferenceError,
     RequestRejectedError,
     ServerBusyError,
     ServerUnavailableError,
 )
-from .endpoints import NO_GATEWAY_OPTIONS, GatewayOptions, host_port
+from .endpoints import DEFAULT_TRITON_REFRESH_S, NO_GATEWAY_OPTIONS, GatewayOptions, host_port
+from .fleet import Fleet, FleetTarget
 from .gateway_metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
 from .openai_protocol import (
     APIError,
@@ -95,7 +97,8 @@ GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, streams still open after this are cut (u
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """triton_url: the deployment's gRPC endpoint. model_dir and limits: the checkpoint and engine limits
+    """triton_url: the deployment's gRPC endpoints (one, or a fleet of replicas: see fleet.FleetTarget), names
+    among them resolved again every triton_refresh_s. model_dir and limits: the checkpoint and engine limits
     the deployment's preprocessing runs with (read from its model config). served_model_name: the
     `model` clients ask for. The rest as GatewayOptions describes them, resolved (see resolve)."""
 
@@ -110,6 +113,7 @@ class GatewaySettings:
     max_queued_requests: int = 32
     max_queue_wait_s: float = 30.0
     max_request_bytes: int = 64 * 2**20
+    triton_refresh_s: float = DEFAULT_TRITON_REFRESH_S
 
     @classmethod
     def resolve(
@@ -151,19 +155,40 @@ class GatewaySettings:
         return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
 
     @classmethod
-    def from_server(cls, triton_url: str, options: GatewayOptions = NO_GATEWAY_OPTIONS) -> GatewaySettings:
-        """Asks the running deployment for its preprocessing model's configuration (once, before serving)."""
-        client = Client(triton_url)
-        try:
-            config = client.grpc.get_model_config(interface.PREPROCESSING).config
-        except Exception as e:  # tritonclient's own error types
-            raise ServerUnavailableError(
-                f"cannot read the {interface.PREPROCESSING} model's configuration from {triton_url} ({e}); "
-                "start the deployment first, or pass --repo with its model repository"
-            ) from e
-        finally:
-            client.close()
-        return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
+    def from_server(
+        cls, triton_url: str, options: GatewayOptions = NO_GATEWAY_OPTIONS, wait_s: float = 0.0
+    ) -> GatewaySettings:
+        """Asks a replica for its preprocessing model's configuration (once, before serving), waiting up to
+        wait_s for one to answer (replicas load their engines for minutes)."""
+        target = FleetTarget.parse(triton_url)
+        deadline = time.monotonic() + wait_s
+        waiting = False
+        while True:
+            problems = []
+            try:
+                addresses = target.resolve()
+            except Exception as e:  # socket.gaierror, dnspython's errors
+                addresses, problems = [], [f"cannot resolve: {e}"]
+            for address in addresses:
+                client = Client(address)
+                try:
+                    config = client.grpc.get_model_config(interface.PREPROCESSING).config
+                except Exception as e:  # tritonclient's own error types
+                    problems.append(f"{address}: {e}")
+                    continue
+                finally:
+                    client.close()
+                return cls.from_preprocessing_parameters(triton_url, _string_parameters(config.parameters), options)
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(
+                    f"cannot read the {interface.PREPROCESSING} model's configuration from {triton_url} "
+                    f"({'; '.join(problems) or 'no address resolved'}); start the deployment first, or pass --repo "
+                    "with its model repository"
+                )
+            if not waiting:
+                print(f"waiting up to {wait_s:g} s for a replica of {triton_url} to answer", flush=True)
+                waiting = True
+            time.sleep(1.0)
 
 
 def _given(value: Any, default: Any) -> Any:
@@ -409,17 +434,20 @@ class Gateway:
         # the text, gigabytes for tens of megabytes).
         vocabulary = self.preprocessor.prompts.tokenizer.get_vocab()
         self.max_prompt_chars = settings.limits.max_input_len * max(map(len, vocabulary))
-        self._client: AsyncClient | None = None
+        self._client: Fleet | None = None
 
     @property
-    def client(self) -> AsyncClient:
+    def client(self) -> Fleet:
         if self._client is None:
             raise ServingError("the gateway is not started")
         return self._client
 
     async def start(self) -> None:
-        """Opens the channel to Triton (on the serving event loop, which grpc.aio binds it to)."""
-        self._client = AsyncClient(self.settings.triton_url)
+        """Opens the channels to the replicas (on the serving event loop, which grpc.aio binds them to)."""
+        settings = self.settings
+        target = FleetTarget.parse(settings.triton_url)
+        self._client = Fleet(target, refresh_s=settings.triton_refresh_s, metrics=self.metrics)
+        await self._client.start()
 
     async def close(self) -> None:
         if self._client is not None:
@@ -789,15 +817,22 @@ class GatewayServer:
 
 
 def run_openai(
-    triton_url: str, repo: Path | None, options: GatewayOptions, address: str = "127.0.0.1", port: int = DEFAULT_PORT
+    triton_url: str,
+    repo: Path | None,
+    options: GatewayOptions,
+    address: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    refresh_s: float = DEFAULT_TRITON_REFRESH_S,
+    wait_s: float = 0.0,
 ) -> int:
-    """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment (its settings read from the
-    repository when given, else asked of the server). SIGINT or SIGTERM stops it within GRACEFUL_SHUTDOWN_S
-    (uvicorn handles both)."""
+    """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment or a fleet of replicas (its
+    settings read from the repository when given, else asked of a replica, waiting up to wait_s for one).
+    SIGINT or SIGTERM stops it within GRACEFUL_SHUTDOWN_S (uvicorn handles both)."""
     if repo is not None:
         settings = GatewaySettings.from_repository(triton_url, repo, options)
     else:
-        settings = GatewaySettings.from_server(triton_url, options)
+        settings = GatewaySettings.from_server(triton_url, options, wait_s)
+    settings = dataclasses.replace(settings, triton_refresh_s=refresh_s)
     server = GatewayServer(settings, address, port)
     print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {triton_url}", flush=True)
     server.run()

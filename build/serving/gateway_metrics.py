@@ -1,6 +1,7 @@
 """The OpenAI gateway's Prometheus metrics (GET /metrics): chat requests by outcome and HTTP status,
 refusals by reason, streamed time to first token and inter-token latency, prompt and completion tokens,
-requests in flight and queued. Each app has its own registry, so several gateways live in one process."""
+requests in flight and queued; and of the fleet of Triton replicas behind it: requests sent to each, retries on
+another replica, replicas in the rotation. Each app has its own registry, so several gateways live in one process."""
 
 from __future__ import annotations
 
@@ -80,6 +81,18 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("qwen3vl_gateway_requests_in_flight", "Chat requests being served", registry=r)
         self.queued = Gauge("qwen3vl_gateway_requests_queued", "Chat requests waiting for a slot", registry=r)
+        self.replica_requests = Counter(
+            "qwen3vl_gateway_replica_requests", "Requests sent to each Triton replica, retries included", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "qwen3vl_gateway_retries",
+            "Requests sent again to another replica after the first failed before returning any token",
+            registry=r,
+        )
+        self.replicas_ready = Gauge(
+            "qwen3vl_gateway_replicas_ready", "Triton replicas in the rotation (ready when last probed)", registry=r
+        )
 
     def watch(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         """The gauges read the admission's counts when scraped."""

@@ -1,0 +1,344 @@
+"""The OpenAI gateway as a client of a fleet of Triton replicas.
+
+`--triton-url` names the replicas:
+
+    triton-0:8001                        one address, or a name that resolves to several (a Kubernetes headless
+                                         Service resolves to every ready pod)
+    10.0.0.5:8001,10.0.0.6:8001          a list (each entry may be a name too)
+    dns:///triton.svc:8001               gRPC's target syntax for a name ...
+    dns://10.96.0.10:53/triton.svc:8001  ... optionally with the DNS server to ask
+
+Names are resolved again every `refresh_s`: replicas that appear are probed and join, those that disappear
+leave the rotation at once and their channel closes when their last request ends. Every replica has its own
+gRPC channel and is probed for readiness (server and ensemble ready) every PROBE_INTERVAL_S; requests go round
+robin over the ready ones. A replica whose request fails for want of a server (connection lost, the stream
+silent while the deployment is not ready, its queue full) is taken out until a probe finds it ready again, and
+the request is sent once more, to another replica, if it had not yet returned any token; one that had is
+never sent again (its client already has part of the answer).
+
+Why not one gRPC channel with the `round_robin` policy over `dns:///`: gRPC's DNS resolver resolves again
+only when a connection fails (grpc/grpc#12295), so replicas added by scaling out would not be seen; its
+connection states see a replica that is up but not ready (loading its engines, a stage being reloaded) as
+ready; and a retry on the same channel cannot be steered away from the replica that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import re
+import socket
+import sys
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ServingError
+from . import interface
+from .client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
+from .endpoints import DEFAULT_TRITON_REFRESH_S, host_port
+from .gateway_metrics import GatewayMetrics
+
+DEFAULT_PORT = 8001  # Triton's gRPC port
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+DNS_TIMEOUT_S = 5.0
+
+
+class FleetTargetError(ServingError):
+    """--triton-url cannot be read."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return host_port(self.host, self.port)
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _endpoint(text: str, whole: str) -> Endpoint:
+    text = text.strip()
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") > 1:  # a bare IPv6 address
+        host, port_text = text, ""
+    else:
+        host, _, port_text = text.partition(":")
+    try:
+        port = int(port_text) if port_text else DEFAULT_PORT
+    except ValueError:
+        port = 0
+    if not (_is_ip(host) or _HOST_NAME.fullmatch(host)) or not 1 <= port <= 65535:
+        raise FleetTargetError(
+            f"{whole!r}: {text!r} is not HOST:PORT; --triton-url takes HOST:PORT, a comma-separated list of them, "
+            "or dns://[DNS_SERVER:PORT]/NAME:PORT"
+        )
+    return Endpoint(host, port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class FleetTarget:
+    """What --triton-url names: endpoints whose hosts are IP addresses or names, and the DNS server to ask
+    for the names (None: the system's resolver, which also reads /etc/hosts)."""
+
+    text: str
+    endpoints: tuple[Endpoint, ...]
+    nameserver: Endpoint | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FleetTarget:
+        if text.startswith("dns:"):
+            rest = text[len("dns:") :]
+            if rest.startswith("//"):
+                authority, slash, name = rest[2:].partition("/")
+                if not slash:
+                    raise FleetTargetError(f"{text!r}: expected dns:///NAME:PORT or dns://DNS_SERVER:PORT/NAME:PORT")
+            else:
+                authority, name = "", rest
+            nameserver = None
+            if authority:
+                nameserver = _endpoint(authority if ":" in authority else f"{authority}:53", text)
+                if not _is_ip(nameserver.host):
+                    raise FleetTargetError(f"{text!r}: the DNS server must be an IP address, not {nameserver.host!r}")
+            return cls(text, (_endpoint(name, text),), nameserver)
+        entries = [e for e in text.split(",") if e.strip()]
+        if not entries:
+            raise FleetTargetError("--triton-url is empty")
+        return cls(text, tuple(_endpoint(e, text) for e in entries))
+
+    def resolve(self) -> list[str]:
+        """The replicas' addresses now ("ip:port", sorted, without repeats); names without an address are
+        left out (a headless Service with no ready pod has none). Raises when a resolver fails."""
+        found: set[str] = set()
+        for endpoint in self.endpoints:
+            for ip in self._addresses(endpoint.host):
+                found.add(str(Endpoint(ip, endpoint.port)))
+        return sorted(found)
+
+    def _addresses(self, host: str) -> list[str]:
+        if _is_ip(host):
+            return [host]
+        if self.nameserver is not None:
+            return _ask_nameserver(host, self.nameserver)
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if e.errno in _NO_ADDRESS:
+                return []
+            raise  # the resolver failed (EAI_AGAIN...): the caller keeps what it knew
+        return [str(info[4][0]) for info in infos]
+
+
+# getaddrinfo's answers for a name without addresses, as opposed to a resolver that failed.
+_NO_ADDRESS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def _ask_nameserver(name: str, server: Endpoint) -> list[str]:
+    import dns.exception
+    import dns.resolver
+
+    resolver = dns.resolver.Resolver(configure=False)
+    resolver.nameservers = [server.host]
+    resolver.port = server.port
+    resolver.lifetime = DNS_TIMEOUT_S
+    addresses: list[str] = []
+    failures = []
+    for kind in ("A", "AAAA"):
+        try:
+            addresses += [record.to_text() for record in resolver.resolve(name, kind)]
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):  # no address (of this kind)
+            pass
+        except dns.exception.DNSException as e:  # a timeout, or a server that failed or refused this kind
+            failures.append(e)
+    if len(failures) == 2:  # neither kind answered: the caller keeps what it knew
+        raise failures[0]
+    return addresses
+
+
+class Replica:
+    def __init__(self, address: str, model: str):
+        self.address = address
+        self.client = AsyncClient(address, model)
+        self.ready = False
+        self.in_flight = 0
+        self.retired = False  # no longer resolved: out of the rotation, closed once idle
+
+
+def _log(message: str) -> None:
+    print(f"gateway: {message}", file=sys.stderr, flush=True)
+
+
+# What a replica's failure to serve looks like (the request itself was not at fault): sent again elsewhere.
+RETRIED_ERRORS = (ServerUnavailableError,)  # ServerBusyError is one
+
+
+class Fleet:
+    """The replicas --triton-url names, as the gateway's one client (AsyncClient's interface: stream,
+    is_ready, model_config, close). Create, use and close it on one event loop."""
+
+    def __init__(
+        self,
+        target: FleetTarget,
+        model: str = interface.ENSEMBLE,
+        refresh_s: float = DEFAULT_TRITON_REFRESH_S,
+        metrics: GatewayMetrics | None = None,
+    ):
+        self.target, self.model, self.refresh_s = target, model, refresh_s
+        self.url = target.text
+        self.metrics = metrics
+        self.replicas: dict[str, Replica] = {}
+        self._turn = 0
+        self._watcher: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Future[None]] = set()
+        self._unresolved = False  # the last resolution failed (logged once)
+        if metrics is not None:
+            metrics.replicas_ready.set_function(lambda: len(self.rotation()))
+
+    async def start(self) -> None:
+        """Resolves the target and probes its replicas once, then keeps doing so in the background."""
+        await self._refresh()
+        await self._probe_all()
+        ready = len(self.rotation())
+        known = ", ".join(self.replicas) or "none resolved yet"
+        _log(f"{self.url}: {len(self.replicas)} replicas ({known}), {ready} ready")
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await asyncio.gather(*(r.client.close() for r in self.replicas.values()), *self._closing)
+        self.replicas.clear()
+
+    def rotation(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.ready and not r.retired]
+
+    async def is_ready(self) -> bool:
+        """Whether some replica is ready, probing them now."""
+        await self._probe_all()
+        return bool(self.rotation())
+
+    async def model_config(self, model: str) -> Any:
+        return await self._pick(()).client.model_config(model)
+
+    async def stream(
+        self, prompt: str, images: Sequence[bytes] = (), max_tokens: int | None = 64, *, request_id: str, **options: Any
+    ) -> AsyncGenerator[Answer, None]:
+        """AsyncClient.stream on a ready replica, sent once more to another when the first fails before any
+        token (see RETRIED_ERRORS). Leaving early stops the request on the replica that runs it."""
+        tried: list[Replica] = []
+        replica = self._pick(tried)
+        while True:
+            tried.append(replica)
+            answered = False
+            replica.in_flight += 1
+            if self.metrics is not None:
+                self.metrics.replica_requests.labels(replica.address).inc()
+            pieces = replica.client.stream(prompt, images, max_tokens, request_id=request_id, **options)
+            try:
+                async for answer in pieces:
+                    answered = True
+                    yield answer
+                return
+            except RETRIED_ERRORS as error:
+                if answered or len(tried) > 1:
+                    raise
+                if not isinstance(error, ServerBusyError):  # a full queue says nothing of the replica's health
+                    self._take_out(replica, str(error))
+                try:
+                    replica = self._pick(tried)
+                except ServerUnavailableError:
+                    raise error from None
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+                _log(f"request {request_id} failed on {tried[-1].address} before any token; sent to {replica.address}")
+            finally:
+                await pieces.aclose()
+                self._finished(tried[-1])
+
+    # -- rotation ---------------------------------------------------------------------------------
+
+    def _pick(self, tried: Sequence[Replica]) -> Replica:
+        candidates = [r for r in self.rotation() if r not in tried]
+        if not candidates:
+            known = ", ".join(sorted(self.replicas)) or "none resolved"
+            raise ServerUnavailableError(
+                f"{self.url}: no {'other ' if tried else ''}replica is ready (replicas: {known})"
+            )
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+    def _take_out(self, replica: Replica, why: str) -> None:
+        if replica.ready:
+            replica.ready = False
+            _log(f"replica {replica.address} taken out of the rotation until it is ready again: {why}")
+
+    def _finished(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        if replica.retired and replica.in_flight == 0:
+            self._close_later(replica)
+
+    def _close_later(self, replica: Replica) -> None:
+        closing = asyncio.ensure_future(replica.client.close())
+        self._closing.add(closing)  # asyncio keeps only weak references to tasks
+        closing.add_done_callback(self._closing.discard)
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        resolved_at = time.monotonic()
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            if time.monotonic() - resolved_at >= self.refresh_s:
+                resolved_at = time.monotonic()
+                await self._refresh()
+            await self._probe_all()
+
+    async def _refresh(self) -> None:
+        try:
+            addresses = set(await asyncio.get_running_loop().run_in_executor(None, self.target.resolve))
+        except Exception as e:  # a resolver error keeps the replicas known so far
+            if not self._unresolved:
+                _log(f"cannot resolve {self.url} ({e}); keeping the {len(self.replicas)} replicas known")
+            self._unresolved = True
+            return
+        if self._unresolved:
+            _log(f"{self.url} resolves again")
+            self._unresolved = False
+        for address in sorted(addresses - self.replicas.keys()):
+            self.replicas[address] = Replica(address, self.model)
+            if self._watcher is not None:
+                _log(f"replica {address} found; in the rotation once ready")
+        for address in sorted(self.replicas.keys() - addresses):
+            replica = self.replicas.pop(address)
+            replica.retired = True
+            _log(f"replica {address} no longer resolved from {self.url}; out of the rotation")
+            if replica.in_flight == 0:
+                self._close_later(replica)
+
+    async def _probe_all(self) -> None:
+        replicas = list(self.replicas.values())
+        states = await asyncio.gather(*(r.client.is_ready(PROBE_TIMEOUT_S) for r in replicas))
+        for replica, ready in zip(replicas, states, strict=True):
+            if ready and not replica.ready:
+                _log(f"replica {replica.address} is ready: in the rotation")
+            elif replica.ready and not ready:
+                _log(f"replica {replica.address} is not ready: taken out of the rotation")
+            replica.ready = ready

@@ -1,0 +1,329 @@
+"""The gateway as a client of a fleet: two `serve` replicas of the CPU target on two loopback addresses, sharing
+one redis-server (the visual-feature cache), behind `qwen3vl-trt openai` pointed at a DNS name that a real DNS
+server (dnsmasq) resolves to both. Requests spread over both replicas (each replica's own Triton statistics
+count them); one replica killed mid-load loses no request: those it had not answered are sent again to the
+other, streams that had already sent text end with an error and are not sent again; restarted, it serves again.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+from deployment import SERVE_SCRIPT, build_cpu_repository, group_gone
+from images import jpeg
+from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
+from qwen3vl_trt.serving.interface import ENSEMBLE
+from qwen3vl_trt.testing.redis_server import RedisServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+NAME = "replicas.test"
+ADDRESSES = ("127.0.0.1", "127.0.0.2")
+READY_S = 180.0  # two replicas loading side by side on two shared cores
+PHOTO = jpeg(96, 128, seed=7)
+PROMPTS = ("Describe the image.", "What colour dominates?", "Count the shapes.")
+LONG_TOKENS = 160  # a request long enough to be in flight when its replica is killed
+
+
+def _free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Dnsmasq:
+    """A real DNS server on loopback that answers `name` with every address given (as a Kubernetes headless
+    Service answers with every ready pod)."""
+
+    def __init__(self, workdir: Path, name: str, addresses: tuple[str, ...]):
+        binary = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
+        if not os.access(binary, os.X_OK):
+            pytest.fail("dnsmasq is not installed: apt-get install dnsmasq-base (scripts/bootstrap.sh does)")
+        hosts = workdir / "hosts"
+        hosts.write_text("".join(f"{address} {name}\n" for address in addresses))
+        self.port = _free_udp_port()
+        self.process = subprocess.Popen(
+            [binary, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={hosts}", "--local=/test/",
+             "--bind-interfaces",
+             "--listen-address=127.0.0.1", f"--port={self.port}", "--user=root", "--pid-file=", "--log-facility=-"],
+            stdout=subprocess.DEVNULL, stderr=(workdir / "dnsmasq.log").open("w"),
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+class Replica:
+    """`qwen3vl-trt serve` of the repository on one loopback address, in its own process group."""
+
+    def __init__(self, repo: Path, address: str, ports: ServerPorts, cache_url: str, log: Path):
+        self.repo, self.address, self.ports, self.cache_url, self.log = repo, address, ports, cache_url, log
+        self.url = f"{address}:{ports.grpc}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Replica:
+        flags = ["--repo", str(self.repo), "--address", self.address, "--grpc-port", str(self.ports.grpc)]
+        flags += ["--http-port", str(self.ports.http), "--metrics-port", str(self.ports.metrics)]
+        flags += ["--visual-cache", self.cache_url, "--stop-grace", "5"]
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        return self
+
+    def wait_ready(self) -> None:
+        client = Client(self.url)
+        deadline = time.monotonic() + READY_S
+        try:
+            while not client.is_ready():
+                assert self.process is not None and self.process.poll() is None, self.log.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{self.url} not ready in {READY_S:g} s"
+                time.sleep(0.5)
+        finally:
+            client.close()
+
+    def served(self) -> int:
+        """Requests the ensemble completed since this replica started (Triton's statistics)."""
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            (stats,) = client.get_inference_statistics(ENSEMBLE).model_stats
+            return int(stats.inference_stats.success.count)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole replica (serve, tritonserver, its stubs), as a lost node or an OOM kill would."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        assert group_gone(self.process.pid, within=15.0)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+class Gateway:
+    """`qwen3vl-trt openai` in front of the fleet, by the DNS name."""
+
+    def __init__(self, triton_url: str, repo: Path, log: Path):
+        self.port = free_ports().http
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-m", "qwen3vl_trt.cli", "openai", "--triton-url", triton_url, "--repo", str(repo),
+                   "--port", str(self.port), "--triton-refresh", "1"]  # fmt: skip
+        with log.open("w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not self._ready():
+            assert self.process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the gateway did not become ready"
+            time.sleep(0.3)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        values = {}
+        for line in text.splitlines():
+            match = re.match(r"^(qwen3vl_gateway_(?:replica_requests|retries|replicas_ready)\S*) (\S+)$", line)
+            if match:
+                values[match[1]] = float(match[2])
+        return values
+
+    def sent_to(self, replica: Replica) -> float:
+        return self.metrics().get(f'qwen3vl_gateway_replica_requests_total{{replica="{replica.url}"}}', 0.0)
+
+    def retries(self) -> float:
+        return self.metrics().get("qwen3vl_gateway_retries_total", 0.0)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@dataclass
+class Outcome:
+    text: str | None  # None: failed
+    error: str = ""
+    streamed_text_before_error: str = ""
+
+
+def _messages(prompt: str) -> list[dict]:
+    photo = base64.b64encode(PHOTO).decode()
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{photo}"}},
+        {"type": "text", "text": prompt},
+    ]}]  # fmt: skip
+
+
+def _ask(gateway: Gateway, prompt: str, max_tokens: int, stream: bool = False) -> Outcome:
+    client = gateway.client()
+    try:
+        if not stream:
+            answer = client.chat.completions.create(
+                model="dense", messages=_messages(prompt), max_tokens=max_tokens, temperature=0
+            )
+            return Outcome(answer.choices[0].message.content)
+        text = ""
+        try:
+            for chunk in client.chat.completions.create(
+                model="dense", messages=_messages(prompt), max_tokens=max_tokens, temperature=0, stream=True
+            ):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+        except openai.APIError as e:
+            return Outcome(None, str(e), text)
+        return Outcome(text)
+    except openai.APIError as e:
+        return Outcome(None, str(e))
+    finally:
+        client.close()
+
+
+@dataclass
+class Fleet:
+    replicas: list[Replica]
+    gateway: Gateway
+    redis: RedisServer
+    dns: Dnsmasq
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    repo = build_cpu_repository(checkpoints["dense"], root)
+    redis = RedisServer(root / "redis").start()
+    dns = Dnsmasq(root, NAME, ADDRESSES)
+    ports = free_ports()
+    replicas = [Replica(repo, a, ports, redis.url, root / f"replica-{a}.log").start() for a in ADDRESSES]
+    gateway = None
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        gateway = Gateway(f"dns://127.0.0.1:{dns.port}/{NAME}:{ports.grpc}", repo, root / "gateway.log")
+        yield Fleet(replicas, gateway, redis, dns)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for replica in replicas:
+            replica.stop()
+        dns.stop()
+        redis.stop()
+
+
+def _report(capsys, lines: list[str]) -> None:
+    with capsys.disabled():
+        print("\n" + "\n".join(f"  fleet: {line}" for line in lines))
+
+
+def test_requests_spread_over_replicas_and_survive_one_killed(fleet, capsys):
+    (first, second), gateway, redis = fleet.replicas, fleet.gateway, fleet.redis
+    assert gateway.metrics()["qwen3vl_gateway_replicas_ready"] == 2
+    expected = {prompt: _ask(gateway, prompt, 24).text for prompt in PROMPTS}
+    expected_long = _ask(gateway, PROMPTS[0], LONG_TOKENS).text
+    assert all(expected.values()) and expected_long
+
+    # Spread: twelve requests at once, round robin over both replicas, each replica's answers the same.
+    before = [first.served(), second.served()]
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 24), range(12)))
+    assert [o.text for o in outcomes] == [expected[PROMPTS[i % 3]] for i in range(12)]
+    spread = [first.served() - before[0], second.served() - before[1]]
+    assert sum(spread) == 12 and min(spread) >= 4, spread
+    cached = len(list(redis.client().scan_iter(match="qwen3vl:features:*")))
+    assert cached == 1, "the replicas share one visual-feature cache: one image, one entry"
+    lines = [f"spread: 12 requests -> {first.url}: {spread[0]}, {second.url}: {spread[1]} (Triton statistics)"]
+
+    # Kill: 16 requests (12 whole answers, 4 streamed), one replica SIGKILLed once it holds some of them.
+    retries_before, sent_before, served_before = gateway.retries(), gateway.sent_to(first), first.served()
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(_ask, gateway, PROMPTS[0], LONG_TOKENS, i >= 12) for i in range(16)]
+        deadline = time.monotonic() + 60
+        while gateway.sent_to(first) - sent_before < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # generating
+        finished_on_first = first.served() - served_before
+        sent_to_first = gateway.sent_to(first) - sent_before
+        first.kill()
+        outcomes = [f.result() for f in futures]
+    whole, streamed = outcomes[:12], outcomes[12:]
+    assert [o.text for o in whole] == [expected_long] * 12, [o.error for o in whole if o.text is None]
+    cut = [o for o in streamed if o.text is None]
+    assert all(o.text == expected_long for o in streamed if o.text is not None)
+    # A stream that had sent text when its replica died ends with an error and is not sent again.
+    assert all(o.streamed_text_before_error and expected_long.startswith(o.streamed_text_before_error) for o in cut)
+    retries = gateway.retries() - retries_before
+    assert retries >= 1, "no request was in flight on the killed replica"
+    log = gateway.log.read_text()
+    assert f"replica {first.url}" in log and "taken out of the rotation" in log
+    lines.append(
+        f"kill: {first.url} SIGKILLed holding {sent_to_first - finished_on_first:g} of the 16 requests (12 whole "
+        f"answers, 4 streamed); {12 + len(streamed) - len(cut)} completed, {retries:g} of them retried on "
+        f"{second.url}; {len(cut)} streams that had sent text ended with an error (never sent again); none unanswered"
+    )
+
+    # Back: the killed replica, started again, is in the rotation and serves.
+    first.start().wait_ready()
+    deadline = time.monotonic() + 30
+    while gateway.metrics()["qwen3vl_gateway_replicas_ready"] < 2:
+        assert time.monotonic() < deadline, "the restarted replica was not taken back"
+        time.sleep(0.2)
+    before = [first.served(), second.served()]
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 24), range(8)))
+    assert [o.text for o in outcomes] == [expected[PROMPTS[i % 3]] for i in range(8)]
+    spread = [first.served() - before[0], second.served() - before[1]]
+    assert sum(spread) == 8 and spread[0] >= 2, spread
+    lines.append(f"back: {first.url} restarted; 8 requests -> {first.url}: {spread[0]}, {second.url}: {spread[1]}")
+    _report(capsys, lines)
+
+
+def test_names_addresses_and_lists_resolve(fleet):
+    from qwen3vl_trt.serving.fleet import FleetTarget, FleetTargetError
+
+    first, second = fleet.replicas
+    port, dns_port = first.ports.grpc, fleet.dns.port
+    assert FleetTarget.parse(f"dns://127.0.0.1:{dns_port}/{NAME}:{port}").resolve() == [first.url, second.url]
+    assert FleetTarget.parse(f"{second.url},{first.url},{first.url}").resolve() == [first.url, second.url]
+    assert FleetTarget.parse(f"dns://127.0.0.1:{dns_port}/nothing.test:{port}").resolve() == []
+    assert FleetTarget.parse("[::1]:8001").resolve() == ["[::1]:8001"]
+    assert FleetTarget.parse("localhost:9").resolve()  # the system resolver (/etc/hosts)
+    for bad in ("", "host:notaport", "dns://dns.example/name:8001", "dns:/"):
+        with pytest.raises(FleetTargetError):
+            FleetTarget.parse(bad)
+    assert [str(e) for e in FleetTarget.parse("a:1,b").endpoints] == ["a:1", "b:8001"]  # Triton's gRPC port
