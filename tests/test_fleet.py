@@ -56,15 +56,24 @@ class Dnsmasq:
         binary = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
         if not os.access(binary, os.X_OK):
             pytest.fail("dnsmasq is not installed: apt-get install dnsmasq-base (scripts/bootstrap.sh does)")
-        hosts = workdir / "hosts"
-        hosts.write_text("".join(f"{address} {name}\n" for address in addresses))
+        self.name = name
+        self.hosts = workdir / "hosts"
+        self.hosts.write_text(self._records(addresses))
         self.port = _free_udp_port()
         self.process = subprocess.Popen(
-            [binary, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={hosts}", "--local=/test/",
-             "--bind-interfaces",
-             "--listen-address=127.0.0.1", f"--port={self.port}", "--user=root", "--pid-file=", "--log-facility=-"],
+            [binary, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={self.hosts}",
+             "--local=/test/", "--bind-interfaces", "--listen-address=127.0.0.1", f"--port={self.port}",
+             "--user=root", "--pid-file=", "--log-facility=-"],
             stdout=subprocess.DEVNULL, stderr=(workdir / "dnsmasq.log").open("w"),
         )  # fmt: skip
+
+    def _records(self, addresses: tuple[str, ...]) -> str:
+        return "".join(f"{address} {self.name}\n" for address in addresses)
+
+    def answer(self, addresses: tuple[str, ...]) -> None:
+        """From now on the name resolves to these addresses (dnsmasq reads its hosts files again on SIGHUP)."""
+        self.hosts.write_text(self._records(addresses))
+        self.process.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -299,10 +308,7 @@ def test_requests_spread_over_replicas_and_survive_one_killed(fleet, capsys):
 
     # Back: the killed replica, started again, is in the rotation and serves.
     first.start().wait_ready()
-    deadline = time.monotonic() + 30
-    while gateway.metrics()["qwen3vl_gateway_replicas_ready"] < 2:
-        assert time.monotonic() < deadline, "the restarted replica was not taken back"
-        time.sleep(0.2)
+    _wait_for(lambda: gateway.metrics()["qwen3vl_gateway_replicas_ready"] == 2, "the restarted replica's return")
     before = [first.served(), second.served()]
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 24), range(8)))
@@ -311,6 +317,36 @@ def test_requests_spread_over_replicas_and_survive_one_killed(fleet, capsys):
     assert sum(spread) == 8 and spread[0] >= 2, spread
     lines.append(f"back: {first.url} restarted; 8 requests -> {first.url}: {spread[0]}, {second.url}: {spread[1]}")
     _report(capsys, lines)
+
+
+def test_the_gateway_follows_the_name_as_replicas_come_and_go(fleet, capsys):
+    """Scaled in, then out again: the name's addresses change in DNS (as a headless Service's do), and the
+    gateway, resolving it every second here (--triton-refresh 1), sends requests only where it points."""
+    (first, second), gateway = fleet.replicas, fleet.gateway
+    try:
+        fleet.dns.answer((second.address,))
+        _wait_for(lambda: gateway.metrics()["qwen3vl_gateway_replicas_ready"] == 1, "the gateway to drop a replica")
+        before = [first.served(), second.served()]
+        with ThreadPoolExecutor(4) as pool:
+            assert all(o.text for o in pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 8), range(4)))
+        assert [first.served() - before[0], second.served() - before[1]] == [0, 4]
+    finally:
+        fleet.dns.answer(ADDRESSES)
+    _wait_for(lambda: gateway.metrics()["qwen3vl_gateway_replicas_ready"] == 2, "the gateway to find the replica")
+    before = [first.served(), second.served()]
+    with ThreadPoolExecutor(4) as pool:
+        assert all(o.text for o in pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 8), range(4)))
+    assert [first.served() - before[0], second.served() - before[1]] == [2, 2]
+    log = gateway.log.read_text()
+    assert f"replica {first.url} no longer resolved" in log and f"replica {first.url} found" in log
+    _report(capsys, [f"DNS: {first.url} left the name, then came back: 4 requests -> 0/4, then 2/2"])
+
+
+def _wait_for(condition, what: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {within:g} s for {what}"
+        time.sleep(0.2)
 
 
 def test_names_addresses_and_lists_resolve(fleet):
