@@ -384,7 +384,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--stop-grace",
         type=float,
         default=STOP_GRACE_S,
-        help="seconds a stop (SIGTERM, Ctrl-C) waits for a clean shutdown before killing the server",
+        help="seconds the requests in flight get to finish after a stop (SIGTERM, Ctrl-C; tritonserver's "
+        "--exit-timeout-secs); then the server is killed",
     )
     parser.add_argument(
         "--max-queue-size",

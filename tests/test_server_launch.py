@@ -239,6 +239,8 @@ def test_world_size_and_mpi_command(tmp_path):
     assert launch_command(INSTALL, tmp_path / "cpu", ports) == single
     loaded_later = server_command(INSTALL, tmp_path / "cpu", ports, extra=explicit[:1])
     assert launch_command(INSTALL, tmp_path / "cpu", ports, load_at_start=False) == loaded_later
+    drained = launch_command(INSTALL, repo, ports, drain_s=120)
+    assert drained.count("--exit-timeout-secs=120") == 2  # every rank drains as long
 
 
 def test_world_size_errors(tmp_path):
@@ -332,7 +334,11 @@ def test_serve_print_command(tmp_path, nowhere, capsys):
     printed = shlex.split(capsys.readouterr().out)
     install = find_tritonserver()
     assert printed[:2] == [f"{name}={value}" for name, value in install.env.items()]
-    assert printed[2:] == launch_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0")
+    # Requests in flight at a stop get the whole --stop-grace (default 30 s) to finish: tritonserver's exit timeout.
+    assert printed[2:] == launch_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0", drain_s=30)
+    assert "--exit-timeout-secs=30" in printed
+    serve(_serve_args("--repo", str(repo), "--stop-grace", "90.5", "--print-command"))
+    assert "--exit-timeout-secs=91" in shlex.split(capsys.readouterr().out)
 
     with pytest.raises(ServingError, match="has no qwen3vl/config.pbtxt; write one with `qwen3vl-trt write-repo`"):
         serve(_serve_args("--repo", str(tmp_path), "--print-command"))

@@ -32,8 +32,10 @@ def server_command(
     address: str = "127.0.0.1",
     log_verbose: int = 0,
     extra: Sequence[str] = (),
+    drain_s: float | None = None,
 ) -> list[str]:
-    """One tritonserver's arguments (flags of tritonserver 2.51 and the NGC images')."""
+    """One tritonserver's arguments (flags of tritonserver 2.51 and the NGC images'). drain_s: how long a stopping
+    server waits for the requests in flight (its --exit-timeout-secs; None: its default, 30 s)."""
     command = [str(install.binary), f"--model-repository={Path(repo).absolute()}"]
     if install.backend_dir is not None:
         command.append(f"--backend-directory={install.backend_dir}")
@@ -48,6 +50,7 @@ def server_command(
         "--exit-on-error=true",
         "--strict-readiness=true",  # ready only when every model is
         f"--log-verbose={log_verbose}",
+        *([] if drain_s is None else [f"--exit-timeout-secs={math.ceil(drain_s)}"]),
         *extra,
     ]
 
@@ -91,6 +94,7 @@ def mpi_command(
     address: str = "127.0.0.1",
     log_verbose: int = 0,
     rank0_extra: Sequence[str] = (),
+    drain_s: float | None = None,
 ) -> list[str]:
     """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
     triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
@@ -105,7 +109,8 @@ def mpi_command(
             own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
         verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
         command += [":", "-n", "1"] if rank else ["-n", "1"]
-        command += server_command(install, repo, ports, address, verbose, [*own, *(rank0_extra if rank == 0 else ())])
+        rank_extra = [*own, *(rank0_extra if rank == 0 else ())]
+        command += server_command(install, repo, ports, address, verbose, rank_extra, drain_s)
     return command
 
 
@@ -143,14 +148,16 @@ def launch_command(
     address: str = "127.0.0.1",
     log_verbose: int = 0,
     load_at_start: bool = True,
+    drain_s: float | None = None,
 ) -> list[str]:
     """One server, or one per rank under MPI when the engine is split over several GPUs. The single server runs
     under explicit model control (model_control_flags); the MPI ranks as TensorRT-LLM launches them."""
     world = world_size(repo)
     pool = cuda_pool_flags(repo)
     if world == 1:
-        return server_command(install, repo, ports, address, log_verbose, [*model_control_flags(load_at_start), *pool])
-    return mpi_command(install, repo, ports, world, address, log_verbose, pool)
+        flags = [*model_control_flags(load_at_start), *pool]
+        return server_command(install, repo, ports, address, log_verbose, flags, drain_s)
+    return mpi_command(install, repo, ports, world, address, log_verbose, pool, drain_s)
 
 
 def repository_models(repo: Path) -> list[str]:

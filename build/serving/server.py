@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from .gateway import GatewayServer
 
-STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL: tritonserver's own --exit-timeout-secs default
+STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL, for the requests in flight (tritonserver's own default)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The guard: forwards nothing itself (the group gets the signals), waits for the server and exits with its
 # status; SIGUSR1, its parent-death signal, kills the group. `trap :` rather than ignoring: a signal ignored
@@ -96,8 +96,9 @@ class TritonServer:
         self.install = find_tritonserver(tritonserver)
         self.config_overrides = ConfigOverrides(max_queue_size, visual_cache)
         self.overrides = self.config_overrides.configs(self.repo)
+        # Requests in flight at a stop get the whole grace to finish (a pod's drain), not tritonserver's 30 s.
         self.command = launch_command(
-            self.install, self.repo, ports, address, log_verbose, load_at_start=not self.overrides
+            self.install, self.repo, ports, address, log_verbose, load_at_start=not self.overrides, drain_s=stop_grace
         )
         self.log_path = log_path
         self.ready_timeout = ready_timeout
