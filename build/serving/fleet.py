@@ -13,7 +13,7 @@ leave the rotation at once and their channel closes when their last request ends
 gRPC channel and is probed for readiness (server and ensemble ready) every PROBE_INTERVAL_S; requests go round
 robin over the ready ones. A replica whose request fails for want of a server (connection lost, the stream
 silent while the deployment is not ready, its queue full) is taken out until a probe finds it ready again, and
-the request is sent once more, to another replica, if it had not yet returned any token; one that had is
+the request is sent once more, to another replica, if it had not yet returned any text; one that had is
 never sent again (its client already has part of the answer).
 
 Why not one gRPC channel with the `round_robin` policy over `dns:///`: gRPC's DNS resolver resolves again
@@ -172,9 +172,9 @@ def _ask_nameserver(name: str, server: Endpoint) -> list[str]:
 
 
 class Replica:
-    def __init__(self, address: str, model: str):
+    def __init__(self, address: str, client: AsyncClient):
         self.address = address
-        self.client = AsyncClient(address, model)
+        self.client = client
         self.ready = False
         self.in_flight = 0
         self.retired = False  # no longer resolved: out of the rotation, closed once idle
@@ -242,20 +242,32 @@ class Fleet:
         self, prompt: str, images: Sequence[bytes] = (), max_tokens: int | None = 64, *, request_id: str, **options: Any
     ) -> AsyncGenerator[Answer, None]:
         """AsyncClient.stream on a ready replica, sent once more to another when the first fails before any
-        token (see RETRIED_ERRORS). Leaving early stops the request on the replica that runs it."""
+        text (see RETRIED_ERRORS). Leaving early stops the request on the replica that runs it.
+
+        Pieces without text (tokens that end inside a UTF-8 character) are held and passed on with the next
+        piece that has text: until then the caller has nothing of this replica's answer, and a retry starts
+        over cleanly."""
         tried: list[Replica] = []
         replica = self._pick(tried)
         while True:
             tried.append(replica)
             answered = False
+            held: list[int] = []  # token ids of pieces without text, before the first text
             replica.in_flight += 1
             if self.metrics is not None:
                 self.metrics.replica_requests.labels(replica.address).inc()
             pieces = replica.client.stream(prompt, images, max_tokens, request_id=request_id, **options)
             try:
                 async for answer in pieces:
+                    if not answered and not answer.text:
+                        held += answer.token_ids
+                        continue
+                    if held:
+                        answer, held = Answer(answer.text, [*held, *answer.token_ids]), []
                     answered = True
                     yield answer
+                if held:
+                    yield Answer("", held)
                 return
             except RETRIED_ERRORS as error:
                 if answered or len(tried) > 1:
@@ -268,7 +280,7 @@ class Fleet:
                     raise error from None
                 if self.metrics is not None:
                     self.metrics.retries.inc()
-                _log(f"request {request_id} failed on {tried[-1].address} before any token; sent to {replica.address}")
+                _log(f"request {request_id} failed on {tried[-1].address} before any text; sent to {replica.address}")
             finally:
                 await pieces.aclose()
                 self._finished(tried[-1])
@@ -323,7 +335,7 @@ class Fleet:
             _log(f"{self.url} resolves again")
             self._unresolved = False
         for address in sorted(addresses - self.replicas.keys()):
-            self.replicas[address] = Replica(address, self.model)
+            self.replicas[address] = Replica(address, AsyncClient(address, self.model))
             if self._watcher is not None:
                 _log(f"replica {address} found; in the rotation once ready")
         for address in sorted(self.replicas.keys() - addresses):

@@ -87,7 +87,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.retries = Counter(
             "qwen3vl_gateway_retries",
-            "Requests sent again to another replica after the first failed before returning any token",
+            "Requests sent again to another replica after the first failed before returning any text",
             registry=r,
         )
         self.replicas_ready = Gauge(
