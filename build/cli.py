@@ -382,7 +382,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
     parser.add_argument(
         "--stop-grace",
-        type=float,
+        type=_positive_float,
         default=STOP_GRACE_S,
         help="seconds the requests in flight get to finish after a stop (SIGTERM, Ctrl-C; tritonserver's "
         "--exit-timeout-secs); then the server is killed",

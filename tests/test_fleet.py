@@ -33,6 +33,7 @@ from qwen3vl_trt.testing.redis_server import RedisServer
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 NAME = "replicas.test"
+V6_ONLY = "v6.replicas.test"
 ADDRESSES = ("127.0.0.1", "127.0.0.2")
 READY_S = 180.0  # two replicas loading side by side on two shared cores
 PHOTO = jpeg(96, 128, seed=7)
@@ -68,7 +69,8 @@ class Dnsmasq:
         )  # fmt: skip
 
     def _records(self, addresses: tuple[str, ...]) -> str:
-        return "".join(f"{address} {self.name}\n" for address in addresses)
+        # Each replica's name also has an IPv6 address, as a dual-stack Service's has; one that has only IPv6.
+        return "".join(f"{address} {self.name}\n" for address in addresses) + f"::1 {self.name}\n::1 {V6_ONLY}\n"
 
     def answer(self, addresses: tuple[str, ...]) -> None:
         """From now on the name resolves to these addresses (dnsmasq reads its hosts files again on SIGHUP)."""
@@ -149,8 +151,9 @@ class Gateway:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not self._ready():
-            assert self.process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the gateway did not become ready"
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"the gateway did not become ready; its output:\n{log.read_text()[-3000:]}")
             time.sleep(0.3)
 
     def _ready(self) -> bool:
@@ -181,7 +184,11 @@ class Gateway:
 
     def stop(self) -> None:
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 @dataclass
@@ -354,11 +361,14 @@ def test_names_addresses_and_lists_resolve(fleet):
 
     first, second = fleet.replicas
     port, dns_port = first.ports.grpc, fleet.dns.port
+    # IPv4 where a name has any: a dual-stack replica is one replica.
     assert FleetTarget.parse(f"dns://127.0.0.1:{dns_port}/{NAME}:{port}").resolve() == [first.url, second.url]
+    assert FleetTarget.parse(f"dns://127.0.0.1:{dns_port}/{V6_ONLY}:{port}").resolve() == [f"[::1]:{port}"]
     assert FleetTarget.parse(f"{second.url},{first.url},{first.url}").resolve() == [first.url, second.url]
     assert FleetTarget.parse(f"dns://127.0.0.1:{dns_port}/nothing.test:{port}").resolve() == []
     assert FleetTarget.parse("[::1]:8001").resolve() == ["[::1]:8001"]
     assert FleetTarget.parse("localhost:9").resolve()  # the system resolver (/etc/hosts)
+    assert FleetTarget.parse("dns://[fd00::10]/name.:8001").nameserver.port == 53  # DNS's port by default
     for bad in ("", "host:notaport", "dns://dns.example/name:8001", "dns:/"):
         with pytest.raises(FleetTargetError):
             FleetTarget.parse(bad)

@@ -114,6 +114,17 @@ def test_only_one_retry_and_only_for_server_failures():
     assert fleet.replicas["r0"].ready  # busy, not broken: stays in the rotation
 
 
+def test_a_stopping_server_is_unavailable_not_failed():
+    from qwen3vl_trt.serving.client import _server_error
+    from tritonclient.utils import InferenceServerException
+
+    for message in (
+        "GRPC server is shutting down and has stopped accepting new requests.",  # r26.04, in-band on a stream
+        "Server is stopping, scheduler for model has stopped accepting new inference requests",  # core r24.10
+    ):
+        assert isinstance(_server_error("r0", InferenceServerException(message)), ServerUnavailableError)
+
+
 def test_no_replica_ready_is_unavailable():
     fleet, _ = _fleet(ScriptedClient([]))
     fleet.replicas["r0"].ready = False

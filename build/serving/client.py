@@ -47,6 +47,9 @@ class ServerBusyError(ServerUnavailableError):
 # stub died leaves the requests in it unanswered (python_backend r24.10 has no cleanup for a dead decoupled
 # stub), while the launcher's supervisor unloads and reloads that stage: readiness is false for the whole reload
 # (the stage's load time, seconds), so probing each second of silence sees it and ends the request at once.
+# Only a server that answers "not ready" ends it: one that stops gracefully refuses new calls, the probe among
+# them, while it finishes those in flight (server r26.04 src/grpc/grpc_server.cc, GracefulStop), and a server
+# that is gone ends the stream itself.
 STALL_PROBE_S = 1.0
 
 
@@ -75,7 +78,7 @@ def _server_error(url: str, error: Any) -> InferenceError:
         return RequestRejectedError(f"{url}: {message}")
     if interface.QUEUE_FULL in message or interface.QUEUE_TIMEOUT in message:
         return ServerBusyError(f"{url} is busy: {message}")
-    if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
+    if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or interface.SERVER_STOPPING in message:
         return ServerUnavailableError(f"{url} is unavailable: {message}")
     return InferenceError(f"{url}: {message}")
 
@@ -145,7 +148,7 @@ class Generation:
                 pass
             if time.monotonic() - silent_since >= client.timeout_s:
                 raise ServerUnavailableError(f"no response from {client.url} in {client.timeout_s:.0f} s")
-            if not client.is_ready():
+            if client.reports_not_ready():
                 raise _lost_in_crash(client.url, client.model)
 
     def cancel(self) -> None:
@@ -246,10 +249,19 @@ class Client:
         self.grpc = grpcclient.InferenceServerClient(url)
 
     def is_ready(self) -> bool:
+        return self._readiness() is True
+
+    def reports_not_ready(self) -> bool:
+        """Whether the server answers that it or the model is not ready (False when it does not answer: see
+        STALL_PROBE_S)."""
+        return self._readiness() is False
+
+    def _readiness(self) -> bool | None:
+        """The server's and model's readiness as the server answers it; None when it does not answer."""
         try:
             return bool(self.grpc.is_server_ready() and self.grpc.is_model_ready(self.model))
         except Exception:  # tritonclient raises its own error types for an unreachable server
-            return False
+            return None
 
     def stream(
         self,
@@ -339,13 +351,22 @@ class AsyncClient:
         self._stopping: set[asyncio.Future[None]] = set()
 
     async def is_ready(self, timeout_s: float = 5.0) -> bool:
+        return await self._readiness(timeout_s) is True
+
+    async def reports_not_ready(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers that it or the model is not ready (False when it does not answer: see
+        STALL_PROBE_S)."""
+        return await self._readiness(timeout_s) is False
+
+    async def _readiness(self, timeout_s: float) -> bool | None:
+        """The server's and model's readiness as the server answers it; None when it does not answer."""
         try:
             return bool(
                 await self.grpc.is_server_ready(client_timeout=timeout_s)
                 and await self.grpc.is_model_ready(self.model, client_timeout=timeout_s)
             )
         except Exception:  # tritonclient raises its own error types for an unreachable server
-            return False
+            return None
 
     async def model_config(self, model: str, timeout_s: float = 10.0) -> Any:
         """The model's ModelConfig (model_config_pb2); InferenceError when the server cannot tell."""
@@ -390,14 +411,14 @@ class AsyncClient:
                 stopping.add_done_callback(self._stopping.discard)
 
     async def _watched(self, responses: Any) -> AsyncIterator[Any]:
-        """The stream's items; ServerUnavailableError as soon as the deployment is seen not ready while the
+        """The stream's items; ServerUnavailableError as soon as the deployment reports not ready while the
         stream is silent (see STALL_PROBE_S). The pending read is never cancelled by the probe."""
         iterator = responses.__aiter__()
         while True:
             pending = asyncio.ensure_future(iterator.__anext__())
             try:
                 while not (await asyncio.wait({pending}, timeout=STALL_PROBE_S))[0]:
-                    if not await self.is_ready():
+                    if await self.reports_not_ready():
                         raise _lost_in_crash(self.url, self.model)
             finally:
                 if not pending.done():  # lost, or the caller left: the read ends with the stream

@@ -12,9 +12,9 @@ Names are resolved again every `refresh_s`: replicas that appear are probed and 
 leave the rotation at once and their channel closes when their last request ends. Every replica has its own
 gRPC channel and is probed for readiness (server and ensemble ready) every PROBE_INTERVAL_S; requests go round
 robin over the ready ones. A replica whose request fails for want of a server (connection lost, the stream
-silent while the deployment is not ready, its queue full) is taken out until a probe finds it ready again, and
-the request is sent once more, to another replica, if it had not yet returned any text; one that had is
-never sent again (its client already has part of the answer).
+silent while the replica reports not ready, the replica stopping) is taken out until a probe finds it ready
+again; such a request, or one a full queue refused, is sent once more, to another replica, if it had not yet
+returned any text; one that had is never sent again (its client already has part of the answer).
 
 Why not one gRPC channel with the `round_robin` policy over `dns:///`: gRPC's DNS resolver resolves again
 only when a connection fails (grpc/grpc#12295), so replicas added by scaling out would not be seen; its
@@ -60,10 +60,10 @@ class Endpoint:
         return host_port(self.host, self.port)
 
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\.?")  # a fully qualified name may end in "."
 
 
-def _endpoint(text: str, whole: str) -> Endpoint:
+def _endpoint(text: str, whole: str, default_port: int = DEFAULT_PORT) -> Endpoint:
     text = text.strip()
     if text.startswith("["):  # [IPv6]:port
         host, _, rest = text[1:].partition("]")
@@ -73,7 +73,7 @@ def _endpoint(text: str, whole: str) -> Endpoint:
     else:
         host, _, port_text = text.partition(":")
     try:
-        port = int(port_text) if port_text else DEFAULT_PORT
+        port = int(port_text) if port_text else default_port
     except ValueError:
         port = 0
     if not (_is_ip(host) or _HOST_NAME.fullmatch(host)) or not 1 <= port <= 65535:
@@ -113,7 +113,7 @@ class FleetTarget:
                 authority, name = "", rest
             nameserver = None
             if authority:
-                nameserver = _endpoint(authority if ":" in authority else f"{authority}:53", text)
+                nameserver = _endpoint(authority, text, default_port=53)
                 if not _is_ip(nameserver.host):
                     raise FleetTargetError(f"{text!r}: the DNS server must be an IP address, not {nameserver.host!r}")
             return cls(text, (_endpoint(name, text),), nameserver)
@@ -132,6 +132,8 @@ class FleetTarget:
         return sorted(found)
 
     def _addresses(self, host: str) -> list[str]:
+        """The host's addresses of one family, IPv4 where it has any: a dual-stack replica (a pod of a dual-stack
+        cluster, `localhost`) is one replica, not two, so a retry never lands on the server that failed."""
         if _is_ip(host):
             return [host]
         if self.nameserver is not None:
@@ -142,7 +144,9 @@ class FleetTarget:
             if e.errno in _NO_ADDRESS:
                 return []
             raise  # the resolver failed (EAI_AGAIN...): the caller keeps what it knew
-        return [str(info[4][0]) for info in infos]
+        addresses = [str(info[4][0]) for info in infos]
+        ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
+        return ipv4 or addresses
 
 
 # getaddrinfo's answers for a name without addresses, as opposed to a resolver that failed.
@@ -157,18 +161,17 @@ def _ask_nameserver(name: str, server: Endpoint) -> list[str]:
     resolver.nameservers = [server.host]
     resolver.port = server.port
     resolver.lifetime = DNS_TIMEOUT_S
-    addresses: list[str] = []
-    failures = []
-    for kind in ("A", "AAAA"):
+    failure: dns.exception.DNSException | None = None
+    for kind in ("A", "AAAA"):  # IPv4 where the name has any (see FleetTarget._addresses)
         try:
-            addresses += [record.to_text() for record in resolver.resolve(name, kind)]
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):  # no address (of this kind)
+            return [record.to_text() for record in resolver.resolve(name, kind)]
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):  # no address of this kind
             pass
         except dns.exception.DNSException as e:  # a timeout, or a server that failed or refused this kind
-            failures.append(e)
-    if len(failures) == 2:  # neither kind answered: the caller keeps what it knew
-        raise failures[0]
-    return addresses
+            failure = failure or e
+    if failure is not None:  # no address, and a query failed: the caller keeps what it knew
+        raise failure
+    return []
 
 
 class Replica:
@@ -206,6 +209,7 @@ class Fleet:
         self._turn = 0
         self._watcher: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()
+        self._retired: set[Replica] = set()  # no longer resolved, requests still in flight
         self._unresolved = False  # the last resolution failed (logged once)
         if metrics is not None:
             metrics.replicas_ready.set_function(lambda: len(self.rotation()))
@@ -224,15 +228,17 @@ class Fleet:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
-        await asyncio.gather(*(r.client.close() for r in self.replicas.values()), *self._closing)
+        replicas = [*self.replicas.values(), *self._retired]
+        await asyncio.gather(*(r.client.close() for r in replicas), *self._closing)
         self.replicas.clear()
+        self._retired.clear()
 
     def rotation(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.ready and not r.retired]
 
     async def is_ready(self) -> bool:
-        """Whether some replica is ready, probing them now."""
-        await self._probe_all()
+        """Whether some replica is in the rotation (probed each PROBE_INTERVAL_S: a health check never waits on a
+        slow replica)."""
         return bool(self.rotation())
 
     async def model_config(self, model: str) -> Any:
@@ -305,6 +311,7 @@ class Fleet:
     def _finished(self, replica: Replica) -> None:
         replica.in_flight -= 1
         if replica.retired and replica.in_flight == 0:
+            self._retired.discard(replica)
             self._close_later(replica)
 
     def _close_later(self, replica: Replica) -> None:
@@ -318,10 +325,13 @@ class Fleet:
         resolved_at = time.monotonic()
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            if time.monotonic() - resolved_at >= self.refresh_s:
-                resolved_at = time.monotonic()
-                await self._refresh()
-            await self._probe_all()
+            try:
+                if time.monotonic() - resolved_at >= self.refresh_s:
+                    resolved_at = time.monotonic()
+                    await self._refresh()
+                await self._probe_all()
+            except Exception as e:  # the rotation must keep following the replicas whatever one round met
+                _log(f"watching the replicas of {self.url}: {e!r}")
 
     async def _refresh(self) -> None:
         try:
@@ -342,8 +352,13 @@ class Fleet:
             replica = self.replicas.pop(address)
             replica.retired = True
             _log(f"replica {address} no longer resolved from {self.url}; out of the rotation")
+            if self.metrics is not None:  # pod addresses come and go: keep the series to those known
+                with contextlib.suppress(KeyError):
+                    self.metrics.replica_requests.remove(address)
             if replica.in_flight == 0:
                 self._close_later(replica)
+            else:
+                self._retired.add(replica)
 
     async def _probe_all(self) -> None:
         replicas = list(self.replicas.values())

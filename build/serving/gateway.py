@@ -172,7 +172,7 @@ class GatewaySettings:
             for address in addresses:
                 client = Client(address)
                 try:
-                    config = client.grpc.get_model_config(interface.PREPROCESSING).config
+                    config = client.grpc.get_model_config(interface.PREPROCESSING, client_timeout=10.0).config
                 except Exception as e:  # tritonclient's own error types
                     problems.append(f"{address}: {e}")
                     continue

@@ -212,3 +212,8 @@ REJECTED_REQUEST = "request rejected"
 # without the status. Preprocessing, which bounds its own waiting requests, refuses with the first too.
 QUEUE_FULL = "Exceeds maximum queue size"
 QUEUE_TIMEOUT = "Request timeout expired"
+
+# A stopping tritonserver refuses what arrives with messages that hold this (r26.04 src/grpc/stream_infer_handler.cc:
+# "GRPC server is shutting down and has stopped accepting new requests."; core r24.10 dynamic_batch_scheduler.cc:
+# "Server is stopping, scheduler for model has stopped accepting new inference requests"), also in-band on a stream.
+SERVER_STOPPING = "stopped accepting new"
