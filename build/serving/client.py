@@ -325,7 +325,7 @@ CHANNEL_ARGS = [
     ("grpc.max_send_message_length", 2**31 - 1),
     ("grpc.max_receive_message_length", 2**31 - 1),
     ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),  # gRPC's name for the shortest connection attempt
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
@@ -336,8 +336,8 @@ class AsyncClient:
     the channel to the loop it first runs on).
 
     Only API that the installed tritonclient 2.73 and the GPU image's 2.68 both have is used: `stream_infer`
-    over an async iterator of request dicts, `is_server_ready`/`is_model_ready`/`get_model_config` with
-    client_timeout, `close`. Its request dicts do not ask for the empty final response (the `triton_` parameter
+    over an async iterator of request dicts, `is_server_ready`/`is_model_ready` with
+    client_timeout, `close`, and the constructor's `channel_args`. Its request dicts do not ask for the empty final response (the `triton_` parameter
     that would is reserved in tritonclient after 2.68: grpc/_utils.py), so a request's end is the end of its
     stream: the iterator sends one request and then half-closes, and Triton's gRPC server finishes a half-closed
     stream once the requests on it are complete (server r26.04 src/grpc/stream_infer_handler.cc).
@@ -367,13 +367,6 @@ class AsyncClient:
             )
         except Exception:  # tritonclient raises its own error types for an unreachable server
             return None
-
-    async def model_config(self, model: str, timeout_s: float = 10.0) -> Any:
-        """The model's ModelConfig (model_config_pb2); InferenceError when the server cannot tell."""
-        try:
-            return (await self.grpc.get_model_config(model, client_timeout=timeout_s)).config
-        except Exception as e:  # tritonclient's own error types
-            raise _server_error(self.url, e) from e
 
     async def stream(
         self,

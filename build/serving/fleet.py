@@ -180,7 +180,6 @@ class Replica:
         self.client = client
         self.ready = False
         self.in_flight = 0
-        self.retired = False  # no longer resolved: out of the rotation, closed once idle
 
 
 def _log(message: str) -> None:
@@ -193,7 +192,7 @@ RETRIED_ERRORS = (ServerUnavailableError,)  # ServerBusyError is one
 
 class Fleet:
     """The replicas --triton-url names, as the gateway's one client (AsyncClient's interface: stream,
-    is_ready, model_config, close). Create, use and close it on one event loop."""
+    is_ready, close). Create, use and close it on one event loop."""
 
     def __init__(
         self,
@@ -234,15 +233,12 @@ class Fleet:
         self._retired.clear()
 
     def rotation(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.ready and not r.retired]
+        return [r for r in self.replicas.values() if r.ready]
 
     async def is_ready(self) -> bool:
         """Whether some replica is in the rotation (probed each PROBE_INTERVAL_S: a health check never waits on a
         slow replica)."""
         return bool(self.rotation())
-
-    async def model_config(self, model: str) -> Any:
-        return await self._pick(()).client.model_config(model)
 
     async def stream(
         self, prompt: str, images: Sequence[bytes] = (), max_tokens: int | None = 64, *, request_id: str, **options: Any
@@ -310,7 +306,7 @@ class Fleet:
 
     def _finished(self, replica: Replica) -> None:
         replica.in_flight -= 1
-        if replica.retired and replica.in_flight == 0:
+        if replica in self._retired and replica.in_flight == 0:
             self._retired.discard(replica)
             self._close_later(replica)
 
@@ -350,7 +346,6 @@ class Fleet:
                 _log(f"replica {address} found; in the rotation once ready")
         for address in sorted(self.replicas.keys() - addresses):
             replica = self.replicas.pop(address)
-            replica.retired = True
             _log(f"replica {address} no longer resolved from {self.url}; out of the rotation")
             if self.metrics is not None:  # pod addresses come and go: keep the series to those known
                 with contextlib.suppress(KeyError):
