@@ -310,7 +310,7 @@ def test_requests_spread_over_replicas_and_survive_one_killed(fleet, capsys):
     lines.append(
         f"kill: {first.url} SIGKILLed holding {sent_to_first - finished_on_first:g} of the 16 requests (12 whole "
         f"answers, 4 streamed); {12 + len(streamed) - len(cut)} completed, {retries:g} of them retried on "
-        f"{second.url}; {len(cut)} streams that had sent text ended with an error (never sent again); none unanswered"
+        f"{second.url}; streams cut after sending text (never sent again): {len(cut)}; none unanswered"
     )
 
     # Back: the killed replica, started again, is in the rotation and serves.
