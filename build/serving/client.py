@@ -336,9 +336,9 @@ class AsyncClient:
     the channel to the loop it first runs on).
 
     Only API that the installed tritonclient 2.73 and the GPU image's 2.68 both have is used: `stream_infer`
-    over an async iterator of request dicts, `is_server_ready`/`is_model_ready` with
-    client_timeout, `close`, and the constructor's `channel_args`. Its request dicts do not ask for the empty final response (the `triton_` parameter
-    that would is reserved in tritonclient after 2.68: grpc/_utils.py), so a request's end is the end of its
+    over an async iterator of request dicts, `is_server_ready`/`is_model_ready` with client_timeout, `close`, and
+    the constructor's `channel_args`. Its request dicts do not ask for the empty final response (the `triton_`
+    parameter that would is reserved in tritonclient after 2.68: grpc/_utils.py), so a request's end is the end of its
     stream: the iterator sends one request and then half-closes, and Triton's gRPC server finishes a half-closed
     stream once the requests on it are complete (server r26.04 src/grpc/stream_infer_handler.cc).
     """
