@@ -48,6 +48,9 @@ VISION_TOLERANCE = 4e-2  # a bf16 engine against the fp32 tower (scripts/vision_
 # (max - median) of the maximum: bf16 engines round differently from transformers' fp32.
 LOGIT_GAP = 0.05
 NEW_TOKENS = 8
+# A stream long enough to be generating when the server is stopped (min_tokens holds it to this length; a tiny model
+# on a GPU takes a few seconds, well within serve's --stop-grace of 30 s).
+DRAIN_TOKENS = 2000
 
 
 @dataclass
@@ -255,14 +258,16 @@ class Acceptance:
         served: dict[str, list[int]] = {}
         healed: list[tuple[bool, str]] = []
         cached: list[tuple[bool, str]] = []
+        drained: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, hits, heals = _served_tokens(self._built(name), requests, log_path)
+            tokens, hits, heals, drains = _served_tokens(self._built(name), requests, log_path)
             served.update(tokens)
             cached.append(hits)
             healed.append(heals)
+            drained.append(drains)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
             # Tensors between models that miss the CUDA memory pool go by CUDA IPC or through pinned host memory
             # (serving.gpu_memory): the pool is sized so that none does.
@@ -274,11 +279,16 @@ class Acceptance:
         serving = f"serve the GPU repository ({name})"
         healing = f"metrics published; a killed vision_encoder stub comes back ({name})"
         caching = f"a repeated image: a visual cache hit, no decode, no vision encoder ({name})"
+        draining = f"a stop lets a stream in flight finish ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
-            for check, check_limit in ((caching, "same tokens, 0 runs"), (healing, "back, answers")):
+            for check, check_limit in (
+                (caching, "same tokens, 0 runs"),
+                (healing, "back, answers"),
+                (draining, "all tokens, exit 0"),
+            ):
                 self.report.rows.append(Row(check, SKIPPED, limit=check_limit, detail="the repository was not served"))
             return
         reference = _TransformersGreedy(model)
@@ -300,6 +310,7 @@ class Acceptance:
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
+        self.row(draining, "all tokens, exit 0", needs, lambda: drained[0])
 
     def _built(self, name: str) -> Path:
         if name not in self._builds:
@@ -442,10 +453,10 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
 
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]], log_path: Path
-) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str]]:
+) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str]]:
     """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
-    a request's image sent again is answered from the visual cache (see _cache_hit), and whether the deployment
-    heals (see _heals), each with its figure."""
+    a request's image sent again is answered from the visual cache (see _cache_hit), whether the deployment
+    heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.endpoints import free_ports
@@ -465,9 +476,47 @@ def _served_tokens(
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
         finally:
             client.close()
-        return tokens, hits, _heals(server)
+        heals = _heals(server)
+        return tokens, hits, heals, _drains(server)
     finally:
         server.stop()
+
+
+def _drains(server: Any) -> tuple[bool, str]:
+    """A stop (SIGTERM, as a pod's termination sends) while a stream is generating: the stream runs to its end and
+    the server exits cleanly. serve passes --stop-grace to tritonserver as --exit-timeout-secs, and the image's
+    server (r26.04) finishes the gRPC streams in flight before it stops the models."""
+    import threading
+
+    from .serving.client import Client, InferenceError
+
+    client = Client(server.url, timeout_s=120)
+    stopped: list[float | int | None] = []
+    try:
+        generation = client.stream("Count slowly.", [], DRAIN_TOKENS, stream=True, min_tokens=DRAIN_TOKENS)
+        pieces = iter(generation)
+        tokens = len(next(pieces).token_ids)
+        stop_at = time.monotonic()
+        stopper = threading.Thread(target=lambda: stopped.append(server.stop()))
+        stopper.start()
+        after_stop = 0
+        try:
+            for piece in pieces:
+                tokens += len(piece.token_ids)
+                after_stop += len(piece.token_ids)
+            ended = "ended"
+        except InferenceError as e:
+            ended = f"cut ({e})"
+        finished_s = time.monotonic() - stop_at
+        stopper.join()
+    finally:
+        client.close()
+    status = stopped[0] if stopped else None
+    figure = (
+        f"stop sent after the first piece; the stream {ended} with {tokens}/{DRAIN_TOKENS} tokens ({after_stop} after "
+        f"the stop, {finished_s:.1f} s); server exit status {status}"
+    )
+    return ended == "ended" and tokens == DRAIN_TOKENS and after_stop > 0 and status == 0, figure
 
 
 def _cache_hit(server: Any, client: Any, sent: tuple[tuple[str, list[bytes]], list[int]]) -> tuple[bool, str]:
