@@ -124,7 +124,7 @@ def _tensorrt_llm() -> str | None:
 
 def _tritonserver() -> str | None:
     from .errors import ServingError
-    from .serving.tritonserver_install import find_tritonserver
+    from .serving.server.tritonserver_install import find_tritonserver
 
     try:
         find_tritonserver()
@@ -429,8 +429,8 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
     from .contracts import BuildLayout
     from .testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
     from .vision import VisionEncoder
-    from .vision.engine_runner import VisionEngine
     from .vision.export import parity_errors
+    from .vision.trt_runner import VisionEngine
 
     layout = BuildLayout(build_dir)
     inputs_from = VisionEncoder(layout.vision)  # the host metadata of the export (grid-dependent inputs)
@@ -459,8 +459,8 @@ def _served_tokens(
     heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
-    from .serving.endpoints import free_ports
-    from .serving.server import TritonServer
+    from .serving.ports import free_ports
+    from .serving.server.serve import TritonServer
 
     # Verbose logging: the memory pool's fallbacks are logged at verbose levels too.
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path, log_verbose=1)
@@ -522,7 +522,8 @@ def _drains(server: Any) -> tuple[bool, str]:
 def _cache_hit(server: Any, client: Any, sent: tuple[tuple[str, list[bytes]], list[int]]) -> tuple[bool, str]:
     """The request with images sent again: the same tokens, the visual cache's hit, no image decoded and no
     vision encoder execution (Triton's statistics)."""
-    from .serving import interface, stage_metrics
+    from .serving import interface
+    from .serving.stages import metrics as stage_metrics
 
     def runs() -> int:
         stats = client.grpc.get_inference_statistics(model_name=interface.VISION_ENCODER, as_json=True)
@@ -550,9 +551,10 @@ def _heals(server: Any) -> tuple[bool, str]:
 
     from tritonclient.grpc import InferenceServerClient
 
-    from .serving import interface, stage_metrics
+    from .serving import interface
     from .serving.client import Client
-    from .serving.supervisor import group_stubs
+    from .serving.server.supervisor import group_stubs
+    from .serving.stages import metrics as stage_metrics
 
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as reply:
         published = stage_metrics.REQUESTS.name in reply.read().decode()

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import Qwen3VLTrtError
-from .serving.endpoints import DEFAULT_TRITON_REFRESH_S, GatewayOptions, ServerPorts
+from .serving.ports import DEFAULT_TRITON_REFRESH_S, GatewayOptions, ServerPorts
 
 if TYPE_CHECKING:
-    from .serving.server import ServeOptions
+    from .serving.server.serve import ServeOptions
 
 
 def _read_files(paths: Sequence[str], kind: str = "image") -> list[bytes]:
@@ -116,7 +116,7 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _repository_settings(args: argparse.Namespace):
-    from .serving.repository import RepositorySettings
+    from .serving.repository.writer import RepositorySettings
 
     return RepositorySettings(
         max_queue_delay_us=args.max_queue_delay_us,
@@ -134,7 +134,7 @@ def _repository_settings(args: argparse.Namespace):
 
 
 def _add_repository_options(s: argparse.ArgumentParser) -> None:
-    from .serving.repository import (
+    from .serving.repository.writer import (
         QUEUED_BATCHES,
         VISUAL_CACHE_MAX_BYTES,
         VISUAL_CACHE_MIN_BYTES,
@@ -207,7 +207,7 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
 
 
 def _write_repo(args: argparse.Namespace) -> None:
-    from .serving.repository import write_repository
+    from .serving.repository.writer import write_repository
 
     path = write_repository(
         args.build_dir,
@@ -233,7 +233,7 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
-    from .serving.server import ServeOptions
+    from .serving.server.serve import ServeOptions
 
     return ServeOptions(
         repo=args.repo,
@@ -252,13 +252,13 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serving.server import serve
+    from .serving.server.serve import serve
 
     return serve(serve_options(args))
 
 
 def _openai(args: argparse.Namespace) -> int:
-    from .serving.gateway import run_openai
+    from .serving.gateway.app import run_openai
 
     return run_openai(
         args.triton_url,
@@ -287,7 +287,7 @@ def _positive_int(text: str) -> int:
 
 def _visual_cache(text: str) -> str:
     from .errors import LimitsError
-    from .serving.visual_cache import check_cache_setting
+    from .serving.stages.visual_cache import check_cache_setting
 
     try:
         return check_cache_setting(text)
@@ -296,7 +296,7 @@ def _visual_cache(text: str) -> str:
 
 
 def _triton_url(text: str) -> str:
-    from .serving.fleet import FleetTarget, FleetTargetError
+    from .serving.gateway.fleet import FleetTarget, FleetTargetError
 
     try:
         FleetTarget.parse(text)
@@ -358,8 +358,8 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from .serving.server import STOP_GRACE_S
-    from .serving.tritonserver_install import ENV_VAR, NGC_INSTALL
+    from .serving.server.serve import STOP_GRACE_S
+    from .serving.server.tritonserver_install import ENV_VAR, NGC_INSTALL
 
     defaults = ServerPorts()
     parser.add_argument(

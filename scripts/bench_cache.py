@@ -33,9 +33,10 @@ from pathlib import Path
 
 import numpy as np
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.serving import interface, stage_metrics
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.server import TritonServer
+from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 PROMPT = "Describe this picture."
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from qwen3vl_trt.pipeline import build
-    from qwen3vl_trt.serving.endpoints import free_ports
+    from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.testing.redis_server import RedisServer
     from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 

@@ -122,9 +122,9 @@ def measure(
 
 def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> tuple[Workload, Workload, int]:
     from qwen3vl_trt.pipeline import build
-    from qwen3vl_trt.serving.endpoints import free_ports
-    from qwen3vl_trt.serving.repository import RepositorySettings, write_repository
-    from qwen3vl_trt.serving.server import TritonServer
+    from qwen3vl_trt.serving.ports import free_ports
+    from qwen3vl_trt.serving.repository.writer import RepositorySettings, write_repository
+    from qwen3vl_trt.serving.server.serve import TritonServer
 
     print(f"building {model_dir} for the CPU target in {scratch}", file=sys.stderr, flush=True)
     limits = EngineLimits(max_batch_size=args.max_batch_size)

@@ -53,7 +53,7 @@ from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.repository import RepositorySettings
+from qwen3vl_trt.serving.repository.writer import RepositorySettings
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 BATCHED_MODELS = (
@@ -229,7 +229,7 @@ class GatewayRoute(Route):
         import subprocess
         import urllib.request
 
-        from qwen3vl_trt.serving.endpoints import free_ports
+        from qwen3vl_trt.serving.ports import free_ports
 
         self.max_tokens = max_tokens
         port = free_ports().http
@@ -433,9 +433,9 @@ def bench_own_servers(
     """Builds `model_dir` for the CPU target and benchmarks its server with the default settings (and
     with dynamic batching off, when asked) beside the same requests in one process; the one-process level."""
     from qwen3vl_trt.pipeline import build
-    from qwen3vl_trt.serving.endpoints import free_ports
-    from qwen3vl_trt.serving.repository import write_repository
-    from qwen3vl_trt.serving.server import TritonServer
+    from qwen3vl_trt.serving.ports import free_ports
+    from qwen3vl_trt.serving.repository.writer import write_repository
+    from qwen3vl_trt.serving.server.serve import TritonServer
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)

@@ -57,8 +57,10 @@ def main() -> None:
             f"{frames} frames of {width}x{height} at {args.fps:g} fps ({args.seconds:g} s), H.264 (libx264 veryfast); "
             f"{torch.get_num_threads()} torch threads; median of {args.repeats} interleaved runs; whole requests"
         )
-        print(f"{'clip':>24} {'sampled':>8} {'ours s':>7} {'HF s':>6} {'ratio':>6} {'ours fr/s':>10} {'HF fr/s':>8} "
-              f"{'clip fr/s':>10} {'max |diff|':>11}")
+        print(
+            f"{'clip':>24} {'sampled':>8} {'ours s':>7} {'HF s':>6} {'ratio':>6} {'ours fr/s':>10} {'HF fr/s':>8} "
+            f"{'clip fr/s':>10} {'max |diff|':>11}"
+        )
         for name, options in clips.items():
             data = synthetic_video(frames, height, width, args.fps, options=options)
             path = Path(scratch) / "clip.mp4"

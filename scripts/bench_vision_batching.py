@@ -31,9 +31,9 @@ import torch
 from benchutil import time_interleaved
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.preprocessing import Preprocessing
-from qwen3vl_trt.serving.repository import RepositorySettings
-from qwen3vl_trt.serving.vision_batching import RunCost, VisionBatching
+from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+from qwen3vl_trt.serving.stages.vision_batching import RunCost, VisionBatching
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 LARGE = (480, 640)  # height, width

@@ -25,8 +25,8 @@ import torch
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from qwen3vl_trt.vision import VisionEncoder
 from qwen3vl_trt.vision.engine import VisionEngineProfile, build_vision_engine
-from qwen3vl_trt.vision.engine_runner import VisionEngine
 from qwen3vl_trt.vision.export import export_vision, parity_errors
+from qwen3vl_trt.vision.trt_runner import VisionEngine
 
 TOWERS = {"hd64": None, "hd72": {"hidden_size": 144, "num_heads": 2, "intermediate_size": 288}}
 # Relative error of a reduced-precision engine against the fp32 graph (tests hold the fp16 ONNX to 1e-2).

@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.pipeline import build
-from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_INPUT, TEXT_OUTPUT
-from qwen3vl_trt.serving.repository import RepositorySettings
+from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.repository.writer import RepositorySettings
 from tritonclient.grpc import model_config_pb2 as mc
 
 LIMITS = EngineLimits(
@@ -72,7 +72,7 @@ def echo_repository(root: Path) -> Path:
 SERVE_SCRIPT = (
     "import argparse, sys\n"
     "from qwen3vl_trt.cli import add_serve_arguments, serve_options\n"
-    "from qwen3vl_trt.serving.server import serve\n"
+    "from qwen3vl_trt.serving.server.serve import serve\n"
     "parser = argparse.ArgumentParser()\n"
     "add_serve_arguments(parser)\n"
     "sys.exit(serve(serve_options(parser.parse_args())))\n"

@@ -26,9 +26,7 @@ from deployment import (
     repository_processes,
 )
 from images import jpeg
-from qwen3vl_trt.serving import config as serving_config
 from qwen3vl_trt.serving.client import Client, InferenceError
-from qwen3vl_trt.serving.endpoints import free_ports
 from qwen3vl_trt.serving.interface import (
     ENSEMBLE,
     LLM,
@@ -38,9 +36,11 @@ from qwen3vl_trt.serving.interface import (
     TEXT_OUTPUT,
     VISION_ENCODER,
 )
-from qwen3vl_trt.serving.repository import QUEUED_BATCHES
-from qwen3vl_trt.serving.server import TritonServer
-from qwen3vl_trt.serving.supervisor import group_stubs
+from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.repository.writer import QUEUED_BATCHES
+from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.server.supervisor import group_stubs
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 

@@ -26,8 +26,8 @@ import tritonclient.grpc as grpcclient
 from deployment import SERVE_SCRIPT, build_cpu_repository, group_gone
 from images import jpeg
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
 from qwen3vl_trt.serving.interface import ENSEMBLE
+from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.testing.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -357,7 +357,7 @@ def _wait_for(condition, what: str, within: float = 30.0) -> None:
 
 
 def test_names_addresses_and_lists_resolve(fleet):
-    from qwen3vl_trt.serving.fleet import FleetTarget, FleetTargetError
+    from qwen3vl_trt.serving.gateway.fleet import FleetTarget, FleetTargetError
 
     first, second = fleet.replicas
     port, dns_port = first.ports.grpc, fleet.dns.port

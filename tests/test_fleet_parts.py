@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from qwen3vl_trt.serving.client import Answer, RequestRejectedError, ServerBusyError, ServerUnavailableError
-from qwen3vl_trt.serving.fleet import Fleet, FleetTarget, Replica
-from qwen3vl_trt.serving.gateway_metrics import GatewayMetrics
+from qwen3vl_trt.serving.gateway.fleet import Fleet, FleetTarget, Replica
+from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 
 pytestmark = pytest.mark.once
 

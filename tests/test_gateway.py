@@ -23,7 +23,7 @@ import pytest
 from deployment import LIMITS, build_cpu_repository
 from images import jpeg
 from PIL import Image
-from qwen3vl_trt.serving.endpoints import free_ports
+from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.testing.hf_reference import load_hf_processor
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 

@@ -18,7 +18,8 @@ import psutil
 import pytest
 import test_gateway
 from prometheus_client.parser import text_string_to_metric_families
-from qwen3vl_trt.serving import interface, stage_metrics
+from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from test_gateway import PHOTO, PROMPT, Gateway, _free_port, _status, _user
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.

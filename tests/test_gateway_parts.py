@@ -13,8 +13,7 @@ from deployment import LIMITS
 from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
-from qwen3vl_trt.serving.endpoints import GatewayOptions
-from qwen3vl_trt.serving.gateway import (
+from qwen3vl_trt.serving.gateway.app import (
     BODY_SLACK_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_JSON_DEPTH,
@@ -23,6 +22,7 @@ from qwen3vl_trt.serving.gateway import (
     Overloaded,
     json_too_deep,
 )
+from qwen3vl_trt.serving.ports import GatewayOptions
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.gpu_image  # how tritonclient 2.68's errors map, at the GPU image's version too

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from qwen3vl_trt.errors import LimitsError
 from qwen3vl_trt.limits import EngineLimits, ImageLimits
-from qwen3vl_trt.serving import gpu_memory
-from qwen3vl_trt.serving.gpu_memory import GpuMemoryPlan
+from qwen3vl_trt.serving.repository import gpu_memory
+from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
 
 GIB = 1 << 30
 

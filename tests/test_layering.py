@@ -86,11 +86,11 @@ def _cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_every_kind_of_import():
     graph = _graph()
-    assert len(MODULES) > 50 and f"{PACKAGE}.serving.gateway" in MODULES and f"{PACKAGE}.plugins" in MODULES
+    assert len(MODULES) > 50 and f"{PACKAGE}.serving.gateway.app" in MODULES and f"{PACKAGE}.plugins" in MODULES
     # relative (`from ..limits import`), of a submodule by name (`from . import interface`), in a function
     assert f"{PACKAGE}.limits" in graph[f"{PACKAGE}.pipeline"]
-    assert f"{PACKAGE}.serving.interface" in graph[f"{PACKAGE}.serving.repository"]
-    assert f"{PACKAGE}.serving.trtllm_config" in graph[f"{PACKAGE}.serving.repository"]
+    assert f"{PACKAGE}.serving.interface" in graph[f"{PACKAGE}.serving.repository.writer"]
+    assert f"{PACKAGE}.serving.repository.trtllm_config" in graph[f"{PACKAGE}.serving.repository.writer"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
@@ -118,3 +118,53 @@ def test_shipped_code_never_imports_the_tests(root):
     for path in sorted(root.rglob("*.py")):
         imported = set(_imported(path.stem, path))
         assert not {m for m in imported if m.split(".")[0] in ("tests", "conftest")}, path
+
+
+# The serving rooms (build/serving/__init__.py): which may not import which. Stages run inside Triton's stubs and
+# must not pull in the serve process or the HTTP gateway; the gateway speaks to Triton over gRPC only; the
+# repository writer (build time) declares what the stages read through serving.parameters, never through them.
+SERVING = f"{PACKAGE}.serving"
+FORBIDDEN = {
+    f"{SERVING}.stages": (f"{SERVING}.gateway", f"{SERVING}.server"),
+    f"{SERVING}.gateway": (f"{SERVING}.stages",),
+    f"{SERVING}.repository": (f"{SERVING}.stages",),
+}
+
+
+def _room(module: str) -> str:
+    return ".".join(module.split(".")[:3])
+
+
+def _violations(graph: Mapping[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if _room(target) in FORBIDDEN.get(_room(module), ()):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_serving_rooms_keep_their_boundaries():
+    graph = _graph()
+    assert {_room(m) for m in MODULES if m.startswith(f"{SERVING}.")} >= {*FORBIDDEN, f"{SERVING}.server"}
+    assert _violations(graph) == []
+
+
+def test_a_planted_boundary_violation_is_caught():
+    graph = {name: set(targets) for name, targets in _graph().items()}
+    graph[f"{SERVING}.stages.preprocessing"].add(f"{SERVING}.gateway.app")
+    graph[f"{SERVING}.repository.writer"].add(f"{SERVING}.stages.visual_cache")
+    graph[f"{SERVING}.gateway.app"].add(f"{SERVING}.stages.preprocessing")
+    assert _violations(graph) == [
+        f"{SERVING}.gateway.app -> {SERVING}.stages.preprocessing",
+        f"{SERVING}.repository.writer -> {SERVING}.stages.visual_cache",
+        f"{SERVING}.stages.preprocessing -> {SERVING}.gateway.app",
+    ]
+
+
+def test_every_package_says_what_runs_where():
+    for package in sorted({p.parent for p in (REPO / "build").rglob("*.py")}):
+        init = package / "__init__.py"
+        assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), (
+            f"{package} needs an __init__.py docstring"
+        )

@@ -22,7 +22,7 @@ from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import LocalPipeline, StreamingDetokenizer, engine_request
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.cpu_llm import InflightLLM
+from qwen3vl_trt.serving.stages.cpu_llm import InflightLLM
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from qwen3vl_trt.vision import VisionEncoder

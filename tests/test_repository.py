@@ -14,12 +14,12 @@ from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
-from qwen3vl_trt.serving import config as cfg
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER, GpuMemoryPlan
-from qwen3vl_trt.serving.preprocessing import split_word_list, word_list
-from qwen3vl_trt.serving.repository import REPOSITORY_FILE, RepositorySettings, model_configs
-from qwen3vl_trt.serving.vision_batching import plan_runs
+from qwen3vl_trt.serving.repository import model_config as cfg
+from qwen3vl_trt.serving.repository.gpu_memory import CUDA_POOL_PARAMETER, GpuMemoryPlan
+from qwen3vl_trt.serving.repository.writer import REPOSITORY_FILE, RepositorySettings, model_configs
+from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
+from qwen3vl_trt.serving.stages.vision_batching import plan_runs
 from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
@@ -137,7 +137,7 @@ def test_write_repo_writes_every_model_and_refuses_a_gpu_target_without_engine(b
 
 def test_a_build_without_manifest_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="manifest.json"):
-        from qwen3vl_trt.serving.repository import write_repository
+        from qwen3vl_trt.serving.repository.writer import write_repository
 
         write_repository(tmp_path, tmp_path / "repo", target="cpu")
 

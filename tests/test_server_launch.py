@@ -24,12 +24,12 @@ from deployment import SERVE_SCRIPT, echo_repository, group_gone
 from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
-from qwen3vl_trt.serving import config as serving_config
-from qwen3vl_trt.serving import tritonserver_install
-from qwen3vl_trt.serving.endpoints import ServerPorts, free_ports
-from qwen3vl_trt.serving.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
-from qwen3vl_trt.serving.launch import (
+from qwen3vl_trt.serving.ports import ServerPorts, free_ports
+from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.repository.gpu_memory import CUDA_POOL_PARAMETER
+from qwen3vl_trt.serving.server import tritonserver_install
+from qwen3vl_trt.serving.server.launch import (
     ConfigOverrides,
     cuda_pool_flags,
     launch_command,
@@ -39,9 +39,9 @@ from qwen3vl_trt.serving.launch import (
     server_command,
     world_size,
 )
-from qwen3vl_trt.serving.server import ServeOptions, TritonServer, serve
-from qwen3vl_trt.serving.tritonserver_install import TritonInstall, find_tritonserver
-from qwen3vl_trt.serving.visual_cache import VISUAL_CACHE_PARAMETER
+from qwen3vl_trt.serving.server.serve import ServeOptions, TritonServer, serve
+from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_tritonserver
+from qwen3vl_trt.serving.stages.visual_cache import VISUAL_CACHE_PARAMETER
 from tritonclient.grpc import model_config_pb2 as mc
 
 WHEEL_ROOT = tritonserver_install._pytriton_dir()

@@ -19,8 +19,8 @@ from images import jpeg
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
-from qwen3vl_trt.serving.endpoints import free_ports
-from qwen3vl_trt.serving.server import TritonServer
+from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.server.serve import TritonServer
 from qwen3vl_trt.testing.hf_reference import hf_request_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText
@@ -312,8 +312,8 @@ def _infer_model(url, model, arrays: dict[str, np.ndarray]):
 
 def test_tensors_cross_every_model_intact(dense):
     """Known values through each model directly: the python backend's tensors arrive and leave as sent."""
-    from qwen3vl_trt.serving.preprocessing import Preprocessing
-    from qwen3vl_trt.serving.vision_batching import VisionBatching
+    from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+    from qwen3vl_trt.serving.stages.vision_batching import VisionBatching
 
     request = {
         interface.TEXT_INPUT.name: np.array([[b"What is this?"]], dtype=object),
@@ -355,7 +355,7 @@ def test_tensors_cross_every_model_intact(dense):
 
 
 def test_every_generated_config_parses_and_the_ensemble_routes_every_tensor(dense):
-    from qwen3vl_trt.serving import config as cfg
+    from qwen3vl_trt.serving.repository import model_config as cfg
 
     repo = dense.server.repo
     configs = {name: cfg.read(repo / name) for name in interface.MODELS}

@@ -9,10 +9,11 @@ import pytest
 from deployment import build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.serving import interface, stage_metrics
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Answer, Client, RequestRejectedError
-from qwen3vl_trt.serving.endpoints import free_ports
-from qwen3vl_trt.serving.server import TritonServer
+from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from videos import clip
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]

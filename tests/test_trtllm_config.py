@@ -15,8 +15,8 @@ from qwen3vl_trt.contracts import LLM_INPUTS, MROPE_POSITION_DELTAS, VISION_INPU
 from qwen3vl_trt.errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.config import parse, to_text
-from qwen3vl_trt.serving.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config
+from qwen3vl_trt.serving.repository.model_config import parse, to_text
+from qwen3vl_trt.serving.repository.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config
 from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).

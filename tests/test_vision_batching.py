@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import random_pixels
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.vision_batching import ALONE, RunCost, VisionBatching, plan_runs_by_cost
+from qwen3vl_trt.serving.stages.vision_batching import ALONE, RunCost, VisionBatching, plan_runs_by_cost
 from qwen3vl_trt.vision.export import export_vision
 from qwen3vl_trt.vision.metadata import vision_metadata
-from qwen3vl_trt.vision.runner import VisionSidecar
+from qwen3vl_trt.vision.onnx_runner import VisionSidecar
 
 # Joining pays while 2 * 5e-9 * run * image <= 1e-3, i.e. run * image <= 100_000 patches^2.
 COST = RunCost(fixed_s=1e-3, per_patch_s=1e-5, per_pair_s=5e-9)

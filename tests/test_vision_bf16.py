@@ -24,7 +24,7 @@ from qwen3vl_trt.contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, 
 from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
 from qwen3vl_trt.vision.export import export_vision, parity_errors
 from qwen3vl_trt.vision.metadata import vision_metadata
-from qwen3vl_trt.vision.runner import VisionSidecar
+from qwen3vl_trt.vision.onnx_runner import VisionSidecar
 
 BF16_TOLERANCE = 2e-2
 LOSS_FACTOR = 2.0  # the export's error against fp32 may be at most this times transformers' own bf16 error

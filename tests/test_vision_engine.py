@@ -170,7 +170,7 @@ def test_runner_refuses_a_malformed_engine_sidecar(plugin_export, tmp_path, chan
 
 @without_gpu_stack
 def test_the_runner_needs_the_gpu_stack(plugin_export, tmp_path):
-    from qwen3vl_trt.vision.engine_runner import VisionEngine
+    from qwen3vl_trt.vision.trt_runner import VisionEngine
 
     with pytest.raises(GpuStackMissingError, match="cannot run the vision engine here") as raised:
         VisionEngine(_engine_dir(plugin_export, tmp_path))

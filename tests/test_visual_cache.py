@@ -13,14 +13,15 @@ from deployment import LIMITS, build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.llm.inputs import visual_digest
 from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.serving import config as serving_config
-from qwen3vl_trt.serving import interface, stage_metrics
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.endpoints import free_ports
-from qwen3vl_trt.serving.preprocessing import Preprocessing
-from qwen3vl_trt.serving.repository import RepositorySettings
-from qwen3vl_trt.serving.server import TritonServer
-from qwen3vl_trt.serving.visual_cache import (
+from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
+from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+from qwen3vl_trt.serving.stages.visual_cache import (
     MOST_BACKOFF_S,
     REDIS_TIMEOUT_S,
     Event,

@@ -14,7 +14,7 @@ from ..errors import CheckpointError
 from ..fsutil import read_json
 from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
 from ..preprocess import Preprocessor
-from ..vision.runner import VisionEncoder, VisionSidecar
+from ..vision.onnx_runner import VisionEncoder, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
 from .sampling import SamplingParams
 

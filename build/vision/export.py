@@ -157,7 +157,7 @@ def verify_against_transformers(
 ) -> list[Parity]:
     """Random pixels on several grids through ONNX Runtime and the transformers tower."""
     from ..testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from .runner import VisionEncoder
+    from .onnx_runner import VisionEncoder
 
     encoder = VisionEncoder(onnx_dir)
     reference = load_hf_vision_tower(ckpt, tensors)

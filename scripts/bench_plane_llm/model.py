@@ -7,7 +7,7 @@ the LLM: preprocessing, the vision encoder, postprocessing and the server."""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.triton_python import response
+from qwen3vl_trt.serving.stages.triton_adapters import response
 
 FIRST_TOKEN = 1000  # ordinary text ids, so postprocessing decodes real text
 

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
-from ..errors import Qwen3VLTrtError, RequestError, StageError
-from ..limits import EngineLimits
-from . import interface, stage_metrics, visual_cache
+from ...errors import Qwen3VLTrtError, RequestError, StageError
+from ...limits import EngineLimits
+from .. import interface
+from . import metrics as stage_metrics
+from . import visual_cache
 
 _DLPACK_TYPES = {"TYPE_BF16"}
 _log = logging.getLogger(__name__)
@@ -465,7 +467,7 @@ class VisionEncoder(_BatchModel):
 
 class Postprocessing(_BatchModel):
     def load(self) -> None:
-        from .detokenize import Detokenizing
+        from .postprocessing import Detokenizing
 
         self.component = Detokenizing(self.param_path("model_dir"))
 
@@ -521,7 +523,7 @@ class CpuLLM(_Model):
     metrics_published = stage_metrics.LLM
 
     def load(self) -> None:
-        from ..runtime.local import generation_end_ids
+        from ...runtime.local import generation_end_ids
         from .cpu_llm import InflightLLM
 
         self.engine = InflightLLM(

@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import LimitsError
-from ..limits import EngineLimits, ImageLimits
+from ...errors import LimitsError
+from ...limits import EngineLimits, ImageLimits
 
 # The preprocessing parameter that carries the pool's size (`serve` reads it: server.cuda_pool_flags).
 CUDA_POOL_PARAMETER = "cuda_memory_pool_bytes"

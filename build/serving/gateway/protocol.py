@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from ..errors import (
+from ...errors import (
     ImageDecodeError,
     ImageShapeError,
     ImageTooLargeError,

@@ -9,8 +9,8 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..errors import Qwen3VLTrtError
-from .interface import Tensor
+from ...errors import Qwen3VLTrtError
+from ..interface import Tensor
 
 CONFIG_FILE = "config.pbtxt"
 

@@ -39,10 +39,10 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
-from ..limits import EngineLimits
-from . import interface
-from .config import MODEL_DATA_TYPES, instance_group, model_input, model_output, parameters
+from ...errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
+from ...limits import EngineLimits
+from .. import interface
+from .model_config import MODEL_DATA_TYPES, instance_group, model_input, model_output, parameters
 
 BACKEND = "tensorrtllm"
 

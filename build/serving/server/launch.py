@@ -15,14 +15,14 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..errors import ServingError
-from ..fsutil import json_entry, read_json
-from . import config as serving_config
-from .endpoints import ServerPorts
-from .gpu_memory import CUDA_POOL_PARAMETER
-from .interface import LLM, PREPROCESSING
+from ...errors import ServingError
+from ...fsutil import json_entry, read_json
+from ..interface import LLM, PREPROCESSING
+from ..ports import ServerPorts
+from ..repository import model_config as serving_config
+from ..repository.gpu_memory import CUDA_POOL_PARAMETER
+from ..stages.visual_cache import VISUAL_CACHE_PARAMETER
 from .tritonserver_install import TritonInstall
-from .visual_cache import VISUAL_CACHE_PARAMETER
 
 
 def server_command(

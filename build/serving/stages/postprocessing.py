@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..checkpoint import parse_config, read_config
-from ..runtime.local import StreamingDetokenizer, generation_end_ids
-from . import interface
+from ...checkpoint import parse_config, read_config
+from ...runtime.local import StreamingDetokenizer, generation_end_ids
+from .. import interface
 
 
 class Detokenizing:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .interface import CALLED_BY
+from ..interface import CALLED_BY
 
 STUB_BINARY = "triton_python_backend_stub"
 # A dead stub is noticed within two looks (1 s); the stage is back after that plus its own load time (its

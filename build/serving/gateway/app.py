@@ -40,24 +40,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import PromptTooLongError, RequestError, ServingError
-from ..limits import EngineLimits
-from ..preprocess import Preprocessor
-from ..preprocess.prompts import normalize_messages
-from . import config as serving_config
-from . import interface
-from .client import (
-    Answer,
-    Client,
-    InferenceError,
-    RequestRejectedError,
-    ServerBusyError,
-    ServerUnavailableError,
-)
-from .endpoints import DEFAULT_TRITON_REFRESH_S, NO_GATEWAY_OPTIONS, GatewayOptions, host_port
+from ...errors import PromptTooLongError, RequestError, ServingError
+from ...limits import EngineLimits
+from ...preprocess import Preprocessor
+from ...preprocess.prompts import normalize_messages
+from .. import interface
+from ..client import Answer, Client, InferenceError, RequestRejectedError, ServerBusyError, ServerUnavailableError
+from ..ports import DEFAULT_TRITON_REFRESH_S, NO_GATEWAY_OPTIONS, GatewayOptions, host_port
+from ..repository import model_config as serving_config
 from .fleet import Fleet, FleetTarget
-from .gateway_metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
-from .openai_protocol import (
+from .metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
+from .protocol import (
     APIError,
     AssistantMessage,
     ChatCompletion,

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import LimitsError
+from ...errors import LimitsError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ServingError
+from ...errors import ServingError
 
 ENV_VAR = "QWEN3VL_TRITONSERVER"
 NGC_INSTALL = Path("/opt/tritonserver")  # where the NGC images install the server

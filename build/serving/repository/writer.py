@@ -20,19 +20,20 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .. import __version__
-from ..checkpoint import read_config
-from ..contracts import VISION_ENGINE_FILE, BuildLayout
-from ..errors import CheckpointError, LimitsError
-from ..fsutil import atomic_output_dir
-from ..limits import EngineLimits
-from ..llm.checkpoint_format import LLMConfig, read_trtllm_config
-from ..manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
-from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
-from . import config as cfg
-from . import gpu_memory, interface
+from ... import __version__
+from ...checkpoint import read_config
+from ...contracts import VISION_ENGINE_FILE, BuildLayout
+from ...errors import CheckpointError, LimitsError
+from ...fsutil import atomic_output_dir
+from ...limits import EngineLimits
+from ...llm.checkpoint_format import LLMConfig, read_trtllm_config
+from ...manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
+from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
+from .. import interface
+from ..stages.visual_cache import DEFAULT_TTL_S, MEMORY, VISUAL_CACHE_PARAMETER, check_cache_setting
+from . import gpu_memory
+from . import model_config as cfg
 from .gpu_memory import GpuMemoryPlan
-from .visual_cache import DEFAULT_TTL_S, MEMORY, VISUAL_CACHE_PARAMETER, check_cache_setting
 
 REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
 MODEL_FILE = "model.py"
@@ -321,7 +322,7 @@ def gpu_memory_plan(
 
 
 def default_target() -> Target:
-    from ..llm.engine_build import gpu_stack_problem
+    from ...llm.engine_build import gpu_stack_problem
 
     return "gpu" if gpu_stack_problem() is None else "cpu"
 

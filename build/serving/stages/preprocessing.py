@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import MessageError, PromptTooLongError, RequestError, StageError
-from ..limits import EngineLimits
-from ..preprocess import Preprocessor
-from ..preprocess.preprocessor import Request, VisualInput, VisualKind
-from ..runtime.local import generation_end_ids
-from ..vision.metadata import vision_metadata
-from ..vision.sidecar import VisionEngineSidecar, VisionSidecar
-from . import interface
+from ...errors import MessageError, PromptTooLongError, RequestError, StageError
+from ...limits import EngineLimits
+from ...preprocess import Preprocessor
+from ...preprocess.preprocessor import Request, VisualInput, VisualKind
+from ...runtime.local import generation_end_ids
+from ...vision.metadata import vision_metadata
+from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
+from .. import interface
 from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]

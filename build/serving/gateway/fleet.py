@@ -35,11 +35,11 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ServingError
-from . import interface
-from .client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
-from .endpoints import DEFAULT_TRITON_REFRESH_S, host_port
-from .gateway_metrics import GatewayMetrics
+from ...errors import ServingError
+from .. import interface
+from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
+from ..ports import DEFAULT_TRITON_REFRESH_S, host_port
+from .metrics import GatewayMetrics
 
 DEFAULT_PORT = 8001  # Triton's gRPC port
 PROBE_INTERVAL_S = 1.0

@@ -26,10 +26,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from ..errors import ServingError
-from . import config as serving_config
-from .endpoints import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
-from .interface import ENSEMBLE
+from ...errors import ServingError
+from ..interface import ENSEMBLE
+from ..ports import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
+from ..repository import model_config as serving_config
 from .launch import ConfigOverrides, launch_command, repository_models
 from .supervisor import StageSupervisor, group_stubs
 from .tritonserver_install import NGC_IMAGE, find_tritonserver
@@ -37,7 +37,7 @@ from .tritonserver_install import NGC_IMAGE, find_tritonserver
 if TYPE_CHECKING:
     from tritonclient.grpc import InferenceServerClient
 
-    from .gateway import GatewayServer
+    from ..gateway.app import GatewayServer
 
 STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL, for the requests in flight (tritonserver's own default)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -470,7 +470,7 @@ def serve(args: ServeOptions) -> int:
             raise
         ports = server.ports
         if args.openai_port is not None:
-            from .gateway import GatewayServer, GatewaySettings
+            from ..gateway.app import GatewayServer, GatewaySettings
 
             settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
             gateway = GatewayServer(settings, args.address, args.openai_port)

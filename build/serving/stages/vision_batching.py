@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..llm.inputs import interleave_prompt_table
-from ..vision.metadata import vision_metadata
-from ..vision.runner import VisionEncoder, VisionSidecar
-from . import interface
+from ...errors import InputError
+from ...llm.inputs import interleave_prompt_table
+from ...vision.metadata import vision_metadata
+from ...vision.onnx_runner import VisionEncoder, VisionSidecar
+from .. import interface
 
 # Tensors of a run's attention per layer and head: the scores, the mask and the softmax.
 _ATTENTION_COPIES = 3
@@ -173,7 +173,7 @@ class _EngineRuns:
     synchronous = False  # run() enqueues the engine and returns
 
     def __init__(self, engine_dir: str | Path, device: int):
-        from ..vision.engine_runner import VisionEngine
+        from ...vision.trt_runner import VisionEngine
 
         self.engine = VisionEngine(engine_dir, device)
 

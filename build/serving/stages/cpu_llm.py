@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..errors import Qwen3VLTrtError
-from ..runtime.reference_llm import DecodeBatch, LLMRequest, ReferenceLLM
-from ..runtime.sampling import SamplingParams
-from . import interface
+from ...errors import Qwen3VLTrtError
+from ...runtime.reference_llm import DecodeBatch, LLMRequest, ReferenceLLM
+from ...runtime.sampling import SamplingParams
+from .. import interface
 from .preprocessing import split_word_list
 
 log = logging.getLogger(__name__)
