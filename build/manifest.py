@@ -2,8 +2,8 @@
 checkpoint, with which limits and for which target, and what each stage did.
 
 `BuildManifest` writes the file and reads it back; every reader of a build (write-repo, the local
-runtime, acceptance) goes through it, so the stage names and the file's layout live here only.
-Builds made before the manifest recorded limits and target read as the default limits and no target.
+runtime, acceptance) goes through it, so the stage names and the file's layout live here only. A manifest
+of another schema (another version's layout) is refused with the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ VISION_ENGINE_STAGE, TRITON_REPO_STAGE = "vision-engine", "triton-repo"
 STAGES = (VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, TRITON_REPO_STAGE)
 
 _REBUILD = "rebuild it with `qwen3vl-trt build --force`"
+# The layout of manifest.json this version writes and reads; bump it with any change its readers depend on.
+MANIFEST_SCHEMA = 2
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class BuildManifest:
 
     def as_json(self) -> dict[str, object]:
         return {
+            "schema": MANIFEST_SCHEMA,
             "qwen3vl_trt": self.qwen3vl_trt,
             "model": str(self.model),
             "model_type": self.model_type,
@@ -163,12 +166,17 @@ class BuildManifest:
         missing = [stage for stage in required_stages if stage not in done]
         if missing:
             raise CheckpointError(f"{build_dir} lacks the stage(s) {', '.join(missing)} (see {path}); {_REBUILD}")
+        if raw.get("schema") != MANIFEST_SCHEMA:
+            raise CheckpointError(
+                f"{path} was written by another version of qwen3vl-trt (manifest schema {raw.get('schema')}, this "
+                f"version reads {MANIFEST_SCHEMA}); {_REBUILD}"
+            )
         model = raw.get("model")
         if not isinstance(model, str):
             raise CheckpointError(f"{path}: 'model' must be the checkpoint's path, got {model!r}; {_REBUILD}")
         return cls(
             model=Path(model),
-            limits=_limits(raw.get("limits", {}), path),
+            limits=_limits(raw.get("limits"), path),
             stages=stages,
             target=cast("Target | None", _optional(raw, "target", get_args(Target), path)),
             model_type=_optional(raw, "model_type", None, path),
@@ -178,7 +186,7 @@ class BuildManifest:
 
 
 def _optional(raw: Mapping[str, Any], key: str, choices: tuple[str, ...] | None, path: Path) -> str | None:
-    """A string entry that older builds may lack (None then), one of `choices` where given."""
+    """A string entry that may be null, one of `choices` where given."""
     value = raw.get(key)
     if value is None:
         return None

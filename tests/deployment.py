@@ -14,6 +14,7 @@ import psutil
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_INPUT, TEXT_OUTPUT
+from qwen3vl_trt.serving.parameters import EnsembleParameters
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import RepositorySettings
 from tritonclient.grpc import model_config_pb2 as mc
@@ -64,6 +65,7 @@ def echo_repository(root: Path) -> Path:
     )
     ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0, **io)
     ensemble.ensemble_scheduling.step.append(step)
+    EnsembleParameters().apply(ensemble)
     (root / ENSEMBLE / "1").mkdir(parents=True)
     serving_config.write(root / ENSEMBLE, ensemble)
     return root

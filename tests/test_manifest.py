@@ -1,5 +1,5 @@
-"""The build manifest: what `qwen3vl-trt build` writes is what its readers get back, manifests of earlier
-versions still read, and a damaged one is refused with a message that says how to fix it."""
+"""The build manifest: what `qwen3vl-trt build` writes is what its readers get back, a manifest of another schema
+or a damaged one is refused with a message that says how to fix it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.manifest import (
     LLM_CHECKPOINT_STAGE,
     LLM_ENGINE_STAGE,
+    MANIFEST_SCHEMA,
     STAGES,
     TRITON_REPO_STAGE,
     VISION_ENGINE_STAGE,
@@ -22,8 +23,9 @@ from qwen3vl_trt.manifest import (
     StageRecord,
 )
 
-# A manifest as version 0.1.0 wrote it before the manifest had a module of its own (pipeline.build's dict).
-WRITTEN_BY_0_1_0 = {
+# A manifest as this version writes it.
+WRITTEN = {
+    "schema": MANIFEST_SCHEMA,
     "qwen3vl_trt": "0.1.0",
     "model": "/models/Qwen3-VL-2B-Instruct",
     "model_type": "qwen3_vl",
@@ -63,8 +65,8 @@ def _write(build: Path, content: object) -> Path:
     return build
 
 
-def test_reads_a_manifest_written_before_the_module(tmp_path):
-    build = _write(tmp_path / "b", WRITTEN_BY_0_1_0)
+def test_reads_a_manifest_as_written(tmp_path):
+    build = _write(tmp_path / "b", WRITTEN)
     manifest = BuildManifest.read(build, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
     assert manifest.model == Path("/models/Qwen3-VL-2B-Instruct") and manifest.target == "cpu"
     assert manifest.limits == EngineLimits(4, 2048, 4096, 4096, 1024, 32)
@@ -75,13 +77,15 @@ def test_reads_a_manifest_written_before_the_module(tmp_path):
     engine = manifest.stage(LLM_ENGINE_STAGE)
     assert engine is not None and engine.status == "skipped" and "build-llm-engine" in str(engine.rerun_on_gpu_host)
     # Written again, it is the same file.
-    assert manifest.as_json() == WRITTEN_BY_0_1_0
+    assert manifest.as_json() == WRITTEN
 
 
-def test_reads_a_manifest_without_limits_or_target_as_the_defaults(tmp_path):
-    older = {k: v for k, v in WRITTEN_BY_0_1_0.items() if k not in ("limits", "target")}
-    manifest = BuildManifest.read(_write(tmp_path / "b", older))
-    assert manifest.limits == EngineLimits() and manifest.target is None
+@pytest.mark.parametrize("schema", [None, 1, MANIFEST_SCHEMA + 1])
+def test_refuses_a_manifest_of_another_schema(tmp_path, schema):
+    """Manifests written before the schema (0.1.0 wrote none) or by a later version: rebuilt, never guessed at."""
+    other = {k: v for k, v in WRITTEN.items() if k != "schema"} | ({} if schema is None else {"schema": schema})
+    with pytest.raises(CheckpointError, match=f"manifest schema {schema}.*rebuild it with `qwen3vl-trt build --force`"):
+        BuildManifest.read(_write(tmp_path / "b", other))
 
 
 def test_round_trips_what_it_writes(tmp_path):
@@ -118,16 +122,17 @@ def test_round_trips_what_it_writes(tmp_path):
         ({"target": "tpu"}, "'target' must be one of gpu, cpu"),
         ({"limits": {"max_batch_size": 0}}, "EngineLimits.max_batch_size must be a positive integer"),
         ({"limits": {"max_beams": 2}}, "'limits' is not a set of engine limits"),
+        ({"limits": None}, "'limits' is not a set of engine limits"),
     ],
 )
 def test_refuses_a_damaged_manifest(tmp_path, change, message):
-    build = _write(tmp_path / "b", {**WRITTEN_BY_0_1_0, **change})
+    build = _write(tmp_path / "b", {**WRITTEN, **change})
     with pytest.raises(CheckpointError, match="rebuild it with `qwen3vl-trt build --force`") as raised:
         BuildManifest.read(build)
     assert message in str(raised.value)
 
 
 def test_later_versions_entries_are_ignored(tmp_path):
-    later = {**WRITTEN_BY_0_1_0, "stages": [{**WRITTEN_BY_0_1_0["stages"][0], "gpu": "H200"}]}
+    later = {**WRITTEN, "stages": [{**WRITTEN["stages"][0], "gpu": "H200"}]}
     (stage,) = BuildManifest.read(_write(tmp_path / "b", later)).stages
     assert stage == StageRecord("vision-onnx", "done", output="vision", seconds=12.5, verification=3.1e-06)

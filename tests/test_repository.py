@@ -15,8 +15,9 @@ from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.parameters import PreprocessingParameters, VisionEncoderParameters
 from qwen3vl_trt.serving.repository import model_config as cfg
-from qwen3vl_trt.serving.repository.gpu_memory import CUDA_POOL_PARAMETER, GpuMemoryPlan
+from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
 from qwen3vl_trt.serving.repository.writer import REPOSITORY_FILE, RepositorySettings, model_configs
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
@@ -58,15 +59,15 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
             list(theirs.dims),
             list(theirs.reshape.shape),
         ), tensor.name
-    engine_dir = {name: c[interface.VISION_ENCODER].parameters["vision_engine_dir"].string_value for name, c in
-                  (("cpu", cpu), ("gpu", gpu))}  # fmt: skip
-    assert engine_dir == {"cpu": "", "gpu": str(layout.vision_engine)}
+    engine_dir = {name: VisionEncoderParameters.from_model_config(c[interface.VISION_ENCODER]).vision_engine_dir
+                  for name, c in (("cpu", cpu), ("gpu", gpu))}  # fmt: skip
+    assert engine_dir == {"cpu": None, "gpu": layout.vision_engine}
     pre = gpu[interface.PREPROCESSING]
     assert pre.instance_group[0].kind == pre.instance_group[0].KIND_GPU
     assert pre.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
-    assert pre.parameters["device"].string_value == "cuda"
-    assert int(pre.parameters["mrope_positions"].string_value) == limits.max_seq_len
-    assert int(cpu[interface.PREPROCESSING].parameters["mrope_positions"].string_value) == 0
+    assert PreprocessingParameters.from_model_config(pre).preprocess_device == "cuda"
+    assert PreprocessingParameters.from_model_config(pre).mrope_positions == limits.max_seq_len
+    assert PreprocessingParameters.from_model_config(cpu[interface.PREPROCESSING]).mrope_positions == 0
     for configs in (cpu, gpu):
         for config in configs.values():
             assert cfg.parse(cfg.to_text(config)) == config
@@ -88,7 +89,7 @@ MEMORY = GpuMemoryPlan(
 @pytest.mark.parametrize("gpu", [0, 1])
 def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built, tiny_dense, gpu):
     """Without `gpus`, a KIND_GPU group puts an instance on every visible GPU; the KV cache share leaves room for the
-    python models (serving.gpu_memory), and the CUDA memory pool size travels to `serve` in a parameter."""
+    python models (serving.repository.gpu_memory), and the CUDA memory pool size travels to `serve` in a parameter."""
     layout = BuildLayout(built)
     _, llm = read_trtllm_config(layout.llm_checkpoint)
     settings = RepositorySettings(python_models_gpu=gpu)
@@ -99,8 +100,8 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
     assert configs[interface.POSTPROCESSING].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     llm_params = configs[interface.LLM].parameters
     assert float(llm_params["kv_cache_free_gpu_mem_fraction"].string_value) == MEMORY.kv_cache_fraction() < 0.9
-    pool = configs[interface.PREPROCESSING].parameters[CUDA_POOL_PARAMETER].string_value
-    assert int(pool) == MEMORY.transfer_pool_bytes
+    pool = PreprocessingParameters.from_model_config(configs[interface.PREPROCESSING]).cuda_memory_pool_bytes
+    assert pool == MEMORY.transfer_pool_bytes
     given = RepositorySettings(kv_cache_free_gpu_mem_fraction=0.5)
     configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, given, memory=MEMORY)
     assert configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"

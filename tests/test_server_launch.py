@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,11 @@ from deployment import SERVE_SCRIPT, echo_repository, group_gone
 from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
+from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
+from qwen3vl_trt.serving.parameters import REPOSITORY_SCHEMA, EnsembleParameters, PreprocessingParameters
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
-from qwen3vl_trt.serving.repository.gpu_memory import CUDA_POOL_PARAMETER
 from qwen3vl_trt.serving.server import tritonserver_install
 from qwen3vl_trt.serving.server.launch import (
     ConfigOverrides,
@@ -39,9 +41,8 @@ from qwen3vl_trt.serving.server.launch import (
     server_command,
     world_size,
 )
-from qwen3vl_trt.serving.server.serve import ServeOptions, TritonServer, serve
+from qwen3vl_trt.serving.server.serve import ServeOptions, TritonServer, check_repository, serve
 from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_tritonserver
-from qwen3vl_trt.serving.stages.visual_cache import VISUAL_CACHE_PARAMETER
 from tritonclient.grpc import model_config_pb2 as mc
 
 WHEEL_ROOT = tritonserver_install._pytriton_dir()
@@ -177,11 +178,29 @@ def _llm_repo(root: Path, backend: str, engine: Path | None = None, mapping: dic
     return root
 
 
+def _preprocessing_parameters(**values) -> PreprocessingParameters:
+    """Preprocessing's parameters as write-repo declares them, with `values` changed."""
+    base = PreprocessingParameters(
+        model_dir=Path("/checkpoint"),
+        limits=EngineLimits(),
+        vision_dir=Path("/build/vision"),
+        vision_engine_dir=None,
+        llm_dtype="bfloat16",
+        llm_hidden_size=64,
+        preprocess_device="cpu",
+        mrope_positions=0,
+        visual_cache="memory",
+        visual_cache_bytes=1 << 20,
+        visual_cache_ttl_s=60,
+    )
+    return replace(base, **values)
+
+
 def _pool_repo(repo: Path, gpus: list[int], pool: str) -> Path:
     """A GPU-target preprocessing config as write-repo makes it: instances on stated GPUs, the pool's size."""
     config = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
     config.instance_group.append(serving_config.instance_group("gpu", gpus=gpus))
-    serving_config.parameters(config, {CUDA_POOL_PARAMETER: pool})
+    _preprocessing_parameters(cuda_memory_pool_bytes=int(pool)).apply(config)
     (repo / PREPROCESSING).mkdir(parents=True)
     serving_config.write(repo / PREPROCESSING, config)
     return repo
@@ -366,7 +385,8 @@ def test_config_overrides_reach_only_the_models_they_apply_to(tmp_path):
     --visual-cache the cache of the model that has one; the ensemble loads last, after the models it names."""
     bounded = mc.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=8)
     serving_config.queue_policy(bounded, 32, timeout_us=500)
-    serving_config.parameters(bounded, {VISUAL_CACHE_PARAMETER: "memory", "other": "kept"})
+    _preprocessing_parameters(visual_cache="memory").apply(bounded)
+    serving_config.parameters(bounded, {"other": "kept"})
     unbounded = mc.ModelConfig(name="postprocessing", backend="python", max_batch_size=8)
     unbounded.dynamic_batching.max_queue_delay_microseconds = 100
     ensemble = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=8)
@@ -382,9 +402,25 @@ def test_config_overrides_reach_only_the_models_they_apply_to(tmp_path):
     policy = served.dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds) == (2, 500)
     assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
-    assert served.parameters[VISUAL_CACHE_PARAMETER].string_value == "redis://cache:6379/0"
+    assert PreprocessingParameters.from_model_config(served).visual_cache == "redis://cache:6379/0"
     assert overrides.kept_by(served) and not overrides.kept_by(bounded)
     assert overrides.kept_by(unbounded)  # nothing to keep
     served.dynamic_batching.default_queue_policy.max_queue_size = 32
-    served.parameters[VISUAL_CACHE_PARAMETER].string_value = "memory"
+    replace(PreprocessingParameters.from_model_config(served), visual_cache="memory").apply(served)
     assert served == bounded  # nothing else changes
+
+
+def test_a_repository_of_another_layout_is_refused_before_tritonserver_starts(tmp_path):
+    """A repository written before this layout holds model.py files that import modules that moved: serve refuses
+    it by its schema, saying what to rerun, instead of letting a stub die on it."""
+    repo = echo_repository(tmp_path / "repo")
+    check_repository(repo)
+    ensemble = serving_config.read(repo / ENSEMBLE)
+    EnsembleParameters(repository_schema=REPOSITORY_SCHEMA - 1).apply(ensemble)
+    serving_config.write(repo / ENSEMBLE, ensemble)
+    with pytest.raises(ServingError, match=f"repository schema {REPOSITORY_SCHEMA - 1}.*write-repo .*--force"):
+        check_repository(repo)
+    del ensemble.parameters["repository_schema"]
+    serving_config.write(repo / ENSEMBLE, ensemble)
+    with pytest.raises(ServingError, match="repository schema None"):
+        check_repository(repo)

@@ -15,6 +15,7 @@ from qwen3vl_trt.llm.inputs import visual_digest
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.parameters import PreprocessingParameters
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import RepositorySettings
@@ -349,8 +350,8 @@ def test_garbage_or_another_models_entry_is_rejected_and_recomputed(shared, unca
     (key,) = _stored_keys(redis_server) - before
 
     # The key is the deployment's scope and the image's digest, as a Preprocessing component computes them.
-    params = serving_config.read(first.repo / interface.PREPROCESSING).parameters
-    hidden_size = int(params["llm_hidden_size"].string_value)
+    params = PreprocessingParameters.from_model_config(serving_config.read(first.repo / interface.PREPROCESSING))
+    hidden_size = params.llm_hidden_size
     component = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, hidden_size)
     scope = component.feature_scope(first.repo.parent / "vision", None)
     grid = Preprocessor.from_pretrained(checkpoints["dense"])(

@@ -37,8 +37,6 @@ from pathlib import Path
 from ...errors import LimitsError
 from ...limits import EngineLimits, ImageLimits
 
-# The preprocessing parameter that carries the pool's size (`serve` reads it: server.cuda_pool_flags).
-CUDA_POOL_PARAMETER = "cuda_memory_pool_bytes"
 KV_CACHE_FRACTION_CEILING = 0.9  # the tensorrtllm backend's default
 MARGIN_FRACTION = 0.05
 # A CUDA context with cuBLAS/cuDNN handles (measured 500-600 MiB on Hopper with CUDA 12-13); one per process using the

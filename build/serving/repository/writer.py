@@ -30,12 +30,23 @@ from ...llm.checkpoint_format import LLMConfig, read_trtllm_config
 from ...manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
-from ..stages.visual_cache import DEFAULT_TTL_S, MEMORY, VISUAL_CACHE_PARAMETER, check_cache_setting
+from ..backpressure import QUEUED_BATCHES, BackPressure
+from ..parameters import (
+    CACHE_MEMORY,
+    CACHE_TTL_S,
+    EnsembleParameters,
+    LLMParameters,
+    PostprocessingParameters,
+    PreprocessingParameters,
+    VisionEncoderParameters,
+    VisionParameters,
+    check_cache_setting,
+)
 from . import gpu_memory
 from . import model_config as cfg
 from .gpu_memory import GpuMemoryPlan
 
-REPOSITORY_FILE = "qwen3vl_repository.json"  # what was written from what; Triton ignores files here
+REPOSITORY_FILE = "qwen3vl_repository.json"  # Triton ignores files at a repository's top
 MODEL_FILE = "model.py"
 
 
@@ -50,10 +61,10 @@ class RepositorySettings:
     beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
     request that waited this long in such a queue (0: no limit but the queue's size).
     attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
-    visual_cache: where preprocessing keeps images' features (serving.visual_cache): "memory" (an LRU in its
+    visual_cache: where preprocessing keeps images' features (serving.stages.visual_cache): "memory" (an LRU in its
     process within visual_cache_bytes, None: sized from the build by visual_cache_bytes()), a Redis URL
     shared by replicas (entries expire after visual_cache_ttl_s), or "off".
-    GPU target (serving.gpu_memory): python_models_gpu is the GPU of the python models' instances;
+    GPU target (repository.gpu_memory): python_models_gpu is the GPU of the python models' instances;
     kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
     reads the GPU's memory where torch sees it."""
 
@@ -62,9 +73,9 @@ class RepositorySettings:
     max_queue_size: int | None = None
     queue_timeout_us: int = 0
     attention_budget_bytes: int = 1 << 30
-    visual_cache: str = MEMORY
+    visual_cache: str = CACHE_MEMORY
     visual_cache_bytes: int | None = None
-    visual_cache_ttl_s: int = DEFAULT_TTL_S
+    visual_cache_ttl_s: int = CACHE_TTL_S
     kv_cache_free_gpu_mem_fraction: float | None = None
     python_models_gpu: int = 0
     gpu_memory_bytes: int | None = None
@@ -90,12 +101,19 @@ class RepositorySettings:
             raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
 
 
-QUEUED_BATCHES = 4  # the default queue of a batched model: this many full batches wait, more are refused
+@dataclass(frozen=True)
+class RepositoryRecord:
+    """What a `write-repo` output was written from (a build's own repository is recorded in its manifest)."""
 
+    target: Target
+    build_dir: Path
+    model_dir: Path
+    gpu_memory: dict[str, int] | None = None
+    qwen3vl_trt: str = __version__
 
-def queue_size(limits: EngineLimits, settings: RepositorySettings) -> int:
-    """How many requests a batched python model holds waiting for an instance."""
-    return settings.max_queue_size or QUEUED_BATCHES * limits.max_batch_size
+    def write(self, repo: Path) -> None:
+        record = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if v is not None}
+        (repo / REPOSITORY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 # The default in-process visual cache: the features of QUEUED_BATCHES full batches of the largest requests, within
@@ -125,7 +143,7 @@ def _python_model(
     inputs: list[mc.ModelInput],
     outputs: list[mc.ModelOutput],
     kind: str,
-    params: dict[str, object],
+    params: dict[str, str],
     decoupled: bool = False,
     bounded_queue: bool = True,
 ) -> mc.ModelConfig:
@@ -137,7 +155,8 @@ def _python_model(
     if settings.dynamic_batching:
         config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
         if bounded_queue:
-            cfg.queue_policy(config, queue_size(limits, settings), settings.queue_timeout_us)
+            queue = BackPressure.plan(limits, settings.max_queue_size).triton_queue
+            cfg.queue_policy(config, queue, settings.queue_timeout_us)
     if decoupled:
         config.model_transaction_policy.decoupled = True
     cfg.parameters(config, params)
@@ -173,28 +192,28 @@ def model_configs(
     if gpu and memory is None:
         raise ValueError("a gpu-target repository needs the GPU memory plan")
     kind = "gpu" if gpu else "cpu"
-    common = {"model_dir": model_dir, "limits": json.dumps(asdict(limits))}
-    if gpu:
-        common["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"  # pixels stay in device memory between models
-    vision = {
-        "vision_dir": build.vision,
+    # python_backend's own key: pixels stay in device memory between models (r24.10 src/python_be.cc).
+    on_gpu = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"} if gpu else {}
+    vision = VisionParameters(
+        model_dir=model_dir,
+        limits=limits,
+        vision_dir=build.vision,
         # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
-        "vision_engine_dir": build.vision_engine if gpu else "",
-        "llm_dtype": llm.dtype,
-        "llm_hidden_size": llm.hidden_size,
-    }
-    preprocessing = {
-        **common,
-        **vision,
-        "device": "cuda" if gpu else "cpu",
-        "mrope_positions": limits.max_seq_len if gpu else 0,
-        VISUAL_CACHE_PARAMETER: settings.visual_cache,
-        "visual_cache_bytes": visual_cache_bytes(limits, llm, settings),
-        "visual_cache_ttl_s": settings.visual_cache_ttl_s,
-    }
-    if memory is not None and gpu:
-        # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (server.cuda_pool_flags).
-        preprocessing[gpu_memory.CUDA_POOL_PARAMETER] = memory.transfer_pool_bytes
+        vision_engine_dir=build.vision_engine if gpu else None,
+        llm_dtype=llm.dtype,
+        llm_hidden_size=llm.hidden_size,
+    )
+    preprocessing = PreprocessingParameters(
+        **vars(vision),
+        preprocess_device="cuda" if gpu else "cpu",
+        mrope_positions=limits.max_seq_len if gpu else 0,
+        visual_cache=settings.visual_cache,
+        visual_cache_bytes=visual_cache_bytes(limits, llm, settings),
+        visual_cache_ttl_s=settings.visual_cache_ttl_s,
+        # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (launch.cuda_pool_flags).
+        cuda_memory_pool_bytes=memory.transfer_pool_bytes if memory is not None and gpu else None,
+    )
+    vision_encoder = VisionEncoderParameters(**vars(vision), attention_budget_bytes=settings.attention_budget_bytes)
     configs = {}
     configs[interface.PREPROCESSING] = _python_model(
         interface.PREPROCESSING,
@@ -203,7 +222,7 @@ def model_configs(
         [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
         [cfg.model_output(t, model_type) for t in interface.PREPROCESSING_OUTPUTS],
         kind,
-        preprocessing,
+        {**on_gpu, **preprocessing.as_strings()},
         decoupled=True,  # its async execute answers hits while a batch waits for the vision encoder
     )
     configs[interface.VISION_ENCODER] = _python_model(
@@ -213,7 +232,7 @@ def model_configs(
         [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
         [cfg.model_output(interface.PROMPT_TABLE, model_type)],
         kind,
-        {**common, **vision, "attention_budget_bytes": settings.attention_budget_bytes},
+        {**on_gpu, **vision_encoder.as_strings()},
         # Its one client is preprocessing (a request per batch), which bounds the requests it has in flight.
         bounded_queue=False,
     )
@@ -237,7 +256,7 @@ def model_configs(
             [_llm_input(t, model_type) for t in interface.LLM_INPUTS],
             [cfg.model_output(t) for t in interface.LLM_OUTPUTS],
             kind,
-            {**common, "checkpoint_dir": build.llm_checkpoint},
+            {**on_gpu, **LLMParameters(model_dir, limits, build.llm_checkpoint).as_strings()},
             decoupled=True,
         )
     configs[interface.POSTPROCESSING] = _python_model(
@@ -247,7 +266,7 @@ def model_configs(
         [_ragged(t) for t in interface.LLM_OUTPUTS],
         [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
         "cpu",  # tokenizers run on the host
-        {**common},
+        PostprocessingParameters(model_dir, limits).as_strings(),
         # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
         # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
         bounded_queue=False,
@@ -260,6 +279,7 @@ def model_configs(
 
 def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
     config = mc.ModelConfig(name=interface.ENSEMBLE, platform="ensemble", max_batch_size=limits.max_batch_size)
+    EnsembleParameters().apply(config)
     # All optional here: an ensemble whose request lacks a required input never runs its first step and
     # answers with nothing, so preprocessing checks the required ones and says what is missing.
     config.input.extend(cfg.model_input(t, optional=True) for t in interface.REQUEST_INPUTS)
@@ -353,13 +373,5 @@ def write_repository(
     configs = model_configs(build, model, target, limits, llm, settings, memory)
     with atomic_output_dir(output, force=force, inputs=[build.root, model]) as tmp:
         write_model_files(tmp, configs)
-        record: dict[str, object] = {
-            "qwen3vl_trt": __version__,
-            "target": target,
-            "build_dir": str(build.root),
-            "model_dir": str(model),
-        }
-        if memory is not None:
-            record["gpu_memory"] = memory.as_record()
-        (tmp / REPOSITORY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        RepositoryRecord(target, build.root, model, memory.as_record() if memory is not None else None).write(tmp)
     return Path(output)

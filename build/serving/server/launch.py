@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -18,10 +18,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ...errors import ServingError
 from ...fsutil import json_entry, read_json
 from ..interface import LLM, PREPROCESSING
+from ..parameters import PreprocessingParameters
 from ..ports import ServerPorts
 from ..repository import model_config as serving_config
-from ..repository.gpu_memory import CUDA_POOL_PARAMETER
-from ..stages.visual_cache import VISUAL_CACHE_PARAMETER
 from .tritonserver_install import TritonInstall
 
 
@@ -116,22 +115,22 @@ def mpi_command(
 
 def cuda_pool_flags(repo: Path) -> list[str]:
     """`--cuda-memory-pool-byte-size=<gpu>:<bytes>` for the GPU of the repository's python models, sized by
-    write-repo (serving.gpu_memory); none for the CPU target. Triton's default pool is 64 MB per GPU
+    write-repo (serving.repository.gpu_memory); none for the CPU target. Triton's default pool is 64 MB per GPU
     (command_line_parser.cc), below which python_backend passes device tensors by CUDA IPC."""
     path = Path(repo) / PREPROCESSING
     if not (path / serving_config.CONFIG_FILE).is_file():
         return []
     config = serving_config.read(path)
-    if CUDA_POOL_PARAMETER not in config.parameters:
+    pool = PreprocessingParameters.from_model_config(config).cuda_memory_pool_bytes
+    if pool is None:
         return []
     gpus = [gpu for group in config.instance_group for gpu in group.gpus]
-    pool = config.parameters[CUDA_POOL_PARAMETER].string_value
-    if len(set(gpus)) != 1 or not pool.isdigit():
+    if len(set(gpus)) != 1:
         raise ServingError(
             f"{path / serving_config.CONFIG_FILE}: expected one GPU and a byte count for the CUDA memory pool, "
-            f"got gpus {gpus} and {pool!r}; write the repository again with `qwen3vl-trt write-repo`"
+            f"got gpus {gpus} and {pool}; write the repository again with `qwen3vl-trt write-repo`"
         )
-    return [f"--cuda-memory-pool-byte-size={gpus[0]}:{int(pool)}"]
+    return [f"--cuda-memory-pool-byte-size={gpus[0]}:{pool}"]
 
 
 def model_control_flags(load_at_start: bool) -> list[str]:
@@ -184,8 +183,9 @@ class ConfigOverrides:
         if self.max_queue_size is not None and policy.max_queue_size:
             serving_config.queue_policy(config, self.max_queue_size, policy.default_timeout_microseconds)
             applies = True
-        if self.visual_cache is not None and VISUAL_CACHE_PARAMETER in config.parameters:
-            config.parameters[VISUAL_CACHE_PARAMETER].string_value = self.visual_cache
+        if self.visual_cache is not None and config.name == PREPROCESSING:
+            params = PreprocessingParameters.from_model_config(config)
+            replace(params, visual_cache=self.visual_cache).apply(config)
             applies = True
         return applies
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from ...errors import LimitsError
+from ..parameters import CACHE_MEMORY, CACHE_OFF, CACHE_TTL_S, check_cache_setting
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,9 @@ DIGEST_BYTES = 16
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
-OFF = "off"
-MEMORY = "memory"
-VISUAL_CACHE_PARAMETER = "visual_cache"  # preprocessing's config parameter: OFF, MEMORY or a Redis URL
-
 
 class Event(Enum):
-    """What the cache counts (serving.stage_metrics publishes each)."""
+    """What the cache counts (stages.metrics declares a metric for each)."""
 
     HIT = "hit"
     MISS = "miss"
@@ -214,13 +211,12 @@ class MemoryStore:
 # milliseconds, so a store that takes longer than these is treated as down.
 REDIS_TIMEOUT_S = 0.25
 REDIS_CONNECT_TIMEOUT_S = 0.25
-DEFAULT_TTL_S = 24 * 3600
 
 
 class RedisStore:
     """Entries in a Redis server (redis://HOST:PORT/DB), each with a TTL; shared by every replica."""
 
-    def __init__(self, url: str, ttl_s: int = DEFAULT_TTL_S, timeout_s: float = REDIS_TIMEOUT_S):
+    def __init__(self, url: str, ttl_s: int = CACHE_TTL_S, timeout_s: float = REDIS_TIMEOUT_S):
         import redis
 
         self.url = url
@@ -274,19 +270,6 @@ class RedisStore:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def is_redis_url(value: str) -> bool:
-    return value.startswith(("redis://", "rediss://", "unix://"))
-
-
-def check_cache_setting(value: str) -> str:
-    """The visual cache setting as given (off, memory or a Redis URL), or LimitsError saying what is accepted."""
-    if value in (OFF, MEMORY) or is_redis_url(value):
-        return value
-    raise LimitsError(
-        f"the visual cache must be {OFF!r}, {MEMORY!r} or a Redis URL (redis://HOST:PORT/DB), got {value!r}"
-    )
 
 
 # After a store fails, it is asked again this long after (doubling up to the most while it keeps failing).
@@ -410,15 +393,15 @@ def open_cache(
     setting: str,
     scope: FeatureScope,
     budget_bytes: int,
-    ttl_s: int = DEFAULT_TTL_S,
+    ttl_s: int = CACHE_TTL_S,
     observer: Observer | None = None,
 ) -> VisualCache | None:
     """The cache a deployment's setting names: None for off, in memory, or on the Redis server of the URL."""
     check_cache_setting(setting)
-    if setting == OFF:
+    if setting == CACHE_OFF:
         return None
     observe = observer or (lambda event, count: None)
-    if setting == MEMORY:
+    if setting == CACHE_MEMORY:
         return VisualCache(MemoryStore(budget_bytes, lambda n: observe(Event.EVICTION, n)), scope, observe)
     store = RedisStore(setting, ttl_s)
     store.check_settings()
