@@ -12,7 +12,7 @@ decided here once, so both targets' `llm` models receive every input.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from .. import interface
 from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]
+Found = MutableMapping[bytes, torch.Tensor]  # the visual cache's rows of one batch, by digest
 
 
 def _scalar(inputs: Arrays, tensor: interface.Tensor, default: Any) -> Any:
@@ -153,8 +154,6 @@ class Preprocessing:
         self.end_ids = generation_end_ids(Path(model_dir))
         if not self.end_ids:
             raise RequestError(f"{model_dir}/generation_config.json names no eos_token_id; the server needs one")
-        self._found: dict[bytes, torch.Tensor] = {}  # the cache's rows for the batch being prepared
-        self._encoding: Collection[bytes] = ()  # images an earlier batch is encoding (see execute)
 
     def feature_scope(self, vision_dir: Path, engine_dir: Path | None) -> FeatureScope:
         """What decides an image's features besides its bytes and grid: the vision model (its weights, graph
@@ -194,7 +193,6 @@ class Preprocessing:
         """Per request: what it needs of the vision encoder and the rest of its output tensors (no batch
         dimension), or the error to answer it with. `encoding`: digests of images an earlier batch is encoding
         now; those are neither looked up nor decoded (their requests wait for that encode)."""
-        self._encoding = encoding
         results: dict[int, Prepared | Exception] = {}
         parsed: dict[int, _Parsed] = {}
         for i, inputs in enumerate(requests):
@@ -202,7 +200,7 @@ class Preprocessing:
                 parsed[i] = self._parse(inputs)
             except RequestError as e:
                 results[i] = e
-        results.update(self._run(parsed))
+        results.update(self._run(parsed, encoding))
         return [results[i] for i in range(len(requests))]
 
     def vision_request(self, images: Sequence[VisualFeatures]) -> dict[str, Any]:
@@ -250,33 +248,41 @@ class Preprocessing:
             table = torch.zeros((1, self.table.hidden_size), dtype=self.table.dtype)
         return {**prepared.outputs, interface.PROMPT_TABLE.name: table}
 
-    def _run(self, parsed: dict[int, _Parsed]) -> dict[int, Prepared | Exception]:
+    def _run(self, parsed: dict[int, _Parsed], encoding: Collection[bytes]) -> dict[int, Prepared | Exception]:
         """Preprocesses the batch together (images looked up in the cache in one round trip, the others decoded
         as one batch); when one request fails, each is run alone so that only the bad ones get errors."""
         if not parsed:
             return {}
+        found: Found = {}  # this batch's alone: nothing of a request stays on the component once it is prepared
+
+        def cached(visual: Sequence[Sequence[VisualInput]]) -> list[list[bool]]:
+            return self._cached(visual, encoding, found)
+
+        def alone(one: _Parsed) -> Prepared | Exception:
+            try:
+                return self._prepared(one, self.pre.batch([one.call], cached)[0], found)
+            except RequestError as e:
+                return e
+
         order = list(parsed)
         try:
-            made = self.pre.batch([parsed[i].call for i in order], self._cached)
-            return {i: self._prepared(parsed[i], request) for i, request in zip(order, made, strict=True)}
+            made = self.pre.batch([parsed[i].call for i in order], cached)
+            return {i: self._prepared(parsed[i], request, found) for i, request in zip(order, made, strict=True)}
         except RequestError as e:
             if len(order) == 1:
                 return {order[0]: e}
-        return {i: self._alone(parsed[i]) for i in order}
+        return {i: alone(parsed[i]) for i in order}
 
-    def _alone(self, parsed: _Parsed) -> Prepared | Exception:
-        try:
-            return self._prepared(parsed, self.pre.batch([parsed.call], self._cached)[0])
-        except RequestError as e:
-            return e
-
-    def _cached(self, visual: Sequence[Sequence[VisualInput]]) -> list[list[bool]]:
+    def _cached(
+        self, visual: Sequence[Sequence[VisualInput]], encoding: Collection[bytes], found: Found
+    ) -> list[list[bool]]:
         """Preprocessor.batch's skip_decoding: looks every image and video of the batch up at once (but those being
-        encoded now) and keeps the rows found for _prepared; one is skipped when its rows were found or are coming."""
-        self._found = {}
+        encoded now, `encoding`) and keeps the rows found for _prepared in `found`; one is skipped when its rows were
+        found or are coming."""
+        found.clear()
         merge = self.pre.image_config.merge_size
         digests = [[item.digest for item in items] for items in visual]
-        coming = {digest for plan_digests in digests for digest in plan_digests if digest in self._encoding}
+        coming = {digest for plan_digests in digests for digest in plan_digests if digest in encoding}
         wanted = {}
         for items in visual:
             for item in items:
@@ -284,11 +290,11 @@ class Preprocessing:
                     tokens = int(item.grid_thw.prod()) // (merge * merge)
                     wanted[item.digest] = (tuple(int(g) for g in item.grid_thw), self.table.shape(tokens))
         if self.cache is not None:
-            found = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
-            self._found = {digest: rows for digest, rows in zip(wanted, found, strict=True) if rows is not None}
-        return [[digest in self._found or digest in coming for digest in plan_digests] for plan_digests in digests]
+            lookup = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
+            found.update((digest, rows) for digest, rows in zip(wanted, lookup, strict=True) if rows is not None)
+        return [[digest in found or digest in coming for digest in plan_digests] for plan_digests in digests]
 
-    def _prepared(self, parsed: _Parsed, request: Request) -> Prepared:
+    def _prepared(self, parsed: _Parsed, request: Request, found: Found) -> Prepared:
         outputs = self._outputs(parsed, request)
         merge = self.pre.image_config.merge_size
         decoded = request.decoded or (True,) * len(request.visual)
@@ -305,7 +311,7 @@ class Preprocessing:
                     interface.IMAGE_GRID_THW.name: grid[None].astype(np.int64),
                 }
                 first += patches
-            rows = None if was_decoded else self._found.get(digest)  # None: being encoded by an earlier batch
+            rows = None if was_decoded else found.get(digest)  # None: being encoded by an earlier batch
             t, h, w = (int(g) for g in grid)
             images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs))
         return Prepared(outputs, tuple(images))

@@ -4,35 +4,38 @@ one import of these. Importable only inside Triton's python backend (triton_pyth
 Tensors are read as numpy arrays without their batch dimension (bf16 and device tensors through
 DLPack, as torch tensors) and written back with it. Each model's parameters come from its
 config.pbtxt, which the repository writer fills from the build. Each model publishes its
-stage_metrics on Triton's metrics port, measured here around the components.
+stage metrics (stages.metrics) on Triton's metrics port, measured here around the components.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import json
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
 from ...errors import Qwen3VLTrtError, RequestError, StageError
-from ...limits import EngineLimits
 from .. import interface
+from ..backpressure import BackPressure
+from ..parameters import (
+    LLMParameters,
+    PostprocessingParameters,
+    PreprocessingParameters,
+    VisionEncoderParameters,
+)
 from . import metrics as stage_metrics
 from . import visual_cache
 
 _DLPACK_TYPES = {"TYPE_BF16"}
-_log = logging.getLogger(__name__)
 
 
 class _TritonLog(logging.Handler):
@@ -123,7 +126,7 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 def keep_freed_memory() -> None:
     """Lets a stub reuse the buffers its ops free instead of returning them to the kernel and
     page-faulting them in again on the next request: in the vision stub, every ONNX Runtime run (its
-    memory arena is off, see vision.runner) took 7,000-15,000 minor page faults and 1.3-1.7x the time of
+    memory arena is off, see vision.onnx_runner) took 7,000-15,000 minor page faults and 1.3-1.7x the time of
     the same run in one process; with these settings none. Freed memory up to TRIM_THRESHOLD_BYTES stays
     with the process. A no-op where the C library has no mallopt (not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
@@ -143,7 +146,6 @@ class _Model:
         self.threads = intra_op_threads()
         torch.set_num_threads(self.threads)
         self.config = config = json.loads(args["model_config"])
-        self.params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.inputs = {spec["name"]: spec["data_type"] for spec in config["input"]}
         self.device_id = int(args.get("model_instance_device_id", 0))
         self.metrics = _Metrics(
@@ -156,12 +158,6 @@ class _Model:
 
     def finalize(self) -> None:
         self.metrics.close()
-
-    def param_path(self, key: str) -> Path:
-        return Path(self.params[key])
-
-    def limits(self) -> EngineLimits:
-        return EngineLimits(**json.loads(self.params["limits"]))
 
     def read(self, request: Any) -> dict[str, Any]:
         values: dict[str, Any] = {}
@@ -256,54 +252,59 @@ _CACHE_METRICS = {
 }
 
 
-class Preprocessing(_Model):
-    """Decoupled, with an async execute (python_backend r24.05+, "Decoupled Async Execute"): a batch is prepared,
-    its requests that need no vision encoder (all images in the visual cache, text only, refused) are answered at
-    once, and its images the cache did not hold go to `vision_encoder` as one request (BLS, async_exec: a batch
-    whose images all hit runs no vision encoder, and Triton's statistics show it). While a batch waits for the
-    vision encoder, the next ones are prepared and answered: a hit never waits for another request's miss.
+class _Received(NamedTuple):
+    """An admitted or refused request and its response sender, taken on the stub's thread."""
 
-    The stub runs a coroutine that execute returns on an event loop of its own and hands the instance its next
-    batch at once, with no bound on the coroutines (python_backend r24.10 and r26.04 src/pb_stub.cc
-    ProcessRequests, RunCoroutine in background), so Triton's queue bound no longer holds requests back. execute
-    therefore admits a batch on the stub's own thread before returning the coroutine: beyond the queue policy's
-    max_queue_size plus one batch in flight it refuses a request at once with the dynamic batcher's own message
-    (interface.QUEUE_FULL). Each request gets exactly one final response, whatever is raised: the stub only logs
-    an exception that a coroutine raises."""
+    request: Any
+    sender: Any
+
+
+class PreprocessingModel(_Model):
+    """Decoupled, with an async execute (python_backend r24.05+, "Decoupled Async Execute"): execute hands a batch
+    to the scheduler (scheduler.PreprocessingScheduler: admission, the batch flow, joining images being encoded)
+    and returns the coroutine that serves it. This adapter reads the requests' tensors, sends a batch's images to
+    `vision_encoder` as one BLS request (async_exec: a batch whose images all hit runs no vision encoder, and
+    Triton's statistics show it), turns results into responses and publishes the stage's metrics."""
 
     metrics_published = stage_metrics.PREPROCESSING
 
     def load(self) -> None:
-        from .preprocessing import Preprocessing as Component
+        from .preprocessing import Preprocessing
+        from .scheduler import PreprocessingScheduler
 
         # The backend passes the instance's GPU as model_instance_device_id and sets no current device
         # (python_backend r26.04 src/stub_launcher.cc): "cuda" alone would put every instance on GPU 0.
-        device = f"cuda:{self.device_id}" if self.params["device"] == "cuda" else self.params["device"]
-        limits = self.limits()
-        self.component = Component(
-            self.param_path("model_dir"),
+        params = PreprocessingParameters.from_stub_config(self.config)
+        device = f"cuda:{self.device_id}" if params.preprocess_device == "cuda" else params.preprocess_device
+        limits = params.limits
+        self.component = Preprocessing(
+            params.model_dir,
             limits,
-            getattr(torch, self.params["llm_dtype"]),
-            int(self.params["llm_hidden_size"]),
-            mrope_positions=int(self.params["mrope_positions"]),
+            getattr(torch, params.llm_dtype),
+            params.llm_hidden_size,
+            mrope_positions=params.mrope_positions,
             device=device,
         )
-        engine_dir = self.params.get("vision_engine_dir") or None
-        scope = self.component.feature_scope(self.param_path("vision_dir"), Path(engine_dir) if engine_dir else None)
+        scope = self.component.feature_scope(params.vision_dir, params.vision_engine_dir)
         self.cache_counts = _CacheCounts()
         self.component.cache = visual_cache.open_cache(
-            self.params[visual_cache.VISUAL_CACHE_PARAMETER],
+            params.visual_cache,
             scope,
-            int(self.params["visual_cache_bytes"]),
-            int(self.params["visual_cache_ttl_s"]),
+            params.visual_cache_bytes,
+            params.visual_cache_ttl_s,
             observer=self.cache_counts.add,
         )
         queue = int(self.config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 0))
-        self.in_flight_limit = queue + limits.max_batch_size if queue else None
-        self.in_flight = 0  # requests admitted and not yet answered
-        self.in_flight_lock = threading.Lock()  # execute admits on the stub's thread, the loop's thread answers
-        # Images being encoded now, by digest: a later batch's request for one waits for it (on the loop's thread).
-        self.encoding: dict[bytes, asyncio.Future[torch.Tensor | Exception]] = {}
+        self.scheduler = PreprocessingScheduler[_Received](
+            self.component,
+            read=lambda received: self.read(received.request),
+            encode=self._encode,
+            answer=self._answer,
+            metrics=self.metrics,
+            published=self._publish_cache_counts,
+            # A repository without a queue policy bounds nothing, nor does the stage then.
+            in_flight_limit=BackPressure.plan(limits, queue).preprocessing_in_flight if queue else None,
+        )
 
     def finalize(self) -> None:
         if self.component.cache is not None:
@@ -312,96 +313,13 @@ class Preprocessing(_Model):
 
     def execute(self, requests: Sequence[Any]) -> Coroutine[Any, Any, None]:
         self.metrics.add(stage_metrics.REQUESTS, len(requests))
-        senders = [r.get_response_sender() for r in requests]
-        with self.in_flight_lock:
-            room = len(requests) if self.in_flight_limit is None else max(0, self.in_flight_limit - self.in_flight)
-            admitted = min(room, len(requests))
-            self.in_flight += admitted
-        refusal = StageError(f"{interface.QUEUE_FULL} of preprocessing: {self.in_flight_limit} requests in flight")
-        for sender in senders[admitted:]:
-            self._answer(sender, refusal, admitted=False)
-        return self._serve(requests[:admitted], senders[:admitted])
+        return self.scheduler.admit([_Received(r, r.get_response_sender()) for r in requests])
 
-    async def _serve(self, requests: Sequence[Any], senders: Sequence[Any]) -> None:
-        from .preprocessing import Prepared
-
-        answered: set[int] = set()
-
-        def answer(i: int, result: Mapping[str, Any] | Exception) -> None:
-            answered.add(i)
-            self._answer(senders[i], result)
-
-        try:
-            if self.component.pre.device.type == "cuda":
-                # The event loop's thread: BLS tensors' proxy streams are looked up by the current device.
-                torch.cuda.set_device(self.component.pre.device)
-            started = time.perf_counter()
-            try:
-                outcomes: list[Prepared | Exception] = self.component.execute(
-                    [self.read(r) for r in requests], encoding=self.encoding.keys()
-                )
-            except Qwen3VLTrtError as e:
-                outcomes = [e] * len(requests)
-            self.metrics.observe(stage_metrics.PREPROCESS_SECONDS, time.perf_counter() - started)
-            waiting: list[tuple[int, Prepared]] = []
-            for i, outcome in enumerate(outcomes):
-                if isinstance(outcome, Prepared) and outcome.pending:
-                    waiting.append((i, outcome))
-                else:
-                    answer(i, outcome if isinstance(outcome, Exception) else self._finish(outcome, {}))
-            self._publish_cache_counts()
-            if waiting:
-                rows = await self._rows([image for _, outcome in waiting for image in outcome.pending])
-                for i, outcome in waiting:
-                    failed = next(
-                        (rows[image.digest] for image in outcome.pending if isinstance(rows[image.digest], Exception)),
-                        None,
-                    )
-                    answer(i, failed if failed is not None else self._finish(outcome, rows))  # type: ignore[arg-type]
-                self._publish_cache_counts()
-        except Exception as e:  # a bug or a failed transfer: still one final response per request
-            _log.exception("preprocessing failed a batch")
-            failure = StageError(f"preprocessing failed: {type(e).__name__}: {e}")
-            for i in range(len(senders)):
-                if i not in answered:
-                    try:
-                        answer(i, failure)
-                    except Exception:  # the response itself could not be sent; nothing more to do for it
-                        _log.exception("preprocessing could not answer a request")
-
-    async def _rows(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor | Exception]:
-        """The prompt-table rows of a batch's pending images, by digest: those it decoded go to the vision encoder
-        as one request, each image once (a popular one may be in the batch twice before its first encode is
-        cached); those an earlier batch is encoding now are waited for (`self.encoding`). An image's rows are the
-        encoder's error when it failed."""
-        own = {image.digest: image for image in images if image.vision_inputs is not None}
-        joined = {image.digest: self.encoding[image.digest] for image in images if image.digest not in own}
-        decoded = Counter(image.kind for image in images if image.vision_inputs is not None)
-        self.metrics.add(stage_metrics.IMAGES_DECODED, decoded["image"])
-        self.metrics.add(stage_metrics.VIDEOS_DECODED, decoded["video"])
-        self.metrics.add(stage_metrics.ENCODES_JOINED, len(images) - sum(i.vision_inputs is not None for i in images))
-        loop = asyncio.get_running_loop()
-        mine = {digest: loop.create_future() for digest in own}
-        self.encoding.update(mine)
-        try:
-            if own:
-                encoded = await self._encode(list(own.values()))
-                for digest, future in mine.items():
-                    future.set_result(encoded if isinstance(encoded, Exception) else encoded[digest])
-        finally:
-            for digest, future in mine.items():
-                del self.encoding[digest]
-                if not future.done():
-                    future.set_result(StageError("preprocessing failed while encoding this image"))
-        return {digest: future.result() for digest, future in mine.items()} | {
-            digest: await future for digest, future in joined.items()
-        }
-
-    async def _encode(self, images: Sequence[Any]) -> dict[bytes, torch.Tensor] | StageError:
-        """The images' prompt-table rows by digest from one vision encoder request, or the error it answered."""
+    async def _encode(self, inputs: Mapping[str, Any]) -> torch.Tensor | StageError:
+        """The prompt table of one vision encoder request (BLS, async_exec), or the error it answered."""
         request = pb_utils.InferenceRequest(
             model_name=interface.VISION_ENCODER,
-            inputs=[_tensor(name, value) for name, value in self.component.vision_request(images).items()],
+            inputs=[_tensor(name, value) for name, value in inputs.items()],
             requested_output_names=[interface.PROMPT_TABLE.name],
         )
         answer = await request.async_exec()
@@ -410,47 +328,32 @@ class Preprocessing(_Model):
         output = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
         # A copy of its own, so the response's buffer (on the GPU target a block of Triton's CUDA memory pool, which
         # the DLPack capsule would hold) goes back at once.
-        table = torch.from_dlpack(output.to_dlpack())[0].clone()
-        try:
-            return self.component.split_rows(table, images)
-        except StageError as e:
-            return e
+        return torch.from_dlpack(output.to_dlpack())[0].clone()
 
-    def _finish(self, prepared: Any, rows: Mapping[bytes, Any]) -> Mapping[str, Any] | Exception:
-        try:
-            return self.component.finish(prepared, rows)
-        except Qwen3VLTrtError as e:
-            return e
-
-    def _answer(self, sender: Any, result: Mapping[str, Any] | Exception, admitted: bool = True) -> None:
-        """Sends a request its one final response; an admitted request stops counting as in flight."""
-        try:
-            if isinstance(result, Exception):
-                self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
-            reply = error_response(result) if isinstance(result, Exception) else response(result)
-            sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        finally:
-            if admitted:
-                with self.in_flight_lock:
-                    self.in_flight -= 1
+    def _answer(self, received: _Received, result: Mapping[str, Any] | Exception) -> None:
+        if isinstance(result, Exception):
+            self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
+        reply = error_response(result) if isinstance(result, Exception) else response(result)
+        received.sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _publish_cache_counts(self) -> None:
         for event, count in self.cache_counts.take().items():
             self.metrics.add(_CACHE_METRICS[event], count)
 
 
-class VisionEncoder(_BatchModel):
+class VisionEncoderModel(_BatchModel):
     metrics_published = stage_metrics.VISION_ENCODER
 
     def load(self) -> None:
         from .vision_batching import VisionBatching
 
+        params = VisionEncoderParameters.from_stub_config(self.config)
         self.component = VisionBatching(
-            self.param_path("vision_dir"),
-            getattr(torch, self.params["llm_dtype"]),
-            int(self.params["llm_hidden_size"]),
-            int(self.params["attention_budget_bytes"]),
-            engine_dir=self.params.get("vision_engine_dir") or None,  # repositories of earlier versions have none
+            params.vision_dir,
+            getattr(torch, params.llm_dtype),
+            params.llm_hidden_size,
+            params.attention_budget_bytes,
+            engine_dir=params.vision_engine_dir,
             device=self.device_id,
             on_run=self._encoded,
             intra_op_threads=self.threads,
@@ -465,11 +368,11 @@ class VisionEncoder(_BatchModel):
             self.metrics.observe(stage_metrics.VISION_RUN_SECONDS, seconds)
 
 
-class Postprocessing(_BatchModel):
+class PostprocessingModel(_BatchModel):
     def load(self) -> None:
         from .postprocessing import Detokenizing
 
-        self.component = Detokenizing(self.param_path("model_dir"))
+        self.component = Detokenizing(PostprocessingParameters.from_stub_config(self.config).model_dir)
 
     def execute(self, requests: Sequence[Any]) -> list[Any]:
         inputs = [self.read(r) for r in requests]
@@ -517,7 +420,7 @@ class _ResponseStream:
         return bool(self.sender.is_cancelled())
 
 
-class CpuLLM(_Model):
+class LLMModel(_Model):
     """Decoupled: execute hands the requests to the inflight batcher and returns at once."""
 
     metrics_published = stage_metrics.LLM
@@ -526,10 +429,11 @@ class CpuLLM(_Model):
         from ...runtime.local import generation_end_ids
         from .cpu_llm import InflightLLM
 
+        params = LLMParameters.from_stub_config(self.config)
         self.engine = InflightLLM(
-            self.param_path("checkpoint_dir"),
-            generation_end_ids(self.param_path("model_dir")),
-            self.limits().max_batch_size,
+            params.checkpoint_dir,
+            generation_end_ids(params.model_dir),
+            params.limits.max_batch_size,
         )
         self.engine.warm_up()
         self.engine.start()

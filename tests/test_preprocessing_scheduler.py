@@ -1,0 +1,214 @@
+"""The preprocessing model's scheduling without tritonserver: admission, joining an image another batch is
+encoding, a failed encode failing only the requests that need it, and one answer per request whatever raises;
+a real component over the tiny checkpoint, a vision encoder the test holds and fails at will."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from deployment import LIMITS
+from images import jpeg
+from qwen3vl_trt.errors import StageError
+from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
+from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+from qwen3vl_trt.serving.stages.scheduler import PreprocessingScheduler, Result
+
+TABLE = interface.PROMPT_TABLE.name
+
+
+@pytest.fixture(scope="module")
+def component(checkpoints):
+    return Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64)
+
+
+class Request:
+    def __init__(self, name: str, image: bytes | None = None):
+        self.name = name
+        self.inputs: dict[str, Any] = {
+            interface.TEXT_INPUT.name: np.array([b"What is it?"], dtype=object),
+            interface.MAX_TOKENS.name: np.array([4], np.int32),
+        }
+        if image is not None:
+            self.inputs[interface.IMAGES.name] = np.array([image], dtype=object)
+
+
+class Encoder:
+    """The vision encoder: each call's prompt table is random rows, answered once the test opens the gate; the
+    calls named in `fail` answer an error, or a table a row short, or raise."""
+
+    def __init__(self, component: Preprocessing, fail: dict[int, str] | None = None):
+        self.component = component
+        self.fail = fail or {}
+        self.calls: list[int] = []  # the visual tokens of each call
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, inputs: dict[str, Any]) -> torch.Tensor | Exception:
+        call = len(self.calls)
+        self.calls.append(int(inputs[interface.VISUAL_TOKEN_COUNT.name][0]))
+        if self.gate is not None:
+            await self.gate.wait()
+        rows = torch.randn(self.component.table.shape(self.calls[-1]), generator=torch.Generator().manual_seed(call))
+        failure = self.fail.get(call)
+        if failure == "error":
+            return StageError("the vision encoder failed: out of memory")
+        if failure == "rows":
+            return rows[1:]
+        if failure == "raise":
+            raise RuntimeError("the transfer failed")
+        return rows
+
+    async def entered(self, calls: int) -> None:
+        while len(self.calls) < calls:
+            await asyncio.sleep(0)
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.added: Counter[str] = Counter()
+        self.observed: Counter[str] = Counter()
+
+    def add(self, metric: stage_metrics.Metric, value: float) -> None:
+        self.added[metric.name] += value
+
+    def observe(self, metric: stage_metrics.Metric, value: float) -> None:
+        self.observed[metric.name] += 1
+
+
+class Harness:
+    """A scheduler over the component, with every answer recorded by request name; the requests named in
+    `unreadable` cannot be read, the results (not errors) of those in `unsendable` cannot be sent."""
+
+    def __init__(self, component: Preprocessing, encoder: Encoder, in_flight_limit: int | None = None):
+        self.answers: list[tuple[str, Result]] = []
+        self.metrics = Observer()
+        self.published = 0
+        self.unreadable: set[str] = set()
+        self.unsendable: set[str] = set()
+        self.scheduler = PreprocessingScheduler[Request](
+            component,
+            read=self._read,
+            encode=encoder,
+            answer=self._answer,
+            metrics=self.metrics,
+            published=self._published,
+            in_flight_limit=in_flight_limit,
+        )
+
+    def _read(self, request: Request) -> dict[str, Any]:
+        if request.name in self.unreadable:
+            raise KeyError("a tensor the config declares is missing")
+        return request.inputs
+
+    def _answer(self, request: Request, result: Result) -> None:
+        if request.name in self.unsendable and not isinstance(result, Exception):
+            raise TypeError("this result cannot be sent")
+        self.answers.append((request.name, result))
+
+    def _published(self) -> None:
+        self.published += 1
+
+    def answered(self) -> dict[str, Result]:
+        """Each request's one answer."""
+        names = Counter(name for name, _ in self.answers)
+        assert all(count == 1 for count in names.values()), names
+        return dict(self.answers)
+
+    def assert_idle(self) -> None:
+        """Nothing of a finished request stays with the scheduler."""
+        assert self.scheduler.in_flight == 0 and self.scheduler.encoding == {}
+
+
+def _two_batches(harness: Harness, encoder: Encoder, first: list[Request], second: list[Request]) -> None:
+    """Serves `first`, then `second` while first's encode is held, then lets the encodes answer."""
+
+    async def run() -> None:
+        encoder.gate = asyncio.Event()
+        serving = asyncio.ensure_future(harness.scheduler.admit(first))
+        await encoder.entered(1)
+        joining = asyncio.ensure_future(harness.scheduler.admit(second))
+        await asyncio.sleep(0)
+        encoder.gate.set()
+        await asyncio.gather(serving, joining)
+
+    asyncio.run(run())
+
+
+def test_admission_refuses_beyond_the_cap_at_once_and_admits_again_after_answers(component):
+    harness = Harness(component, Encoder(component), in_flight_limit=2)
+    serving = harness.scheduler.admit([Request("t1"), Request("t2"), Request("t3")])
+    (refused,) = harness.answers  # before the batch is served: on the stub's thread
+    assert refused[0] == "t3" and isinstance(refused[1], StageError) and interface.QUEUE_FULL in str(refused[1])
+    assert harness.scheduler.in_flight == 2
+    asyncio.run(harness.scheduler.admit([Request("t4")]))
+    assert harness.answers[-1][0] == "t4" and isinstance(harness.answers[-1][1], StageError)
+    asyncio.run(serving)
+    answered = harness.answered()
+    assert all(TABLE in answered[name] for name in ("t1", "t2"))
+    harness.assert_idle()
+    asyncio.run(harness.scheduler.admit([Request("t5")]))
+    assert TABLE in harness.answered()["t5"]
+    assert harness.metrics.added[stage_metrics.IMAGES_DECODED.name] == 0
+    harness.assert_idle()
+
+
+def test_an_image_another_batch_is_encoding_is_joined_not_encoded_again(component):
+    encoder = Encoder(component)
+    harness = Harness(component, encoder)
+    image = jpeg(128, 128, seed=3)
+    before = dict(vars(component))
+    _two_batches(harness, encoder, [Request("first", image)], [Request("joining", image), Request("text")])
+    answered = harness.answered()
+    assert len(encoder.calls) == 1
+    first, joining = answered["first"], answered["joining"]
+    assert isinstance(first, dict) and isinstance(joining, dict) and TABLE in answered["text"]
+    assert torch.equal(first[TABLE], joining[TABLE])
+    assert harness.metrics.added[stage_metrics.IMAGES_DECODED.name] == 1
+    assert harness.metrics.added[stage_metrics.ENCODES_JOINED.name] == 1
+    assert harness.metrics.observed[stage_metrics.PREPROCESS_SECONDS.name] == 2 and harness.published == 4
+    harness.assert_idle()
+    assert [name for name, value in vars(component).items() if value is not before.get(name)] == []
+
+
+@pytest.mark.parametrize("failure", ["error", "rows"])
+def test_a_failed_encode_fails_only_the_requests_that_need_its_image(component, failure):
+    encoder = Encoder(component, fail={0: failure})
+    harness = Harness(component, encoder)
+    failing, other = jpeg(128, 128, seed=4), jpeg(128, 96, seed=5)
+    second = [Request("joining", failing), Request("other", other), Request("text")]
+    _two_batches(harness, encoder, [Request("first", failing)], second)
+    answered = harness.answered()
+    assert len(encoder.calls) == 2  # the failing image once, the other image once
+    assert isinstance(answered["first"], StageError) and str(answered["joining"]) == str(answered["first"])
+    assert TABLE in answered["other"] and TABLE in answered["text"]
+    harness.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("where", "succeeding"),
+    [("read", {"first"}), ("encode", {"text"}), ("finish", set()), ("answer", {"first", "joining"})],
+)
+def test_whatever_raises_every_request_gets_exactly_one_answer(component, monkeypatch, where, succeeding):
+    encoder = Encoder(component, fail={0: "raise"} if where == "encode" else None)
+    harness = Harness(component, encoder)
+    image = jpeg(128, 128, seed=6)
+    if where == "read":
+        harness.unreadable.add("text")  # its batch fails; the other goes on
+    if where == "answer":
+        harness.unsendable.add("text")  # it gets its error instead
+    if where == "finish":
+
+        def finish(*_: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(component, "finish", finish)
+    _two_batches(harness, encoder, [Request("first", image)], [Request("joining", image), Request("text")])
+    answered = harness.answered()
+    assert set(answered) == {"first", "joining", "text"}
+    assert {name for name, result in answered.items() if not isinstance(result, Exception)} == succeeding
+    harness.assert_idle()
