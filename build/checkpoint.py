@@ -17,14 +17,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-
-from .dtypes import SAFETENSORS_DTYPES
 from .errors import CheckpointError, UnsupportedModelError
-from .safetensors_io import TensorLocation
+
+# torch and safetensors load only when tensors are read: the command line's light paths import this module.
+if TYPE_CHECKING:
+    import torch
+
+    from .safetensors_io import TensorLocation
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -427,6 +428,8 @@ class Checkpoint:
 
     def iter_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) for the requested names, opening each needed shard once."""
+        from safetensors import safe_open
+
         by_shard: dict[str, list[str]] = defaultdict(list)
         for name in names:
             self._tensor_meta(name)  # every name checked before any shard is read
@@ -438,6 +441,9 @@ class Checkpoint:
 
     def locate(self, name: str) -> TensorLocation:
         """Where tensor `name` lies on disk, for reading it in row ranges without loading its shard."""
+        from .safetensors_io import TensorLocation
+        from .torch_dtypes import SAFETENSORS_DTYPES
+
         meta = self._tensor_meta(name)
         shard = self._shard_of(name)
         dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
@@ -460,6 +466,8 @@ class Checkpoint:
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """Content hash of named tensors (name, dtype, shape and raw bytes), independent of sharding."""
+    import torch
+
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()

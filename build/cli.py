@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import Qwen3VLTrtError
-from .serving.ports import DEFAULT_TRITON_REFRESH_S, GatewayOptions, ServerPorts
+from .serving.ports import DEFAULT_OPENAI_PORT, DEFAULT_TRITON_REFRESH_S, LOCAL_TRITON_URL, GatewayOptions, ServerPorts
 
 if TYPE_CHECKING:
     from .serving.server.serve import ServeOptions
@@ -134,12 +134,8 @@ def _repository_settings(args: argparse.Namespace):
 
 
 def _add_repository_options(s: argparse.ArgumentParser) -> None:
-    from .serving.repository.writer import (
-        QUEUED_BATCHES,
-        VISUAL_CACHE_MAX_BYTES,
-        VISUAL_CACHE_MIN_BYTES,
-        RepositorySettings,
-    )
+    from .serving.backpressure import QUEUED_BATCHES
+    from .serving.repository.writer import VISUAL_CACHE_MAX_BYTES, VISUAL_CACHE_MIN_BYTES, RepositorySettings
 
     d = RepositorySettings()
     g = s.add_argument_group("Triton repository")
@@ -223,7 +219,7 @@ def _write_repo(args: argparse.Namespace) -> None:
 def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
     return GatewayOptions(
         served_model_name=args.served_model_name,
-        allow_remote_images=args.allow_remote_images,
+        allow_remote_media=args.allow_remote_media,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait,
@@ -287,7 +283,7 @@ def _positive_int(text: str) -> int:
 
 def _visual_cache(text: str) -> str:
     from .errors import LimitsError
-    from .serving.stages.visual_cache import check_cache_setting
+    from .serving.parameters import check_cache_setting
 
     try:
         return check_cache_setting(text)
@@ -321,44 +317,55 @@ def _positive_float(text: str) -> float:
 
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
+    from .serving.backpressure import GATEWAY_IN_FLIGHT_BATCHES, GATEWAY_QUEUED_BATCHES
+    from .serving.gateway.settings import (
+        BODY_SLACK_BYTES,
+        DEFAULT_MAX_QUEUE_WAIT_S,
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_REQUEST_TIMEOUT_S,
+    )
+
     parser.add_argument(
         "--served-model-name", help="the `model` clients ask for (default: the checkpoint's folder name)"
     )
     parser.add_argument(
-        "--allow-remote-images",
+        "--allow-remote-media",
         action="store_true",
         help="fetch http(s) image and video URLs in messages (default: only data: URLs are accepted)",
     )
     parser.add_argument(
         "--max-concurrent-requests",
         type=_positive_int,
-        help="chat requests served at once (default: twice the engine's max_batch_size)",
+        help=f"chat requests served at once (default: {GATEWAY_IN_FLIGHT_BATCHES} x the engine's max_batch_size)",
     )
     parser.add_argument(
         "--max-queued-requests",
         type=_non_negative_int,
-        help="requests that wait for a slot beyond those; more are refused with 429 (default: 8 x max_batch_size)",
+        help="requests that wait for a slot beyond those; more are refused with 429 "
+        f"(default: {GATEWAY_QUEUED_BATCHES} x max_batch_size)",
     )
     parser.add_argument(
         "--max-queue-wait",
         type=_positive_float,
-        help="seconds a queued request waits for a slot before it is refused with 429 (default: 30)",
+        help="seconds a queued request waits for a slot before it is refused with 429 "
+        f"(default: {DEFAULT_MAX_QUEUE_WAIT_S:g})",
     )
     parser.add_argument(
         "--max-request-bytes",
         type=_positive_int,
-        help="larger request bodies are refused with 413 (default: max images x max image bytes as base64 plus 4 MiB, "
-        "at most 32 MiB)",
+        help="larger request bodies are refused with 413 (default: max images x max image bytes as base64 plus "
+        f"{BODY_SLACK_BYTES // 2**20} MiB, at most {DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB)",
     )
     parser.add_argument(
         "--request-timeout",
         type=_positive_float,
-        help="seconds a request may take; then it ends with an error and is cancelled on the server (default: 600)",
+        help="seconds a request may take; then it ends with an error and is cancelled on the server "
+        f"(default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from .serving.server.serve import STOP_GRACE_S
+    from .serving.server.serve import READY_TIMEOUT_S, STOP_GRACE_S
     from .serving.server.tritonserver_install import ENV_VAR, NGC_INSTALL
 
     defaults = ServerPorts()
@@ -379,7 +386,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--print-command", action="store_true", help="print the server command and exit")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose logging level")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every model to load")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for every model to load"
+    )
     parser.add_argument(
         "--stop-grace",
         type=_positive_float,
@@ -531,11 +540,10 @@ def _preprocess(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2))
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwen3vl-trt", description="Compile Qwen3-VL for TensorRT and Triton.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+_Subparsers = argparse._SubParsersAction  # add_subparsers' result: each command adds its parser to it
 
+
+def _add_make_tiny_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("make-tiny", help="write a random-weight Qwen3-VL checkpoint (tests, demos, benchmarks)")
     s.add_argument("--output", required=True, help="checkpoint directory to create")
     s.add_argument("--moe", action="store_true", help="Qwen3-VL-MoE text model (a few experts)")
@@ -549,10 +557,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_make_tiny)
 
+
+def _add_inspect_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("inspect", help="check a checkpoint's config and shards and print what it is")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.set_defaults(func=_inspect)
 
+
+def _add_export_vision_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("export-vision", help="export the vision encoder (ViT, merger, DeepStack) to ONNX")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="directory to create for the ONNX and its sidecar")
@@ -567,6 +579,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_export_vision)
 
+
+def _add_build_vision_engine_parser(sub: _Subparsers) -> None:
     from .vision.engine import DEFAULT_OPTIMIZATION_LEVEL, VisionEngineProfile
 
     d = VisionEngineProfile()
@@ -584,6 +598,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_build_vision_engine)
 
+
+def _add_preprocess_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("preprocess", help="show what a request (text, images, videos) becomes for the engines")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
@@ -600,6 +616,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ids", action="store_true", help="print the token ids")
     s.set_defaults(func=_preprocess)
 
+
+def _add_build_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="build directory to create")
@@ -615,6 +633,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing build directory")
     s.set_defaults(func=_build)
 
+
+def _add_write_repo_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("write-repo", help="write the Triton model repository for a build directory")
     s.add_argument("--build-dir", required=True, help="directory written by `qwen3vl-trt build`")
     s.add_argument("--output", required=True, help="repository directory to create")
@@ -623,15 +643,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing repository")
     s.set_defaults(func=_write_repo)
 
+
+def _add_serve_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("serve", help="run tritonserver on a repository written by build or write-repo")
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
 
+
+def _add_openai_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("openai", help="serve the OpenAI-compatible API in front of a running deployment")
     s.add_argument(
         "--triton-url",
         type=_triton_url,
-        default="127.0.0.1:8001",
+        default=LOCAL_TRITON_URL,
         help="the deployment's tritonserver gRPC address; or several replicas: a name that resolves to each (a "
         "Kubernetes headless Service), HOST:PORT,HOST:PORT,..., or dns://[DNS_SERVER:PORT]/NAME:PORT; requests are "
         "balanced round robin over the ready replicas",
@@ -649,13 +673,17 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="without --repo: seconds to wait for a replica to answer at start (default: 0, fail at once)",
     )
-    s.add_argument("--port", type=_port, default=9000)
+    s.add_argument("--port", type=_port, default=DEFAULT_OPENAI_PORT)
     s.add_argument("--address", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces); default loopback")
     _add_gateway_arguments(s)
     s.set_defaults(func=_openai)
 
+
+def _add_infer_parser(sub: _Subparsers) -> None:
+    from .serving.client import RESPONSE_TIMEOUT_S
+
     s = sub.add_parser("infer", help="send one request to a running deployment over gRPC")
-    s.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address")
+    s.add_argument("--url", default=LOCAL_TRITON_URL, help="tritonserver gRPC address")
     s.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
     s.add_argument("--video", action="append", default=[], help="video file: MP4, WebM, MKV, MOV (repeat for several)")
     s.add_argument("--prompt", required=True, help="the user's message (after the images and videos)")
@@ -665,10 +693,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int)
     s.add_argument("--top-p", type=float)
     s.add_argument("--seed", type=int)
-    s.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
+    s.add_argument("--timeout", type=float, default=RESPONSE_TIMEOUT_S, help="seconds to wait for each response")
     s.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids"}')
     s.set_defaults(func=_infer)
 
+
+def _add_generate_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("generate", help="answer one chat request on the CPU (ONNX Runtime + reference LLM)")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (tokenizer, processor)")
     s.add_argument("--build", required=True, help="directory written by `qwen3vl-trt build`")
@@ -683,6 +713,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help='print one JSON object {"text", "token_ids"} at the end')
     s.set_defaults(func=_generate)
 
+
+def _add_convert_llm_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("convert-llm", help="convert the language model to a TensorRT-LLM 1.2.1 checkpoint")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="checkpoint directory to create")
@@ -692,6 +724,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_convert_llm)
 
+
+def _add_build_llm_engine_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("build-llm-engine", help="build the LLM engine with trtllm-build (GPU host)")
     s.add_argument("--checkpoint", required=True, help="directory written by convert-llm")
     s.add_argument("--output", required=True, help="engine directory to create")
@@ -700,6 +734,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_build_llm_engine)
 
+
+def _add_gpu_acceptance_parser(sub: _Subparsers) -> None:
     s = sub.add_parser(
         "gpu-acceptance",
         help="what a GPU host runs first: build every stage from tiny checkpoints, serve, check the numbers",
@@ -711,6 +747,29 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", default="acceptance", help="directory for acceptance.json (default: ./acceptance)")
     s.add_argument("--work", help="keeps checkpoints, builds and server logs here (default: a temporary directory)")
     s.set_defaults(func=_gpu_acceptance)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen3vl-trt", description="Compile Qwen3-VL for TensorRT and Triton.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add_command in (
+        _add_make_tiny_parser,
+        _add_inspect_parser,
+        _add_export_vision_parser,
+        _add_build_vision_engine_parser,
+        _add_preprocess_parser,
+        _add_build_parser,
+        _add_write_repo_parser,
+        _add_serve_parser,
+        _add_openai_parser,
+        _add_infer_parser,
+        _add_generate_parser,
+        _add_convert_llm_parser,
+        _add_build_llm_engine_parser,
+        _add_gpu_acceptance_parser,
+    ):
+        add_command(sub)
     return p
 
 

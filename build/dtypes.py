@@ -1,26 +1,9 @@
-"""Dtype tables, declared once: compute dtypes by their command-line names (--dtype fp32|fp16|bf16),
-and the tensor dtypes of safetensors files by their header tags."""
+"""Dtype tables, declared once: compute dtypes by their command-line names (--dtype fp32|fp16|bf16).
+Their torch dtypes, and those of safetensors files by header tag, are in torch_dtypes: these names load
+without torch (the command line's light paths read them)."""
 
 from __future__ import annotations
 
-import torch
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # As ONNX tensor types, TensorRT-LLM checkpoints and Hugging Face configs spell them.
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DTYPE_CHOICES = {name: choice for choice, name in DTYPE_NAMES.items()}
-
-# safetensors header tags ("BF16", ...) of the tensor dtypes checkpoints carry.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-SAFETENSORS_DTYPE_TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}

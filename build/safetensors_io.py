@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import SAFETENSORS_DTYPE_TAGS
 from .errors import CheckpointError
+from .torch_dtypes import SAFETENSORS_DTYPE_TAGS
 
 
 def _read_exactly(path: Path, buffer: bytearray, offset: int) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from bench_convert import TEXT_2B
 from benchutil import time_interleaved
-from qwen3vl_trt.dtypes import TORCH_DTYPES
+from qwen3vl_trt.torch_dtypes import TORCH_DTYPES
 
 
 def main() -> None:

@@ -13,15 +13,8 @@ from deployment import LIMITS
 from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
-from qwen3vl_trt.serving.gateway.app import (
-    BODY_SLACK_BYTES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    MAX_JSON_DEPTH,
-    Admission,
-    GatewaySettings,
-    Overloaded,
-    json_too_deep,
-)
+from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
+from qwen3vl_trt.serving.gateway.settings import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewaySettings
 from qwen3vl_trt.serving.ports import GatewayOptions
 from tritonclient.utils import InferenceServerException
 

@@ -20,16 +20,19 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import ModelInfo
 from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import json_entry, read_json
+
+# torch and safetensors load only when weights are read: the repository writer, which the command line's light
+# paths import, reads only the config.
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
@@ -390,6 +393,8 @@ class LLMWeights:
     lm_head: torch.Tensor  # [vocab_size, hidden] (padding dropped)
 
     def to(self, device: str | torch.device) -> LLMWeights:
+        import torch
+
         def move(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 return obj.to(device)
@@ -418,6 +423,8 @@ def merge(param: Param, parts: list[torch.Tensor], tp_size: int) -> torch.Tensor
 
 def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
     """Reads every rank file of a converted checkpoint and reassembles the model."""
+    from safetensors import SafetensorError, safe_open
+
     root = Path(checkpoint_dir)
     _, config = read_trtllm_config(root)
     mapping = config.mapping

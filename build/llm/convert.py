@@ -19,10 +19,11 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, ModelInfo
-from ..dtypes import DTYPE_CHOICES, TORCH_DTYPES
+from ..dtypes import DTYPE_CHOICES
 from ..errors import CheckpointError
 from ..fsutil import atomic_output_dir
 from ..safetensors_io import StreamingWriter, TensorLocation, TensorPlan
+from ..torch_dtypes import TORCH_DTYPES
 from .checkpoint_format import (
     CONFIG_FILE,
     LLMConfig,

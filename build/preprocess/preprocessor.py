@@ -46,7 +46,7 @@ from .images import (
     plan_images,
     render_pixels,
 )
-from .prompts import Prompt, PromptBuilder, expand_visual_tokens
+from .prompts import NormalizedMessages, Prompt, PromptBuilder, expand_visual_tokens
 from .videos import (
     VIDEO_PREPROCESSOR_CONFIG_FILE,
     DecodedVideo,
@@ -265,7 +265,7 @@ class Preprocessor:
 
     def __call__(
         self,
-        messages: Sequence[Mapping[str, Any]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | NormalizedMessages | None = None,
         *,
         prompt: str | None = None,
         images: Sequence[bytes] = (),
@@ -273,14 +273,15 @@ class Preprocessor:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> Request:
-        """Chat messages (OpenAI-style content parts) or a plain prompt with <|image_pad|> and <|video_pad|>
-        placeholders plus the images' and videos' encoded bytes (or DecodedVideo), in order."""
+        """Chat messages (OpenAI-style content parts, or as prompts.normalize_messages returns them) or a plain
+        prompt with <|image_pad|> and <|video_pad|> placeholders plus the images' and videos' encoded bytes (or
+        DecodedVideo), in order."""
         prompt_ = self._prompt(messages, prompt, images, videos, add_generation_prompt, template_kwargs)
         return self._finish([self._prepare(prompt_)])[0]
 
     def count_tokens(
         self,
-        messages: Sequence[Mapping[str, Any]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | NormalizedMessages | None = None,
         *,
         prompt: str | None = None,
         images: Sequence[bytes] = (),
@@ -317,7 +318,7 @@ class Preprocessor:
 
     def _prompt(
         self,
-        messages: Sequence[Mapping[str, Any]] | None,
+        messages: Sequence[Mapping[str, Any]] | NormalizedMessages | None,
         prompt: str | None,
         images: Sequence[bytes],
         videos: Sequence[VideoSource],

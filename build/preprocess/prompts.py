@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -121,6 +121,15 @@ class Prompt:
     videos: tuple[VideoSource, ...] = ()
 
 
+class NormalizedMessages(NamedTuple):
+    """Chat messages normalize_messages checked, in the form the template expects (image and video parts reduced
+    to {"type": "image"} and {"type": "video"}), with the images' bytes and the videos in the order of their parts."""
+
+    messages: list[dict[str, Any]]
+    images: list[bytes]
+    videos: list[VideoSource]
+
+
 class PromptBuilder:
     def __init__(self, model_dir: str | os.PathLike[str]):
         root = Path(model_dir)
@@ -154,17 +163,20 @@ class PromptBuilder:
 
     def from_messages(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, Any]] | NormalizedMessages,
         add_generation_prompt: bool = True,
         max_image_bytes: int = ImageLimits.max_image_bytes,
         max_video_bytes: int = VideoLimits.max_video_bytes,
         **template_kwargs: Any,
     ) -> Prompt:
         """Renders the checkpoint's chat template; extra keyword arguments (tools, documents, template
-        switches) reach the template as transformers passes them."""
+        switches) reach the template as transformers passes them. Messages normalized already are taken as they
+        are (their media were checked against the byte limits they were normalized with)."""
         if "continue_final_message" in template_kwargs:
             raise MessageError("continue_final_message is not supported; send the conversation to continue from")
-        chat, images, videos = normalize_messages(messages, max_image_bytes, max_video_bytes)
+        if not isinstance(messages, NormalizedMessages):
+            messages = normalize_messages(messages, max_image_bytes, max_video_bytes)
+        chat, images, videos = messages
         try:
             text = self.template.render(
                 messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
@@ -313,10 +325,9 @@ def normalize_messages(
     messages: Sequence[Mapping[str, Any]],
     max_image_bytes: int = ImageLimits.max_image_bytes,
     max_video_bytes: int = VideoLimits.max_video_bytes,
-) -> tuple[list[dict[str, Any]], list[bytes], list[VideoSource]]:
-    """Validated messages in the form the template expects (image and video parts reduced to {"type": "image"}
-    and {"type": "video"}), the image bytes and the videos in order; one over its byte limit is refused before
-    it is decoded."""
+) -> NormalizedMessages:
+    """The messages validated and normalized; an image or video over its byte limit is refused before it is
+    decoded."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise MessageError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     chat: list[dict[str, Any]] = []
@@ -362,4 +373,4 @@ def normalize_messages(
                     f"{where} has type {kind!r}; use 'text', 'image', 'image_url', 'video' or 'video_url'"
                 )
         chat.append({**message, "content": parts})
-    return chat, images, videos
+    return NormalizedMessages(chat, images, videos)

@@ -24,6 +24,10 @@ import numpy as np
 
 from ..errors import Qwen3VLTrtError
 from . import interface
+from .ports import LOCAL_TRITON_URL
+
+# How long the blocking client waits for each response of a request.
+RESPONSE_TIMEOUT_S = 600.0
 
 
 class InferenceError(Qwen3VLTrtError):
@@ -242,7 +246,9 @@ def stop_inputs() -> list[Any]:
 class Client:
     """The blocking client (`qwen3vl-trt infer`, scripts): one request at a time per Client."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE, timeout_s: float = 600.0):
+    def __init__(
+        self, url: str = LOCAL_TRITON_URL, model: str = interface.ENSEMBLE, timeout_s: float = RESPONSE_TIMEOUT_S
+    ):
         import tritonclient.grpc as grpcclient
 
         self.url, self.model, self.timeout_s = url, model, timeout_s
@@ -343,7 +349,7 @@ class AsyncClient:
     stream once the requests on it are complete (server r26.04 src/grpc/stream_infer_handler.cc).
     """
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = interface.ENSEMBLE):
+    def __init__(self, url: str = LOCAL_TRITON_URL, model: str = interface.ENSEMBLE):
         import tritonclient.grpc.aio as grpcclient
 
         self.url, self.model = url, model

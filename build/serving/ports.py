@@ -17,7 +17,7 @@ class ServerPorts:
 @dataclass(frozen=True)
 class GatewayOptions:
     """served_model_name: the `model` clients ask for (None: the checkpoint's folder name).
-    allow_remote_images: fetch http(s) image URLs in messages (else only data: URLs).
+    allow_remote_media: fetch http(s) image and video URLs in messages (else only data: URLs).
 
     Back-pressure and bounds; None takes the default the deployment's limits imply (see GatewaySettings):
     max_concurrent_requests: chat requests served at once. max_queued_requests: more that wait for a slot,
@@ -26,7 +26,7 @@ class GatewayOptions:
     request still generating after it ends with an error and is cancelled on the server."""
 
     served_model_name: str | None = None
-    allow_remote_images: bool = False
+    allow_remote_media: bool = False
     max_concurrent_requests: int | None = None
     max_queued_requests: int | None = None
     max_queue_wait_s: float | None = None
@@ -38,10 +38,16 @@ class GatewayOptions:
 DEFAULT_TRITON_REFRESH_S = 10.0
 DEFAULT_PORTS = ServerPorts()
 NO_GATEWAY_OPTIONS = GatewayOptions()
+# Where `openai` listens unless told otherwise (`serve` runs the gateway only with --openai-port).
+DEFAULT_OPENAI_PORT = 9000
 
 
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# A deployment on this host, as clients reach it by default.
+LOCAL_TRITON_URL = host_port("127.0.0.1", DEFAULT_PORTS.grpc)
 
 
 def free_ports() -> ServerPorts:

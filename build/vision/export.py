@@ -33,10 +33,10 @@ from ..contracts import (
     VISION_ONNX_FILE,
     VISION_OUTPUTS,
 )
-from ..dtypes import TORCH_DTYPES
 from ..errors import Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
 from ..plugins import PLUGIN_NAME, PLUGIN_NAMESPACE
+from ..torch_dtypes import TORCH_DTYPES
 from .metadata import graph_feeds, num_patches, vision_metadata
 from .model import PluginVisionTower, VisionTower
 from .plugin_op import ONNX_TRANSLATION, PLUGIN_DOMAIN_VERSION, PLUGIN_NODE_ATTRIBUTES

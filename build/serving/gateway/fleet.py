@@ -38,10 +38,9 @@ from typing import Any
 from ...errors import ServingError
 from .. import interface
 from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
-from ..ports import DEFAULT_TRITON_REFRESH_S, host_port
+from ..ports import DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, host_port
 from .metrics import GatewayMetrics
 
-DEFAULT_PORT = 8001  # Triton's gRPC port
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 DNS_TIMEOUT_S = 5.0
@@ -63,7 +62,7 @@ class Endpoint:
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\.?")  # a fully qualified name may end in "."
 
 
-def _endpoint(text: str, whole: str, default_port: int = DEFAULT_PORT) -> Endpoint:
+def _endpoint(text: str, whole: str, default_port: int = DEFAULT_PORTS.grpc) -> Endpoint:
     text = text.strip()
     if text.startswith("["):  # [IPv6]:port
         host, _, rest = text[1:].partition("]")

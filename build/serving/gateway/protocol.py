@@ -1,5 +1,5 @@
-"""The part of OpenAI's chat-completions API the gateway speaks: request and response models, error bodies,
-and stop strings as the API defines them (matched in the decoded text)."""
+"""The part of OpenAI's chat-completions API the gateway speaks: request and response models, streamed events,
+error bodies and stop strings as the API defines them (matched in the decoded text)."""
 
 from __future__ import annotations
 
@@ -224,6 +224,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+def sse_event(payload: str) -> str:
+    """A streamed event (server-sent events), as OpenAI frames each chunk."""
+    return f"data: {payload}\n\n"
 
 
 class Model(BaseModel):

@@ -5,7 +5,7 @@ The server runs under a small guard process that leads its process group: a stop
 then SIGKILL after the grace period; when the launching process dies, however it dies, the kernel tells the
 guard (PR_SET_PDEATHSIG), which kills the whole group, python stubs included. The stubs would outlive a dead
 server where nothing reaps it (python_backend r24.10 src/pb_stub.cc polls `kill(parent_pid, 0)`, which a
-zombie passes). While the server runs, serving.supervisor brings back a stage whose python stub died.
+zombie passes). While the server runs, server.supervisor brings back a stage whose python stub died.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING
 
 from ...errors import ServingError
 from ..interface import ENSEMBLE
+from ..parameters import REPOSITORY_SCHEMA, EnsembleParameters, ParameterError
 from ..ports import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from ..repository import model_config as serving_config
 from .launch import ConfigOverrides, launch_command, repository_models
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..gateway.app import GatewayServer
 
 STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL, for the requests in flight (tritonserver's own default)
+READY_TIMEOUT_S = 300.0  # for every model to load (a large LLM engine takes minutes)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The guard: forwards nothing itself (the group gets the signals), waits for the server and exits with its
 # status; SIGUSR1, its parent-death signal, kills the group. `trap :` rather than ignoring: a signal ignored
@@ -68,7 +70,7 @@ SUPERSEDED_STUBS_S = 30.0
 
 class TritonServer:
     """A tritonserver (or its MPI ranks) under its guard, in its own process group; as a context manager,
-    started and ready. A single server is supervised (serving.supervisor): a stage whose python stub dies is
+    started and ready. A single server is supervised (server.supervisor): a stage whose python stub dies is
     unloaded and loaded again, and a server that exits on its own is started again (a few times).
     max_queue_size and visual_cache override the repository's queue bound and visual cache (ConfigOverrides)."""
 
@@ -81,7 +83,7 @@ class TritonServer:
         address: str = "127.0.0.1",
         tritonserver: str | None = None,
         log_path: Path | None = None,
-        ready_timeout: float = 300.0,
+        ready_timeout: float = READY_TIMEOUT_S,
         *,
         log_verbose: int = 0,
         passthrough: bool = False,  # output to this process's stdout/stderr instead of log_path
@@ -120,7 +122,7 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        """Where the server publishes its metrics (Prometheus text), the stages' own among them (stage_metrics)."""
+        """Where the server publishes its metrics (Prometheus text), the stages' own among them (stages.metrics)."""
         return f"http://{host_port(self._host, self.ports.metrics)}/metrics"
 
     @property
@@ -405,7 +407,18 @@ def check_repository(repo: Path) -> None:
             f"{repo} is not a qwen3vl-trt model repository: it has no {ENSEMBLE}/"
             f"{serving_config.CONFIG_FILE}; write one with `qwen3vl-trt write-repo`"
         )
-    serving_config.read(repo / ENSEMBLE)
+    ensemble = serving_config.read(repo / ENSEMBLE)
+    try:
+        schema = EnsembleParameters.from_model_config(ensemble).repository_schema
+    except ParameterError:
+        schema = None
+    if schema != REPOSITORY_SCHEMA:
+        # Its model.py files and parameters are another version's: a stub would die on them at load.
+        raise ServingError(
+            f"{repo} was written by another version of qwen3vl-trt (repository schema {schema}, this version serves "
+            f"{REPOSITORY_SCHEMA}); write it again with `qwen3vl-trt write-repo --build-dir BUILD --output {repo} "
+            "--force`, or rebuild with `qwen3vl-trt build --force`"
+        )
 
 
 @dataclass(frozen=True)
@@ -421,7 +434,7 @@ class ServeOptions:
     tritonserver: str | None = None
     print_command: bool = False
     log_verbose: int = 0
-    ready_timeout: float = 300.0
+    ready_timeout: float = READY_TIMEOUT_S
     openai_port: int | None = None
     gateway: GatewayOptions = NO_GATEWAY_OPTIONS
     stop_grace: float = STOP_GRACE_S
@@ -470,7 +483,8 @@ def serve(args: ServeOptions) -> int:
             raise
         ports = server.ports
         if args.openai_port is not None:
-            from ..gateway.app import GatewayServer, GatewaySettings
+            from ..gateway.app import GatewayServer
+            from ..gateway.settings import GatewaySettings
 
             settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
             gateway = GatewayServer(settings, args.address, args.openai_port)
