@@ -105,8 +105,6 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
     ),
 )
 PYTHON_VERSION = "3.12"  # the image's /opt/venv-tritonserver (python3.12 -m venv): _BACKEND_DOCKERFILE
-TRITONSERVER_VERSION = "2.68.0"
-CUDA_VERSION = "13.1"  # _MATRIX: CUDA 13.1.0.036; TensorRT's tarball is built for 13.0, so PTX ISA 9.0 at most
 
 
 def package(distribution: str) -> ImagePackage:
