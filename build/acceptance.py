@@ -270,7 +270,7 @@ class Acceptance:
             drained.append(drains)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
             # Tensors between models that miss the CUDA memory pool go by CUDA IPC or through pinned host memory
-            # (serving.gpu_memory): the pool is sized so that none does.
+            # (serving.repository.gpu_memory): the pool is sized so that none does.
             fallbacks = [line for line in log_path.read_text(errors="replace").splitlines() if _POOL_MISS.search(line)]
             figure = f"{answers}; {len(fallbacks)} server log lines on tensors missing the CUDA memory pool"
             return not fallbacks, figure + (f" (first: {fallbacks[0].strip()[:160]})" if fallbacks else "")

@@ -1,5 +1,5 @@
-"""The GPU target's memory plan (serving.gpu_memory): the KV cache share that leaves room for the python models on
-their GPU, the CUDA memory pool sized for the tensors between models, from a build's engines and limits."""
+"""The GPU target's memory plan (serving.repository.gpu_memory): the KV cache share that leaves room for the python
+models on their GPU, the CUDA memory pool sized for the tensors between models, from a build's engines and limits."""
 
 from __future__ import annotations
 

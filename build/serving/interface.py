@@ -43,7 +43,8 @@ PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
 )
 MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE)
 # Models that other models call themselves (BLS), by their callers: not steps of the ensemble, so Triton does not
-# turn the ensemble not ready while one is unloaded; its callers are unloaded with it instead (serving.supervisor).
+# turn the ensemble not ready while one is unloaded; its callers are unloaded with it instead
+# (serving.server.supervisor).
 CALLED_BY = {VISION_ENCODER: (PREPROCESSING,)}
 
 

@@ -1,7 +1,7 @@
 """The metrics the deployment's python models publish on Triton's metrics port, next to Triton's own
 nv_* metrics: what each is (its # HELP line says it too), and which models publish which. Every series
 is labelled with its model's name (`model`) and its python stub's pid (`stub_pid`; sum over it). The python
-backend adapter (triton_python) publishes them.
+backend adapters (triton_adapters) publish them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Metric:
 
 
 MODEL_LABEL = "model"
-STUB_LABEL = "stub_pid"  # the python stub that counted (a reloaded model's instances overlap: see triton_python)
+STUB_LABEL = "stub_pid"  # the python stub that counted (a reloaded model's instances overlap: see triton_adapters)
 
 REQUESTS = Metric("qwen3vl_requests_total", "Requests the model executed")
 REQUEST_ERRORS = Metric("qwen3vl_request_errors_total", "Requests the model answered with an error")
