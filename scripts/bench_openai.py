@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from qwen3vl_trt.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF_VERSION = "0.13.0"
@@ -56,12 +57,6 @@ def aiperf_binary(venv: Path) -> Path:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
@@ -80,9 +75,9 @@ class OwnGateway:
         self.model_dir = model_dir or make_tiny_checkpoint(scratch / "checkpoint")
         _log(f"building {self.model_dir} for the CPU target")
         build(self.model_dir, scratch / "build", llm_dtype="fp32", target="cpu", log=lambda *_: None)
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        ports = [str(_free_port()) for _ in range(3)]
+        ports = [str(free_port()) for _ in range(3)]
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "serve", "--repo", str(scratch / "build" / "triton_repo")]
         command += ["--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]]
         command += ["--openai-port", str(port)]

@@ -8,7 +8,6 @@ import base64
 import io
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from images import jpeg
 from PIL import Image
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.testing.hf_reference import load_hf_processor
+from qwen3vl_trt.testing.ports import free_port
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
@@ -32,12 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
 
 PHOTO = jpeg(64, 96, seed=1)
 PROMPT = "Describe this picture."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args: str, **kwargs) -> subprocess.Popen:
@@ -85,7 +79,7 @@ def served(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     repo = build_cpu_repository(checkpoints["dense"], root)
     ports = free_ports()
-    port = _free_port()
+    port = free_port()
     args = ["serve", "--repo", str(repo), "--openai-port", str(port)]
     args += ["--grpc-port", str(ports.grpc), "--http-port", str(ports.http), "--metrics-port", str(ports.metrics)]
     gateway = Gateway(args, port, root / "serve.log")
@@ -349,8 +343,8 @@ def test_load_8_clients_20_requests_through_the_gateway(served):
 
 
 def test_triton_unreachable_is_503(served, tmp_path):
-    port = _free_port()
-    dead = f"127.0.0.1:{_free_port()}"
+    port = free_port()
+    dead = f"127.0.0.1:{free_port()}"
     args = ["openai", "--repo", str(served.repo), "--triton-url", dead, "--port", str(port)]
     gateway = Gateway(args, port, tmp_path / "openai.log", ready_status=503, timeout_s=120)
     try:
@@ -364,7 +358,7 @@ def test_triton_unreachable_is_503(served, tmp_path):
 
 
 def test_the_gateway_alone_reads_the_deployment_from_the_server(served):
-    port = _free_port()
+    port = free_port()
     args = ["openai", "--triton-url", served.grpc_url, "--port", str(port), "--served-model-name", "qwen3-vl"]
     gateway = Gateway(args, port, served.log.parent / "openai-alone.log", timeout_s=120)
     try:

@@ -20,7 +20,8 @@ import test_gateway
 from prometheus_client.parser import text_string_to_metric_families
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
-from test_gateway import PHOTO, PROMPT, Gateway, _free_port, _status, _user
+from qwen3vl_trt.testing.ports import free_port
+from test_gateway import PHOTO, PROMPT, Gateway, _status, _user
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
@@ -36,7 +37,7 @@ REFUSAL_WITHIN_S = 2.0  # a refused request hears so within this (the queue wait
 @pytest.fixture(scope="module")
 def limited(served):
     """`qwen3vl-trt openai` in front of the served deployment, with small limits."""
-    port = _free_port()
+    port = free_port()
     args = ["openai", "--repo", str(served.repo), "--triton-url", served.grpc_url, "--port", str(port)]
     args += ["--max-concurrent-requests", str(MAX_IN_FLIGHT), "--max-queued-requests", str(MAX_QUEUED)]
     args += ["--max-queue-wait", str(MAX_QUEUE_WAIT_S), "--max-request-bytes", str(MAX_REQUEST_BYTES)]
@@ -188,7 +189,7 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_is_cancelled(limited
 
 
 def test_sigterm_stops_the_gateway_with_a_stream_in_flight(served, tmp_path):
-    port = _free_port()
+    port = free_port()
     args = ["openai", "--repo", str(served.repo), "--triton-url", served.grpc_url, "--port", str(port)]
     gateway = Gateway(args, port, tmp_path / "openai-sigterm.log", timeout_s=120)
     try:

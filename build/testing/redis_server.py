@@ -4,7 +4,6 @@ persistence, killed and started again on the same port (an outage), stopped at t
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,12 +11,7 @@ from pathlib import Path
 import redis
 
 from ..errors import ServingError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .ports import free_port
 
 
 class RedisServer:
@@ -34,7 +28,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.maxmemory_bytes = maxmemory_bytes
         self.policy = policy
         self.process: subprocess.Popen[bytes] | None = None
