@@ -8,7 +8,8 @@ first stored), stops Redis, sends more, then SIGTERM to each serve's process gro
 per replica asks the server's readiness and every model's inference statistics. A round passes when:
 - every request is answered (with Redis gone too: the cache is an optimisation);
 - no model is reported unavailable while its server says ready, and no stage is reloaded (nothing crashed);
-- each serve exits within its --stop-grace (plus STOP_SLACK_S), and nothing of either process group is left.
+- each serve exits within its --stop-grace (plus STOP_SLACK_S), and nothing of either process group is left, nor
+  any of their python stubs' shared memory.
 One line per round (the stop times), a summary; exit status 1 if any round failed.
 
     .venv/bin/python scripts/two_replicas.py [--rounds 10] [--stop-grace 10] [--requests 4] [--workdir DIR]
@@ -36,6 +37,7 @@ from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.server.launch import repository_models
+from qwen3vl_trt.serving.server.serve import SHM_DIR, shm_prefix
 from qwen3vl_trt.testing.redis_server import RedisServer
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint, synthetic_jpeg
 
@@ -108,13 +110,16 @@ class Replica:
         return self.log.read_text(errors="replace")[-3000:]
 
     def left(self) -> list[str]:
-        """What of this replica's process groups still runs, after up to LEFT_S for killed ones to go."""
+        """What of this replica's process groups still runs, after up to LEFT_S for killed ones to go, and the
+        python-backend shared memory its servers left."""
+        assert self.process is not None
         deadline = time.monotonic() + LEFT_S
         while True:
             alive = [f"{p.name()} (pid {p.pid})" for p in _group_members(self.tree)]
             if not alive or time.monotonic() > deadline:
-                return alive
+                break
             time.sleep(0.1)
+        return alive + [f"/dev/shm/{p.name}" for p in SHM_DIR.glob(f"{shm_prefix(self.process.pid)}*")]
 
     def reloads(self) -> list[str]:
         return RELOAD.findall(self.log.read_text(errors="replace"))

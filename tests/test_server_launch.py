@@ -41,7 +41,8 @@ from qwen3vl_trt.serving.server.launch import (
     server_command,
     world_size,
 )
-from qwen3vl_trt.serving.server.serve import ServeOptions, TritonServer, check_repository, serve
+from qwen3vl_trt.serving.server.serve import SHM_DIR, ServeOptions, TritonServer, check_repository, serve
+from qwen3vl_trt.serving.server.supervisor import group_stubs
 from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_tritonserver
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -260,6 +261,14 @@ def test_world_size_and_mpi_command(tmp_path):
     assert launch_command(INSTALL, tmp_path / "cpu", ports, load_at_start=False) == loaded_later
     drained = launch_command(INSTALL, repo, ports, drain_s=120)
     assert drained.count("--exit-timeout-secs=120") == 2  # every rank drains as long
+    own = launch_command(INSTALL, repo, ports, shm_prefix="qwen3vl_7_0_")
+    assert [f for f in own if "shm-region" in f] == [
+        f"--backend-config=python,shm-region-prefix-name=qwen3vl_7_0_{rank}_" for rank in (0, 1)
+    ]
+    assert launch_command(INSTALL, tmp_path / "cpu", ports, shm_prefix="qwen3vl_7_0_") == [
+        *single,
+        "--backend-config=python,shm-region-prefix-name=qwen3vl_7_0_",
+    ]
 
 
 def test_world_size_errors(tmp_path):
@@ -353,8 +362,13 @@ def test_serve_print_command(tmp_path, nowhere, capsys):
     printed = shlex.split(capsys.readouterr().out)
     install = find_tritonserver()
     assert printed[:2] == [f"{name}={value}" for name, value in install.env.items()]
+    # Each server's python stubs name their shared memory with a prefix of its own (removed after a killed server).
+    (prefix,) = [a.split("=", 2)[2] for a in printed if a.startswith("--backend-config=python,shm-region-prefix-name")]
+    assert prefix.startswith(f"qwen3vl_{os.getpid()}_")
     # Requests in flight at a stop get the whole --stop-grace (default 30 s) to finish: tritonserver's exit timeout.
-    assert printed[2:] == launch_command(install, repo, ServerPorts(grpc=9101), address="0.0.0.0", drain_s=30)
+    assert printed[2:] == launch_command(
+        install, repo, ServerPorts(grpc=9101), address="0.0.0.0", drain_s=30, shm_prefix=prefix
+    )
     assert "--exit-timeout-secs=30" in printed
     serve(_serve_args("--repo", str(repo), "--stop-grace", "90.5", "--print-command"))
     assert "--exit-timeout-secs=91" in shlex.split(capsys.readouterr().out)
@@ -424,3 +438,57 @@ def test_a_repository_of_another_layout_is_refused_before_tritonserver_starts(tm
     serving_config.write(repo / ENSEMBLE, ensemble)
     with pytest.raises(ServingError, match="repository schema None"):
         check_repository(repo)
+
+
+# A python model that loads for a minute once `marker` exists: a restarted server that is slow to be ready.
+SLOW_MODEL = """
+import os
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if os.path.exists({marker!r}):
+            time.sleep(60)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def _pid(server: TritonServer) -> int | None:
+    try:
+        return server.pid
+    except ServingError:  # between a restart's two processes
+        return None
+
+
+def test_a_stop_while_the_supervisor_restarts_the_server_is_bounded_and_leaves_nothing(tmp_path, nowhere):
+    """A server that exits on its own is started again by the supervisor, which loads every model again (minutes for
+    a real LLM engine). A stop meanwhile stops the new server within the grace instead of waiting for it to be
+    ready, and the shared memory the killed server's stubs left in /dev/shm is removed."""
+    repo = echo_repository(tmp_path / "repo")
+    marker = tmp_path / "slow"
+    io = dict(input=[serving_config.model_input(TEXT_INPUT)], output=[serving_config.model_output(TEXT_OUTPUT)])
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(marker=str(marker)))
+    serving_config.write(repo / "slow", mc.ModelConfig(name="slow", backend="python", max_batch_size=0, **io))
+    server = TritonServer(repo, free_ports(), stop_grace=3.0)
+    with server:
+        regions = lambda: sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))  # noqa: E731
+        assert regions()  # the stubs' regions carry this server's prefix
+        first = server.pid
+        marker.touch()
+        (tritonserver,) = psutil.Process(first).children()
+        tritonserver.kill()  # SIGKILL: its stubs' regions stay behind
+        deadline = time.monotonic() + 30
+        while _pid(server) in (first, None) or len(group_stubs(server.pid).live) < 2:  # the new one is loading
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        started = time.monotonic()
+        server.stop()
+        stopped = time.monotonic() - started
+        assert stopped < 3.0 + 5.0, stopped  # not the slow model's minute
+        assert server.supervisor is not None and not server.supervisor.restarting
+    assert group_gone(first) and group_gone(server.pid)
+    assert regions() == []

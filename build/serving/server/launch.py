@@ -94,16 +94,17 @@ def mpi_command(
     log_verbose: int = 0,
     rank0_extra: Sequence[str] = (),
     drain_s: float | None = None,
+    shm_prefix: str = "prefix",
 ) -> list[str]:
     """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
     triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
     the others load only `llm`, whose backend keeps them in its worker loop (leader mode), so they never get
-    to open the ports they are given. Every rank gets its own python-backend shared-memory prefix and no
-    config auto-completion; rank0_extra (the CUDA memory pool of the python models) goes to rank 0 only, as
-    launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes."""
+    to open the ports they are given. Every rank gets its own python-backend shared-memory prefix (`shm_prefix`
+    and its rank) and no config auto-completion; rank0_extra (the CUDA memory pool of the python models) goes to
+    rank 0 only, as launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes."""
     command = ["mpirun", "--allow-run-as-root"]
     for rank in range(world):
-        own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_"]
         if rank > 0:
             own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
         verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
@@ -148,15 +149,19 @@ def launch_command(
     log_verbose: int = 0,
     load_at_start: bool = True,
     drain_s: float | None = None,
+    shm_prefix: str | None = None,
 ) -> list[str]:
     """One server, or one per rank under MPI when the engine is split over several GPUs. The single server runs
-    under explicit model control (model_control_flags); the MPI ranks as TensorRT-LLM launches them."""
+    under explicit model control (model_control_flags); the MPI ranks as TensorRT-LLM launches them. shm_prefix:
+    the python backend's shared-memory region prefix (None: its default, as upstream's launcher leaves it for a
+    single rank; under MPI, upstream's `prefix`), each rank's ending in its rank."""
     world = world_size(repo)
     pool = cuda_pool_flags(repo)
     if world == 1:
-        flags = [*model_control_flags(load_at_start), *pool]
+        prefix = [] if shm_prefix is None else [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
+        flags = [*model_control_flags(load_at_start), *pool, *prefix]
         return server_command(install, repo, ports, address, log_verbose, flags, drain_s)
-    return mpi_command(install, repo, ports, world, address, log_verbose, pool, drain_s)
+    return mpi_command(install, repo, ports, world, address, log_verbose, pool, drain_s, shm_prefix or "prefix")
 
 
 def repository_models(repo: Path) -> list[str]:

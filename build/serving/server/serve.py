@@ -11,6 +11,7 @@ zombie passes). While the server runs, server.supervisor brings back a stage who
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shlex
 import shutil
@@ -64,6 +65,18 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
+# Python-backend shared-memory regions are named by a prefix and a UUID (python_backend r24.10 src/stub_launcher.cc);
+# a server killed with SIGKILL leaves them in /dev/shm. Each server gets a prefix of its own, so that what it leaves
+# is removed once its group is gone, and nothing of another server's.
+SHM_DIR = Path("/dev/shm")
+_SERVER_NUMBERS = itertools.count()
+
+
+def shm_prefix(pid: int) -> str:
+    """What the shared-memory regions of every server that process `pid` starts begin with."""
+    return f"qwen3vl_{pid}_"
+
+
 # How long `wait_ready` waits for superseded instances' stubs to end (seen: 1.7 s for the decoupled preprocessing).
 SUPERSEDED_STUBS_S = 30.0
 
@@ -98,9 +111,17 @@ class TritonServer:
         self.install = find_tritonserver(tritonserver)
         self.config_overrides = ConfigOverrides(max_queue_size, visual_cache)
         self.overrides = self.config_overrides.configs(self.repo)
+        self.shm_prefix = f"{shm_prefix(os.getpid())}{next(_SERVER_NUMBERS)}_"
         # Requests in flight at a stop get the whole grace to finish (a pod's drain), not tritonserver's 30 s.
         self.command = launch_command(
-            self.install, self.repo, ports, address, log_verbose, load_at_start=not self.overrides, drain_s=stop_grace
+            self.install,
+            self.repo,
+            ports,
+            address,
+            log_verbose,
+            load_at_start=not self.overrides,
+            drain_s=stop_grace,
+            shm_prefix=self.shm_prefix,
         )
         self.log_path = log_path
         self.ready_timeout = ready_timeout
@@ -113,7 +134,8 @@ class TritonServer:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._log_lock = threading.Lock()
-        self._restarting = threading.Lock()  # held by a restart; a stop waits for it, then stops the new server
+        self._restarting = threading.Lock()  # held while a restart replaces the process; a stop waits for that
+        self._stopping = threading.Event()  # set by stop(): a restart in progress gives up waiting for readiness
 
     @property
     def url(self) -> str:
@@ -203,20 +225,24 @@ class TritonServer:
 
     def _restart(self) -> int:
         """Starts the server again after it exited on its own and waits until it is ready (the supervisor's
-        remedy, on its thread); the new process group."""
+        remedy, on its thread); the new process group. A stop meanwhile waits only for the new process to exist
+        (then stops it like any), not for it to be ready: a restart loads every model again, for minutes."""
         with self._restarting:
+            if self._stopping.is_set():
+                raise ServingError("the server is stopping")
             status = self.poll()
             self.log(f"tritonserver {self._exited(status or 0)} on its own; starting it again")
             self.signal(signal.SIGKILL)  # what is left of its group: its python stubs outlive it a while
+            self._remove_shared_memory()  # the new server's regions are not made yet
             if self._log is not None:
                 with self._log_lock:
                     self._log.close()
                     self._log = None
             self._process = None
             self.start()
-            self._await_ready()
-            self.log("tritonserver is ready again")
-            return self.pid
+        self._await_ready()
+        self.log("tritonserver is ready again")
+        return self.pid
 
     def ended(self) -> int | None:
         """The server's exit status once it is down for good (exited, and not being started again), else None."""
@@ -236,6 +262,8 @@ class TritonServer:
         loaded = not self.overrides
         try:
             while True:
+                if self._stopping.is_set():
+                    raise ServingError("tritonserver was stopped before it was ready")
                 status = self.poll()
                 if status is not None:
                     raise ServingError(f"tritonserver {self._exited(status)} before it was ready; {self._log_tail()}")
@@ -358,9 +386,10 @@ class TritonServer:
         """SIGTERM to the group (a clean shutdown), SIGKILL to what is left after stop_grace seconds; bounded
         also when a stage crashed (then tritonserver waits for requests its dead stub held, and is killed).
         The server's exit status; None if it was never started."""
+        self._stopping.set()
         if self.supervisor is not None:
             self.supervisor.stop(wait=False)  # a reload in progress ends with the server
-        with self._restarting:  # a restart in progress ends first (within the ready timeout)
+        with self._restarting:  # a restart replacing the process ends first (seconds), then its server is stopped
             process = self._process
         if process is None:
             return None
@@ -371,6 +400,7 @@ class TritonServer:
             self.log(f"tritonserver did not stop within {self.stop_grace:g} s of SIGTERM; killing it")
         self.signal(signal.SIGKILL)  # the server if it hung, or whatever of its group outlived it
         status = self.wait()
+        self._remove_shared_memory()
         if self.supervisor is not None:
             self.supervisor.stop()
         if self._probe is not None:
@@ -381,6 +411,12 @@ class TritonServer:
                 self._log.close()
                 self._log = None
         return status
+
+    def _remove_shared_memory(self) -> None:
+        """Removes the python-backend regions this server's stubs left (a killed server's; a clean stop leaves
+        none). Their names go; a process still mapping one keeps it until it exits."""
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         self.start()

@@ -147,8 +147,7 @@ class StageSupervisor:
         while True:
             self._watch()
             if self._stopping.is_set():
-                while self._alive():  # the stop in progress ends it (bounded by its grace period)
-                    time.sleep(POLL_INTERVAL_S / 5)
+                self._outlive_server()
                 return
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
@@ -158,10 +157,19 @@ class StageSupervisor:
             self._restarts.append(now)
             try:
                 self.group = self._restart()
-            except Exception as e:  # the new server did not come up; it is down for good
-                self._log(f"tritonserver could not be started again: {str(e).splitlines()[0] if str(e) else e!r}")
+            except Exception as e:  # the new server did not come up (or a stop ended it); it is down for good
+                if self._stopping.is_set():
+                    self._outlive_server()
+                else:
+                    self._log(f"tritonserver could not be started again: {str(e).splitlines()[0] if str(e) else e!r}")
                 return
             self.recoveries.append(("tritonserver", time.monotonic() - now))
+
+    def _outlive_server(self) -> None:
+        """Waits for the stop in progress to end the server (bounded by its grace period): a server this thread
+        started again dies with it (its parent-death signal), which would cut the stop's drain."""
+        while self._alive():
+            time.sleep(POLL_INTERVAL_S / 5)
 
     def _watch(self) -> None:
         """Watches the stages until the server exits or the supervisor stops."""
