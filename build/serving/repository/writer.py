@@ -136,10 +136,63 @@ def _internal(producer: str, tensor: interface.Tensor) -> str:
     return f"{producer}_{tensor.name}"
 
 
+def _ragged(tensor: interface.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
+    return cfg.model_input(tensor, model_data_type, optional=optional, ragged=True)
+
+
+def _llm_input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
+    spec = _ragged(tensor, model_data_type)
+    if tensor.scalar:
+        spec.reshape.SetInParent()  # shape [], as the tensorrt_llm backend declares scalars
+    return spec
+
+
+@dataclass(frozen=True)
+class _Models:
+    """What every model's configuration is built from: the build at its final location (`build.root`), the
+    checkpoint, the target, the limits, the LLM checkpoint's configuration and the settings; `memory`, the GPU
+    memory plan, on the gpu target."""
+
+    build: BuildLayout
+    model_dir: Path
+    target: Target
+    limits: EngineLimits
+    llm: LLMConfig
+    settings: RepositorySettings
+    memory: GpuMemoryPlan | None
+
+    @property
+    def gpu(self) -> bool:
+        return self.target == "gpu"
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if self.gpu else "cpu"
+
+    @property
+    def model_type(self) -> str:
+        return cfg.MODEL_DATA_TYPES[self.llm.dtype]
+
+    @property
+    def on_gpu(self) -> dict[str, str]:
+        # python_backend's own key: pixels stay in device memory between models (r24.10 src/python_be.cc).
+        return {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"} if self.gpu else {}
+
+    def vision(self) -> VisionParameters:
+        return VisionParameters(
+            model_dir=self.model_dir,
+            limits=self.limits,
+            vision_dir=self.build.vision,
+            # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
+            vision_engine_dir=self.build.vision_engine if self.gpu else None,
+            llm_dtype=self.llm.dtype,
+            llm_hidden_size=self.llm.hidden_size,
+        )
+
+
 def _python_model(
+    m: _Models,
     name: str,
-    limits: EngineLimits,
-    settings: RepositorySettings,
     inputs: list[mc.ModelInput],
     outputs: list[mc.ModelOutput],
     kind: str,
@@ -147,6 +200,7 @@ def _python_model(
     decoupled: bool = False,
     bounded_queue: bool = True,
 ) -> mc.ModelConfig:
+    limits, settings = m.limits, m.settings
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
     config.input.extend(inputs)
     config.output.extend(outputs)
@@ -163,15 +217,79 @@ def _python_model(
     return config
 
 
-def _ragged(tensor: interface.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
-    return cfg.model_input(tensor, model_data_type, optional=optional, ragged=True)
+def _preprocessing(m: _Models) -> mc.ModelConfig:
+    params = PreprocessingParameters(
+        **vars(m.vision()),
+        preprocess_device="cuda" if m.gpu else "cpu",
+        mrope_positions=m.limits.max_seq_len if m.gpu else 0,
+        visual_cache=m.settings.visual_cache,
+        visual_cache_bytes=visual_cache_bytes(m.limits, m.llm, m.settings),
+        visual_cache_ttl_s=m.settings.visual_cache_ttl_s,
+        # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (launch.cuda_pool_flags).
+        cuda_memory_pool_bytes=m.memory.transfer_pool_bytes if m.memory is not None and m.gpu else None,
+    )
+    return _python_model(
+        m,
+        interface.PREPROCESSING,
+        [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
+        [cfg.model_output(t, m.model_type) for t in interface.PREPROCESSING_OUTPUTS],
+        m.kind,
+        {**m.on_gpu, **params.as_strings()},
+        decoupled=True,  # its async execute answers hits while a batch waits for the vision encoder
+    )
 
 
-def _llm_input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
-    spec = _ragged(tensor, model_data_type)
-    if tensor.scalar:
-        spec.reshape.SetInParent()  # shape [], as the tensorrt_llm backend declares scalars
-    return spec
+def _vision_encoder(m: _Models) -> mc.ModelConfig:
+    params = VisionEncoderParameters(**vars(m.vision()), attention_budget_bytes=m.settings.attention_budget_bytes)
+    return _python_model(
+        m,
+        interface.VISION_ENCODER,
+        [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
+        [cfg.model_output(interface.PROMPT_TABLE, m.model_type)],
+        m.kind,
+        {**m.on_gpu, **params.as_strings()},
+        # Its one client is preprocessing (a request per batch), which bounds the requests it has in flight.
+        bounded_queue=False,
+    )
+
+
+def _llm(m: _Models) -> mc.ModelConfig:
+    """The tensorrtllm backend over the engine on the gpu target; the reference runtime's python model on cpu."""
+    if m.memory is not None and m.gpu:
+        from .trtllm_config import tensorrt_llm_model_config
+
+        fraction = m.settings.kv_cache_free_gpu_mem_fraction
+        return tensorrt_llm_model_config(
+            engine_dir=m.build.llm_engine,
+            limits=m.limits,
+            model_data_type=m.model_type,
+            tokenizer_dir=m.model_dir,
+            max_queue_delay_us=m.settings.max_queue_delay_us,
+            kv_cache_free_gpu_mem_fraction=m.memory.kv_cache_fraction() if fraction is None else fraction,
+        )
+    return _python_model(
+        m,
+        interface.LLM,
+        [_llm_input(t, m.model_type) for t in interface.LLM_INPUTS],
+        [cfg.model_output(t) for t in interface.LLM_OUTPUTS],
+        m.kind,
+        {**m.on_gpu, **LLMParameters(m.model_dir, m.limits, m.build.llm_checkpoint).as_strings()},
+        decoupled=True,
+    )
+
+
+def _postprocessing(m: _Models) -> mc.ModelConfig:
+    return _python_model(
+        m,
+        interface.POSTPROCESSING,
+        [_ragged(t) for t in interface.LLM_OUTPUTS],
+        [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
+        "cpu",  # tokenizers run on the host
+        PostprocessingParameters(m.model_dir, m.limits).as_strings(),
+        # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
+        # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
+        bounded_queue=False,
+    )
 
 
 def model_configs(
@@ -185,93 +303,18 @@ def model_configs(
 ) -> dict[str, mc.ModelConfig]:
     """The configuration of every model, for a build whose final location is `build.root` and whose
     LLM checkpoint has the configuration `llm`; the gpu target needs the GPU memory plan."""
-    model_type = cfg.MODEL_DATA_TYPES.get(llm.dtype)
-    if model_type is None:
+    if llm.dtype not in cfg.MODEL_DATA_TYPES:
         raise CheckpointError(f"{build.llm_checkpoint}: dtype {llm.dtype!r} cannot be served")
-    gpu = target == "gpu"
-    if gpu and memory is None:
+    if target == "gpu" and memory is None:
         raise ValueError("a gpu-target repository needs the GPU memory plan")
-    kind = "gpu" if gpu else "cpu"
-    # python_backend's own key: pixels stay in device memory between models (r24.10 src/python_be.cc).
-    on_gpu = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"} if gpu else {}
-    vision = VisionParameters(
-        model_dir=model_dir,
-        limits=limits,
-        vision_dir=build.vision,
-        # The GPU target runs the TensorRT vision engine (varlen attention plugin); the CPU target the ONNX.
-        vision_engine_dir=build.vision_engine if gpu else None,
-        llm_dtype=llm.dtype,
-        llm_hidden_size=llm.hidden_size,
-    )
-    preprocessing = PreprocessingParameters(
-        **vars(vision),
-        preprocess_device="cuda" if gpu else "cpu",
-        mrope_positions=limits.max_seq_len if gpu else 0,
-        visual_cache=settings.visual_cache,
-        visual_cache_bytes=visual_cache_bytes(limits, llm, settings),
-        visual_cache_ttl_s=settings.visual_cache_ttl_s,
-        # `serve` sizes Triton's CUDA memory pool of the python models' GPU from this (launch.cuda_pool_flags).
-        cuda_memory_pool_bytes=memory.transfer_pool_bytes if memory is not None and gpu else None,
-    )
-    vision_encoder = VisionEncoderParameters(**vars(vision), attention_budget_bytes=settings.attention_budget_bytes)
-    configs = {}
-    configs[interface.PREPROCESSING] = _python_model(
-        interface.PREPROCESSING,
-        limits,
-        settings,
-        [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
-        [cfg.model_output(t, model_type) for t in interface.PREPROCESSING_OUTPUTS],
-        kind,
-        {**on_gpu, **preprocessing.as_strings()},
-        decoupled=True,  # its async execute answers hits while a batch waits for the vision encoder
-    )
-    configs[interface.VISION_ENCODER] = _python_model(
-        interface.VISION_ENCODER,
-        limits,
-        settings,
-        [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
-        [cfg.model_output(interface.PROMPT_TABLE, model_type)],
-        kind,
-        {**on_gpu, **vision_encoder.as_strings()},
-        # Its one client is preprocessing (a request per batch), which bounds the requests it has in flight.
-        bounded_queue=False,
-    )
-    if memory is not None and gpu:
-        from .trtllm_config import tensorrt_llm_model_config
-
-        fraction = settings.kv_cache_free_gpu_mem_fraction
-        configs[interface.LLM] = tensorrt_llm_model_config(
-            engine_dir=build.llm_engine,
-            limits=limits,
-            model_data_type=model_type,
-            tokenizer_dir=model_dir,
-            max_queue_delay_us=settings.max_queue_delay_us,
-            kv_cache_free_gpu_mem_fraction=memory.kv_cache_fraction() if fraction is None else fraction,
-        )
-    else:
-        configs[interface.LLM] = _python_model(
-            interface.LLM,
-            limits,
-            settings,
-            [_llm_input(t, model_type) for t in interface.LLM_INPUTS],
-            [cfg.model_output(t) for t in interface.LLM_OUTPUTS],
-            kind,
-            {**on_gpu, **LLMParameters(model_dir, limits, build.llm_checkpoint).as_strings()},
-            decoupled=True,
-        )
-    configs[interface.POSTPROCESSING] = _python_model(
-        interface.POSTPROCESSING,
-        limits,
-        settings,
-        [_ragged(t) for t in interface.LLM_OUTPUTS],
-        [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
-        "cpu",  # tokenizers run on the host
-        PostprocessingParameters(model_dir, limits).as_strings(),
-        # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
-        # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
-        bounded_queue=False,
-    )
-    configs[interface.ENSEMBLE] = _ensemble(limits)
+    models = _Models(build, model_dir, target, limits, llm, settings, memory)
+    configs = {
+        interface.PREPROCESSING: _preprocessing(models),
+        interface.VISION_ENCODER: _vision_encoder(models),
+        interface.LLM: _llm(models),
+        interface.POSTPROCESSING: _postprocessing(models),
+        interface.ENSEMBLE: _ensemble(limits),
+    }
     for config in configs.values():
         cfg.parse(cfg.to_text(config))
     return configs
