@@ -37,7 +37,7 @@ from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.server.launch import repository_models
-from qwen3vl_trt.serving.server.serve import SHM_DIR, shm_prefix
+from qwen3vl_trt.serving.server.serve import SHM_DIR, process_shm_prefix
 from qwen3vl_trt.testing.redis_server import RedisServer
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint, synthetic_jpeg
 
@@ -119,7 +119,7 @@ class Replica:
             if not alive or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        return alive + [f"/dev/shm/{p.name}" for p in SHM_DIR.glob(f"{shm_prefix(self.process.pid)}*")]
+        return alive + [f"/dev/shm/{p.name}" for p in SHM_DIR.glob(f"{process_shm_prefix(self.process.pid)}*")]
 
     def reloads(self) -> list[str]:
         return RELOAD.findall(self.log.read_text(errors="replace"))

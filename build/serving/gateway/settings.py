@@ -105,12 +105,12 @@ class GatewaySettings:
                 client = Client(address)
                 try:
                     config = client.grpc.get_model_config(interface.PREPROCESSING, client_timeout=10.0).config
-                except Exception as e:  # tritonclient's own error types
+                    params = PreprocessingParameters.from_model_config(config)
+                except Exception as e:  # tritonclient's own error types; a replica of another repository layout
                     problems.append(f"{address}: {e}")
                     continue
                 finally:
                     client.close()
-                params = PreprocessingParameters.from_model_config(config)
                 return cls.resolve(triton_url, params.model_dir, params.limits, options)
             if time.monotonic() >= deadline:
                 raise ServerUnavailableError(

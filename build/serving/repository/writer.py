@@ -285,7 +285,7 @@ def _postprocessing(m: _Models) -> mc.ModelConfig:
         [_ragged(t) for t in interface.LLM_OUTPUTS],
         [cfg.model_output(t) for t in interface.REQUEST_OUTPUTS],
         "cpu",  # tokenizers run on the host
-        PostprocessingParameters(m.model_dir, m.limits).as_strings(),
+        {**m.on_gpu, **PostprocessingParameters(m.model_dir, m.limits).as_strings()},
         # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
         # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
         bounded_queue=False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -72,7 +73,7 @@ SHM_DIR = Path("/dev/shm")
 _SERVER_NUMBERS = itertools.count()
 
 
-def shm_prefix(pid: int) -> str:
+def process_shm_prefix(pid: int) -> str:
     """What the shared-memory regions of every server that process `pid` starts begin with."""
     return f"qwen3vl_{pid}_"
 
@@ -111,7 +112,8 @@ class TritonServer:
         self.install = find_tritonserver(tritonserver)
         self.config_overrides = ConfigOverrides(max_queue_size, visual_cache)
         self.overrides = self.config_overrides.configs(self.repo)
-        self.shm_prefix = f"{shm_prefix(os.getpid())}{next(_SERVER_NUMBERS)}_"
+        # A random part too: servers in other PID namespaces may share this /dev/shm (a container with --ipc=host).
+        self.shm_prefix = f"{process_shm_prefix(os.getpid())}{next(_SERVER_NUMBERS)}_{secrets.token_hex(4)}_"
         # Requests in flight at a stop get the whole grace to finish (a pod's drain), not tritonserver's 30 s.
         self.command = launch_command(
             self.install,
@@ -172,6 +174,11 @@ class TritonServer:
         when it exits (PR_SET_PDEATHSIG is tied to the starting thread)."""
         if self._process is not None:
             raise ServingError("the server was started already")
+        self._process = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """A new server process under its guard (the old one, if any, stays `_process` until this returns: a
+        restart never leaves the server without one)."""
         if self.command[0] == "mpirun" and shutil.which("mpirun") is None:
             raise ServingError(
                 "the LLM engine is split over several GPUs, which needs mpirun (Open MPI) on PATH; "
@@ -187,7 +194,7 @@ class TritonServer:
             self._log = output = open(self.log_path, "ab")
         # A new session makes the guard a process-group leader: stop() reaches the server, its python stubs
         # and MPI ranks, and a terminal's Ctrl-C reaches them only through serve()'s handling.
-        self._process = subprocess.Popen(
+        return subprocess.Popen(
             ["bash", "-c", _GUARD, "tritonserver-guard", *self.command],
             stdin=subprocess.DEVNULL,
             stdout=output,
@@ -238,8 +245,7 @@ class TritonServer:
                 with self._log_lock:
                     self._log.close()
                     self._log = None
-            self._process = None
-            self.start()
+            self._process = self._spawn()
         self._await_ready()
         self.log("tritonserver is ready again")
         return self.pid

@@ -133,7 +133,7 @@ class StageSupervisor:
 
     def stop(self, wait: bool = True) -> None:
         """Stops watching and restarting; `wait`: until the thread ended, which it does once the server is gone
-        (a server it restarted dies with the thread that started it: server._die_with_parent)."""
+        (a server it restarted dies with the thread that started it: serve._die_with_parent)."""
         self._stopping.set()
         if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
@@ -144,6 +144,13 @@ class StageSupervisor:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def _run(self) -> None:
+        try:
+            self._supervise()
+        except Exception as e:  # a bug here: the server runs on unsupervised, and outlives nothing of this thread
+            self._log(f"the stage supervisor failed ({type(e).__name__}: {e}); the stages are no longer watched")
+            self._outlive_server()
+
+    def _supervise(self) -> None:
         while True:
             self._watch()
             if self._stopping.is_set():

@@ -37,7 +37,7 @@ R = TypeVar("R")  # the adapter's handle of a request
 _log = logging.getLogger(__name__)
 
 
-class Observer(Protocol):
+class MetricSink(Protocol):
     """Where the scheduler's stage_metrics go."""
 
     def add(self, metric: stage_metrics.Metric, value: float) -> None: ...
@@ -55,7 +55,7 @@ class PreprocessingScheduler(Generic[R]):
         read: Callable[[R], Arrays],
         encode: Callable[[dict[str, Any]], Awaitable[Rows]],
         answer: Callable[[R, Result], None],
-        metrics: Observer,
+        metrics: MetricSink,
         published: Callable[[], None],
         in_flight_limit: int | None,
     ):
@@ -161,7 +161,9 @@ class PreprocessingScheduler(Generic[R]):
                 if not future.done():
                     future.set_result(StageError("preprocessing failed while encoding this image"))
         return {digest: future.result() for digest, future in mine.items()} | {
-            digest: await future for digest, future in joined.items()
+            # Shielded: a joining batch cancelled (the stub ending) must not cancel the encode another batch owns.
+            digest: await asyncio.shield(future)
+            for digest, future in joined.items()
         }
 
     async def _encode(self, images: Sequence[VisualFeatures]) -> dict[bytes, torch.Tensor] | Exception:
