@@ -287,7 +287,7 @@ class Acceptance:
             for check, check_limit in (
                 (caching, "same tokens, 0 runs"),
                 (healing, "back, answers"),
-                (draining, "all tokens, exit 0"),
+                (draining, "all tokens, exit 0, shm named and gone"),
             ):
                 self.report.rows.append(Row(check, SKIPPED, limit=check_limit, detail="the repository was not served"))
             return
@@ -310,7 +310,7 @@ class Acceptance:
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
-        self.row(draining, "all tokens, exit 0", needs, lambda: drained[0])
+        self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
 
     def _built(self, name: str) -> Path:
         if name not in self._builds:
@@ -485,10 +485,17 @@ def _served_tokens(
 def _drains(server: Any) -> tuple[bool, str]:
     """A stop (SIGTERM, as a pod's termination sends) while a stream is generating: the stream runs to its end and
     the server exits cleanly. serve passes --stop-grace to tritonserver as --exit-timeout-secs, and the image's
-    server (r26.04) finishes the gRPC streams in flight before it stops the models."""
+    server (r26.04) finishes the gRPC streams in flight before it stops the models. Its python stubs' shared memory
+    carries the server's own prefix (--backend-config=python,shm-region-prefix-name), and none is left after."""
     import threading
 
     from .serving.client import Client, InferenceError
+    from .serving.server.serve import SHM_DIR
+
+    def regions() -> int:
+        return len(list(SHM_DIR.glob(f"{server.shm_prefix}*")))
+
+    named = regions()
 
     client = Client(server.url, timeout_s=120)
     stopped: list[float | int | None] = []
@@ -512,11 +519,14 @@ def _drains(server: Any) -> tuple[bool, str]:
     finally:
         client.close()
     status = stopped[0] if stopped else None
+    left = regions()
     figure = (
         f"stop sent after the first piece; the stream {ended} with {tokens}/{DRAIN_TOKENS} tokens ({after_stop} after "
-        f"the stop, {finished_s:.1f} s); server exit status {status}"
+        f"the stop, {finished_s:.1f} s); server exit status {status}; shared-memory regions with the server's prefix: "
+        f"{named} while serving, {left} after"
     )
-    return ended == "ended" and tokens == DRAIN_TOKENS and after_stop > 0 and status == 0, figure
+    drained = ended == "ended" and tokens == DRAIN_TOKENS and after_stop > 0 and status == 0
+    return drained and named > 0 and left == 0, figure
 
 
 def _cache_hit(server: Any, client: Any, sent: tuple[tuple[str, list[bytes]], list[int]]) -> tuple[bool, str]:
