@@ -24,8 +24,9 @@ COPY plugins ./plugins
 COPY triton_models ./triton_models
 
 # The image's own packages (torch, tensorrt, tensorrt_llm, transformers, grpcio, ...) become constraints, so pip
-# adds what qwen3vl-trt needs around them and never replaces one; nvImageCodec comes at the version the tests check,
-# tritonclient at the release that fits the image's grpcio. Not ".[gpu]": TensorRT-LLM is installed already, and
+# adds what qwen3vl-trt needs around them and never replaces one; nvImageCodec comes at the version the tests check
+# and with the nvJPEG of the image's CUDA (its [nvjpeg] extra names none), tritonclient at the release that fits the
+# image's grpcio. Not ".[gpu]": TensorRT-LLM is installed already, and
 # asking for it again makes pip prepare its direct-URL dependencies anew. A version conflict fails the build.
 RUN python3 -m pip list --format=freeze | grep -viE '^(pip|setuptools|wheel)==' > /tmp/image-constraints.txt \
  && python3 /tmp/gpu_image.py requirements > /tmp/qwen3vl-trt-requirements.txt \

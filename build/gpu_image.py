@@ -95,6 +95,17 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         tested_here=True,
         extras="[nvjpeg]",
     ),
+    # What nvImageCodec's [nvjpeg] extra asks for, unversioned (its METADATA: Requires-Dist nvidia-nvjpeg): pip would
+    # take the newest, built for a newer CUDA than the image's. CUDA 13.1.0's nvJPEG, the oldest of the image's minor
+    # release, so the driver of any 13.1 update runs it (NVIDIA conda channel, libnvjpeg-dev labels: cuda-13.1.0
+    # 13.0.2.28, cuda-13.1.1 13.0.3.75).
+    ImagePackage(
+        "nvidia-nvjpeg",
+        "13.0.2.28",
+        "nvidia-nvimgcodec-cu13 0.9.0.20 [nvjpeg] extra; nvJPEG of CUDA 13.1.0 (the image's CUDA is 13.1)",
+        provider="qwen3vl-trt",
+        tested_here=True,
+    ),
     # Not a TensorRT-LLM dependency either. Its wheel installs on CPU machines but its import loads the driver's
     # libnvcuvid/libnvidia-encode, so only GPU hosts test it (tests/test_video_cuda.py).
     ImagePackage(

@@ -72,7 +72,9 @@ class EngineLimits:
     max_batch_size: requests in flight at once. max_input_len: prompt tokens of a request, visual
     tokens included. max_seq_len: prompt plus generated tokens; it is also the engine's rope table
     length (max_position_embeddings), so the per-request mrope input stays max_seq_len x head_dim.
-    max_num_tokens: tokens one engine step processes (context chunks plus generation tokens).
+    max_num_tokens: tokens one engine step processes (context chunks plus generation tokens); a longer
+    prompt, up to max_input_len, is prefilled in chunks (the llm model's enable_chunked_context), and an
+    engine without context FMHA (fp32) gets max_num_tokens >= max_input_len from trtllm-build.
     max_visual_tokens: visual (merged) tokens of one request; the prompt table holds (K+1) rows for
     each, for every request of a batch. tokens_per_block: paged KV cache block size.
     """

@@ -51,14 +51,27 @@ def test_the_gpu_extra_agrees_with_the_table():
     tensorrt = gpu_image.package("tensorrt").version.split(".")
     assert f"tensorrt~={'.'.join(tensorrt[:3])}" in extra
     assert any(spec.startswith("nvidia-nvimgcodec-cu13") for spec in extra)
+    assert gpu_image.package("nvidia-nvjpeg").pip_spec in extra
+
+
+def test_nvjpeg_is_pinned_to_the_image_cuda():
+    """nvImageCodec's [nvjpeg] extra names nvidia-nvjpeg without a version, so pip would take the newest (a CUDA
+    13.2 or 13.3 build); the table pins the nvJPEG of CUDA 13.1, the image's, and the image installs it."""
+    nvjpeg = gpu_image.package("nvidia-nvjpeg")
+    assert nvjpeg.provider == "qwen3vl-trt" and nvjpeg.version.startswith("13.0.")
+    assert "13.1" in gpu_image.package("nvidia-nvimgcodec-cu13").source
 
 
 def test_requirements_pin_what_qwen3vl_trt_brings_and_overlay_what_installs_here():
     requirements = _run("requirements")
     assert requirements.returncode == 0
-    assert requirements.stdout.split() == ["nvidia-nvimgcodec-cu13[nvjpeg]==0.9.0.20", "PyNvVideoCodec==2.2.4"]
+    assert requirements.stdout.split() == [
+        "nvidia-nvimgcodec-cu13[nvjpeg]==0.9.0.20",
+        "nvidia-nvjpeg==13.0.2.28",
+        "PyNvVideoCodec==2.2.4",
+    ]
     overlay = _run("overlay").stdout.split()
-    assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.31.1"} <= set(overlay)
+    assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.31.1", "nvidia-nvjpeg==13.0.2.28"} <= set(overlay)
 
 
 def test_check_stops_on_another_image():

@@ -3,13 +3,45 @@ models on their GPU, the CUDA memory pool sized for the tensors between models, 
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
-from qwen3vl_trt.errors import LimitsError
+from qwen3vl_trt.errors import CheckpointError, LimitsError
 from qwen3vl_trt.limits import EngineLimits, ImageLimits
+from qwen3vl_trt.llm.checkpoint_format import LLMConfig, MoeSettings, ParallelLayout
 from qwen3vl_trt.serving.repository import gpu_memory
-from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
+from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan, LLMEngineBuild
 
 GIB = 1 << 30
+MIB = 1 << 20
+# Qwen3-VL-8B's text model: hidden 4096, MLP 12288, head 128, K = 3 DeepStack layers, bf16.
+LLM_8B = LLMConfig(
+    dtype="bfloat16",
+    vocab_size=151936,
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_size=128,
+    intermediate_size=12288,
+    norm_epsilon=1e-6,
+    rotary_base=5e6,
+    rotary_dim=128,
+    max_position_embeddings=262144,
+    deepstack_count=3,
+    mapping=ParallelLayout(),
+)
+
+
+def _engine_dir(tmp_path, max_num_tokens=64, paged_context_fmha=True, rank0_bytes=1000):
+    """An engine directory as trtllm-build writes it: config.json (build_config with its plugin_config) and ranks."""
+    engine = tmp_path / "llm"
+    engine.mkdir()
+    build_config = {"max_num_tokens": max_num_tokens, "plugin_config": {"use_paged_context_fmha": paged_context_fmha}}
+    (engine / "config.json").write_text(json.dumps({"version": "1.2.1", "build_config": build_config}))
+    (engine / "rank0.engine").write_bytes(b"\0" * rank0_bytes)
+    return engine
 
 
 def _plan(**changes) -> GpuMemoryPlan:
@@ -21,6 +53,10 @@ def _plan(**changes) -> GpuMemoryPlan:
         vision_activation_bytes=2 * GIB,
         decode_bytes=3 * GIB,
         transfer_pool_bytes=4 * GIB,
+        llm_activation_bytes=0,
+        prompt_table_buffer_bytes=0,
+        mrope_tables_bytes=0,
+        llm_paged_context_fmha=True,
     )
     return GpuMemoryPlan(**{**values, **changes})
 
@@ -67,14 +103,65 @@ def test_decode_memory_counts_the_largest_decoded_frame_and_the_resized_copies()
 
 
 def test_plan_reads_the_engine_sizes_of_a_build(tmp_path):
-    (tmp_path / "llm").mkdir()
-    (tmp_path / "llm" / "rank0.engine").write_bytes(b"\0" * 1000)
-    (tmp_path / "llm" / "rank1.engine").write_bytes(b"\0" * 5000)  # another GPU's rank: not counted here
+    engine = _engine_dir(tmp_path, max_num_tokens=64)
+    (engine / "rank1.engine").write_bytes(b"\0" * 5000)  # another GPU's rank: not counted here
     (tmp_path / "vision.plan").write_bytes(b"\0" * 300)
     limits = EngineLimits(max_batch_size=1, max_input_len=64, max_seq_len=128, max_visual_tokens=16)
     vision = tmp_path / "vision.plan"
-    plan = gpu_memory.plan(0, 80 * GIB, limits, tmp_path / "llm", vision, 77, 1536, 4, "bfloat16", 64, 3)
+    llm = replace(LLM_8B, hidden_size=64, intermediate_size=128, rotary_dim=16)
+    plan = gpu_memory.plan(0, 80 * GIB, limits, engine, vision, 77, 1536, 4, llm)
     assert (plan.llm_engine_bytes, plan.vision_engine_bytes, plan.vision_activation_bytes) == (1000, 300, 77)
     assert plan.transfer_pool_bytes == gpu_memory.transfer_pool_bytes(limits, 1536, 4, 4 * 64 * 2)
+    # The rank's own allocations, from the engine's max_num_tokens (its config.json) and the limits.
+    assert plan.llm_activation_bytes == 64 * (3 * 64 + 3 * 128) * 2
+    assert plan.prompt_table_buffer_bytes == limits.prompt_table_rows(3) * 64 * 2
+    assert plan.mrope_tables_bytes == 1 * (128 * 16 * 4 + 4)
+    assert plan.llm_paged_context_fmha and plan.as_record()["llm_paged_context_fmha"] is True
     with pytest.raises(LimitsError, match="build the LLM engine first"):
-        gpu_memory.plan(0, GIB, limits, tmp_path, tmp_path / "vision.plan", 0, 1536, 4, "bfloat16", 64, 3)
+        gpu_memory.plan(0, GIB, limits, tmp_path, tmp_path / "vision.plan", 0, 1536, 4, llm)
+
+
+def test_the_engine_config_says_whether_it_has_paged_context_fmha(tmp_path):
+    """build_config.plugin_config.use_paged_context_fmha and build_config.max_num_tokens, where TensorRT-LLM's runtime
+    reads them (gptJsonConfig.cpp); an fp32 engine is built without paged context FMHA (llm.engine_build)."""
+    engine = _engine_dir(tmp_path, max_num_tokens=8192, paged_context_fmha=False)
+    assert LLMEngineBuild.read(engine) == LLMEngineBuild(max_num_tokens=8192, paged_context_fmha=False)
+    (engine / "config.json").write_text(json.dumps({"build_config": {"max_num_tokens": 8192, "plugin_config": {}}}))
+    with pytest.raises(CheckpointError, match="use_paged_context_fmha"):
+        LLMEngineBuild.read(engine)
+    (engine / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="build the LLM engine first"):
+        LLMEngineBuild.read(engine)
+
+
+def test_the_llm_rank_allocations_before_its_kv_cache_shrink_what_it_finds_free():
+    """Activations and the prompt-table buffer are allocated before the rank reads its free memory (the fraction
+    applies to what is left); the mrope tables after, beside the python models."""
+    base = _plan()
+    plan = _plan(llm_activation_bytes=2 * GIB, prompt_table_buffer_bytes=2 * GIB, mrope_tables_bytes=1 * GIB)
+    free = base.free_at_llm_load - 4 * GIB
+    assert plan.free_at_llm_load == base.free_at_llm_load and plan.free_at_kv_cache == free
+    room = free - 10 * GIB - 1 * GIB - int(0.05 * 80 * GIB)
+    assert plan.kv_cache_fraction() == round(room / free, 3)
+    # The KV cache gets less than without them, and everything else still fits beside it.
+    assert plan.kv_cache_fraction() * free < base.kv_cache_fraction() * base.free_at_llm_load
+    assert (1 - plan.kv_cache_fraction()) * free >= plan.python_models_bytes + plan.mrope_tables_bytes
+    text = plan.describe()
+    assert "its prompt-table buffer: 2.00 GiB" in text and "LLM mrope tables of a full batch: 1.00 GiB" in text
+    assert f"free when it sizes its KV cache: {free / GIB:.2f} GiB" in text
+
+
+def test_the_llm_rank_allocations_of_an_8b_build():
+    """The default limits (8 requests of 8192 visual tokens, max_seq_len and max_num_tokens 16384) on Qwen3-VL-8B."""
+    limits = EngineLimits()
+    # PromptTuningBuffers: max_prompt_embedding_table_size (4 x 8192 x 8 rows) x hidden 4096, bf16.
+    assert gpu_memory.prompt_table_buffer_bytes(limits, LLM_8B) == 4 * 8192 * 8 * 4096 * 2 == 2 * GIB
+    # Per request max_position_embeddings (16384) x rotary_dim (128) float32, and an int32 delta.
+    assert gpu_memory.mrope_tables_bytes(limits, LLM_8B) == 8 * (16384 * 128 * 4 + 4)
+    assert gpu_memory.llm_activation_bytes(16384, LLM_8B) == 16384 * (3 * 4096 + 3 * 12288) * 2 == 1536 * MIB
+    # Tensor parallelism splits the MLP, pipeline stages keep a buffer set each; an MoE token runs top_k experts.
+    two_way = replace(LLM_8B, mapping=ParallelLayout(tp_size=2, pp_size=2))
+    assert gpu_memory.llm_activation_bytes(16384, two_way) == 16384 * (3 * 4096 + 3 * 6144) * 2
+    assert gpu_memory.prompt_table_buffer_bytes(limits, two_way) == 2 * 2 * GIB
+    moe = replace(LLM_8B, moe=MoeSettings(num_experts=128, top_k=8, intermediate_size=768, renormalize=True))
+    assert gpu_memory.llm_activation_bytes(16384, moe) == 16384 * (3 * 4096 + 3 * 8 * 768) * 2

@@ -83,6 +83,10 @@ MEMORY = GpuMemoryPlan(
     vision_activation_bytes=2 << 30,
     decode_bytes=3 << 30,
     transfer_pool_bytes=4 << 30,
+    llm_activation_bytes=1 << 30,
+    prompt_table_buffer_bytes=1 << 30,
+    mrope_tables_bytes=1 << 28,
+    llm_paged_context_fmha=True,
 )
 
 

@@ -38,6 +38,7 @@ NO_FALLBACK = {
 GPT_MODEL_TYPES = {"V1", "v1", "inflight_batching", "inflight_fused_batching"}  # else: throws
 BATCH_SCHEDULER_POLICIES = {"max_utilization", "guaranteed_no_evict"}  # getSchedulerConfigFromParams
 TRUE = {"True", "true", "TRUE", "1"}  # ModelState::GetParameter<bool>
+FALSE = {"False", "false", "FALSE", "0"}
 
 # Upstream inputs, config.pbtxt: name -> (data_type, dims, reshape to [], optional, allow_ragged_batch).
 # "MODEL" is ${prompt_embedding_table_data_type}: the engine's dtype.
@@ -66,9 +67,11 @@ UPSTREAM_INPUTS = {
 UPSTREAM_OUTPUTS = {"output_ids": ("TYPE_INT32", [-1, -1]), "sequence_length": ("TYPE_INT32", [-1])}
 
 
-def _config(tmp_path: Path, model_data_type: str = "BF16", **kwargs) -> mc.ModelConfig:
+def _config(tmp_path: Path, model_data_type: str = "BF16", paged_context_fmha: bool = True, **kwargs) -> mc.ModelConfig:
+    limits = EngineLimits(max_batch_size=4)
+    engine = tmp_path / "engine"
     return tensorrt_llm_model_config(
-        tmp_path / "engine", EngineLimits(max_batch_size=4), model_data_type, tmp_path / "hf", 500, **kwargs
+        engine, limits, model_data_type, tmp_path / "hf", 500, paged_context_fmha, **kwargs
     )
 
 
@@ -96,6 +99,7 @@ def test_parameters_the_backend_cannot_load_without(tmp_path):
 def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
     params = _params(_config(tmp_path, kv_cache_free_gpu_mem_fraction=0.85))
     assert params["enable_kv_cache_reuse"] in TRUE  # safe: one extra id per prompt token (test_extra_ids.py)
+    assert params["enable_chunked_context"] in TRUE
     # The request input overrides this parameter whenever sent (utils.cc), and preprocessing always sends it.
     assert "exclude_input_in_output" not in params
     assert interface.EXCLUDE_INPUT in interface.LLM_REQUEST
@@ -105,6 +109,17 @@ def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
     assert params["FORCE_CPU_ONLY_INPUT_TENSORS"] == "no"
     assert "gpu_device_ids" not in params  # the backend chooses (model_state.cc LoadParameters)
     assert _params(_config(tmp_path, instance_gpus=[2, 3]))["gpu_device_ids"] == "2,3"
+
+
+def test_reuse_and_chunked_context_follow_the_engine_paged_context_fmha(tmp_path):
+    """Both need an engine built with paged context FMHA, which fp32 engines lack: without it the runtime turns block
+    reuse off (trtGptModelInflightBatching.cpp fixExecutorConfig) and refuses chunked context ("Chunked context
+    requires context FMHA, paged kv_cache and paged context FMHA"); with it, chunked context prefills a prompt longer
+    than max_num_tokens in chunks (off by default: model_instance_state.cc getExecutorConfigFromParams)."""
+    without = _params(_config(tmp_path, "FP32", paged_context_fmha=False))
+    assert without["enable_kv_cache_reuse"] in FALSE and without["enable_chunked_context"] in FALSE
+    with_fmha = _params(_config(tmp_path, "FP32", paged_context_fmha=True))
+    assert with_fmha["enable_kv_cache_reuse"] in TRUE and with_fmha["enable_chunked_context"] in TRUE
 
 
 def test_prompt_table_offloading_stays_off(tmp_path):
@@ -189,4 +204,4 @@ def test_bad_arguments_are_typed_errors(tmp_path, kwargs, error):
 
 def test_negative_queue_delay_is_refused(tmp_path):
     with pytest.raises(LimitsError, match="max_queue_delay_us"):
-        tensorrt_llm_model_config(tmp_path, EngineLimits(), "FP16", tmp_path, -1)
+        tensorrt_llm_model_config(tmp_path, EngineLimits(), "FP16", tmp_path, -1, True)

@@ -11,12 +11,19 @@ models concurrently, so on the python models' GPU the LLM may load before or aft
 the LLM first:
 
     free   = total - CUDA contexts - LLM engine (rank 0's weights)
+             - the engine's activations - the prompt-table buffer
     python = vision engine (weights + its activations at the profile's largest run)
              + decoding and resizing a full batch of the largest images + the CUDA memory pool
-    fraction = min(0.9, (free - python - margin) / free)
+    fraction = min(0.9, (free - python - mrope tables - margin) / free)
 
-(margin: 5% of the GPU for allocator fragmentation and cuBLAS/cuDNN workspaces). Were the python models first, the
-LLM's share of what is then free is smaller still, so the plan holds both ways.
+(margin: 5% of the GPU for allocator fragmentation and cuBLAS/cuDNN workspaces). The rank allocates its activations
+(createRuntimeContexts) and its runtime buffers, the prompt-table buffer among them (createBuffers), before it reads
+the free memory its KV cache takes the fraction of (BaseKVCacheManager::calculateFreeMemBytes), so they come off
+`free`; the per-request mrope tables are sized on the first steps (RuntimeBuffers::reshape), after the KV cache, so
+they share the rest with the python models (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/:
+trtGptModelInflightBatching.cpp's constructor at b35ac1b6, 1.2.0rc2; runtimeBuffers.cpp and promptTuningBuffers.cpp
+at 2a9abd95). Were the python models first, the LLM's share of what is then free is smaller still, so the plan holds
+both ways.
 
 The CUDA memory pool. Device tensors that pass between models (pixels and their metadata from preprocessing to
 vision_encoder and its rows back, by BLS; prompt tables from preprocessing to llm) come from Triton's CUDA memory
@@ -34,8 +41,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ...errors import LimitsError
+from ...errors import CheckpointError, LimitsError
+from ...fsutil import json_entry, read_json
 from ...limits import EngineLimits, ImageLimits
+from ...llm.checkpoint_format import LLMConfig
 
 KV_CACHE_FRACTION_CEILING = 0.9  # the tensorrtllm backend's default
 MARGIN_FRACTION = 0.05
@@ -53,6 +62,40 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Decoding and resizing on the GPU, per request of a full batch: one decoded RGB uint8 frame of the largest size
 # decoding accepts, and the request's resized pixels in float32 twice (resize output and normalized copy).
 _RESIZED_COPIES_BYTES_PER_PIXEL = 3 * 4 * 2
+# The LLM engine's activations. TensorRT sizes them at build time for the largest profile, "close to max number of
+# input tokens * some constant factor" (NVIDIA/TensorRT-LLM docs/source/reference/memory.md, "Activation size", at
+# 5a211b91); the rank logs the exact figure when it loads. The factor per token: a decoder block's live set, the
+# residual, the normed input and the attention output (3 x hidden) and the MLP's fused gate/up output with its
+# activated half (3 x the rank's intermediate size), in the engine's dtype.
+_ACTIVATION_HIDDEN_COPIES = 3
+_ACTIVATION_INTERMEDIATE_COPIES = 3
+# trtllm-build writes it from rank 0 beside the rank{r}.engine files.
+ENGINE_CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class LLMEngineBuild:
+    """What serving reads from the LLM engine's config.json, at the keys TensorRT-LLM's runtime reads
+    (cpp/tensorrt_llm/runtime/gptJsonConfig.cpp parseJson and parsePluginConfig: build_config.max_num_tokens,
+    build_config.plugin_config.use_paged_context_fmha). max_num_tokens is the engine's own: on engines without context
+    FMHA (fp32) trtllm-build raises it to max_input_len (tensorrt_llm/_common.py check_max_num_tokens, at 0fccc5b9)."""
+
+    max_num_tokens: int
+    paged_context_fmha: bool
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> LLMEngineBuild:
+        path = engine_dir / ENGINE_CONFIG_FILE
+        content = read_json(path, f"{path} does not exist: build the LLM engine first")
+        fix = "rebuild the LLM engine (qwen3vl-trt build-llm-engine)"
+        max_num_tokens = json_entry(content, "build_config.max_num_tokens", int, str(path), fix)
+        plugins = json_entry(content, "build_config.plugin_config", dict, str(path), fix)
+        paged = plugins.get("use_paged_context_fmha")
+        if not isinstance(paged, bool):
+            raise CheckpointError(
+                f"{path}: 'build_config.plugin_config.use_paged_context_fmha' must be a boolean; {fix}"
+            )
+        return cls(max_num_tokens=max_num_tokens, paged_context_fmha=paged)
 
 
 @dataclass(frozen=True)
@@ -64,6 +107,14 @@ class GpuMemoryPlan:
     vision_activation_bytes: int
     decode_bytes: int
     transfer_pool_bytes: int
+    # Rank 0's allocations besides its weights: before its KV cache is sized (activations, the prompt-table buffer),
+    # and after it (the mrope tables); plan() fills them in from the engine.
+    llm_activation_bytes: int
+    prompt_table_buffer_bytes: int
+    mrope_tables_bytes: int
+    # The engine's use_paged_context_fmha (LLMEngineBuild), read here with its sizes: the llm model's KV-cache reuse
+    # and chunked context need it.
+    llm_paged_context_fmha: bool
     contexts_bytes: int = GPU_PROCESSES * CUDA_CONTEXT_BYTES
 
     @property
@@ -74,9 +125,14 @@ class GpuMemoryPlan:
     def free_at_llm_load(self) -> int:
         return self.gpu_bytes - self.contexts_bytes - self.llm_engine_bytes
 
+    @property
+    def free_at_kv_cache(self) -> int:
+        """What the rank finds free when it sizes its KV cache: the fraction applies to this."""
+        return self.free_at_llm_load - self.llm_activation_bytes - self.prompt_table_buffer_bytes
+
     def _fraction(self) -> float:
-        room = self.free_at_llm_load - self.python_models_bytes - int(MARGIN_FRACTION * self.gpu_bytes)
-        return round(min(KV_CACHE_FRACTION_CEILING, room / max(self.free_at_llm_load, 1)), 3)
+        taken = self.python_models_bytes + self.mrope_tables_bytes + int(MARGIN_FRACTION * self.gpu_bytes)
+        return round(min(KV_CACHE_FRACTION_CEILING, (self.free_at_kv_cache - taken) / max(self.free_at_kv_cache, 1)), 3)
 
     def kv_cache_fraction(self) -> float:
         """The share of free memory the LLM's KV cache may take beside the python models (at most 0.9)."""
@@ -94,11 +150,15 @@ class GpuMemoryPlan:
             f"  - CUDA contexts ({GPU_PROCESSES} processes): {_gib(self.contexts_bytes)}",
             f"  - LLM engine, rank 0: {_gib(self.llm_engine_bytes)}",
             f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
+            f"  - its activations (estimated from max_num_tokens): {_gib(self.llm_activation_bytes)}",
+            f"  - its prompt-table buffer: {_gib(self.prompt_table_buffer_bytes)}",
+            f"  = free when it sizes its KV cache: {_gib(self.free_at_kv_cache)}",
             f"  python models: {_gib(self.python_models_bytes)}",
             f"    vision engine {_gib(self.vision_engine_bytes)}"
             f" + its activations {_gib(self.vision_activation_bytes)}",
             f"    decoding a full batch {_gib(self.decode_bytes)}",
             f"    CUDA memory pool (tensors between models, two full batches) {_gib(self.transfer_pool_bytes)}",
+            f"  LLM mrope tables of a full batch: {_gib(self.mrope_tables_bytes)}",
             f"  margin {MARGIN_FRACTION:.0%} of the GPU",
         ]
         fraction = self._fraction()
@@ -139,15 +199,15 @@ def plan(
     vision_activation_bytes: int,
     patch_dim: int,
     merge_unit: int,
-    llm_dtype: str,
-    hidden_size: int,
-    deepstack_count: int,
+    llm: LLMConfig,
 ) -> GpuMemoryPlan:
-    """The plan for a build's engines (rank 0's LLM engine file, the vision plan) on a GPU of gpu_bytes."""
+    """The plan for a build's engines (rank 0's LLM engine file and its config.json, the vision plan) on a GPU of
+    gpu_bytes; `llm` is the LLM checkpoint's configuration."""
     rank0 = llm_engine_dir / "rank0.engine"
     if not rank0.is_file():
         raise LimitsError(f"{rank0} does not exist: build the LLM engine first")
-    row_bytes = prompt_table_token_bytes(llm_dtype, hidden_size, deepstack_count)
+    engine = LLMEngineBuild.read(llm_engine_dir)
+    row_bytes = prompt_table_token_bytes(llm.dtype, llm.hidden_size, llm.deepstack_count)
     return GpuMemoryPlan(
         gpu=gpu,
         gpu_bytes=gpu_bytes,
@@ -156,7 +216,38 @@ def plan(
         vision_activation_bytes=vision_activation_bytes,
         decode_bytes=decode_bytes(limits),
         transfer_pool_bytes=transfer_pool_bytes(limits, patch_dim, merge_unit, row_bytes),
+        llm_activation_bytes=llm_activation_bytes(engine.max_num_tokens, llm),
+        prompt_table_buffer_bytes=prompt_table_buffer_bytes(limits, llm),
+        mrope_tables_bytes=mrope_tables_bytes(limits, llm),
+        llm_paged_context_fmha=engine.paged_context_fmha,
     )
+
+
+def llm_activation_bytes(max_num_tokens: int, llm: LLMConfig) -> int:
+    """The estimate of the engine's activations on one rank: max_num_tokens tokens of a decoder block's live set
+    (see _ACTIVATION_HIDDEN_COPIES); an MoE layer's MLP runs each token through top_k experts."""
+    intermediate = llm.intermediate_size if llm.moe is None else llm.moe.top_k * llm.moe.intermediate_size
+    per_token = (
+        _ACTIVATION_HIDDEN_COPIES * llm.hidden_size
+        + _ACTIVATION_INTERMEDIATE_COPIES * intermediate // llm.mapping.tp_size
+    )
+    return max_num_tokens * per_token * _DTYPE_BYTES[llm.dtype]
+
+
+def prompt_table_buffer_bytes(limits: EngineLimits, llm: LLMConfig) -> int:
+    """Rank 0's prompt-table buffer: PromptTuningBuffers allocates max_prompt_embedding_table_size rows of the whole
+    hidden size (hidden x TP) in the model's dtype, once per runtime buffer set; the fused in-flight batcher keeps one
+    set per micro-batch, as many as pipeline stages (trtGptModelInflightBatching.cpp mNumBuffers, TRT overlap off)."""
+    rows = limits.prompt_table_rows(llm.deepstack_count)
+    return llm.mapping.pp_size * rows * llm.hidden_size * _DTYPE_BYTES[llm.dtype]
+
+
+def mrope_tables_bytes(limits: EngineLimits, llm: LLMConfig) -> int:
+    """The runtime's mrope inputs for a full batch, per runtime buffer set: max_position_embeddings (the engine's is
+    max_seq_len, llm.engine_build) x rotary_dim float32 cos/sin values and one int32 position delta per request
+    (runtimeBuffers.cpp reshape)."""
+    per_request = limits.max_seq_len * llm.rotary_dim * 4 + 4
+    return llm.mapping.pp_size * limits.max_batch_size * per_request
 
 
 def prompt_table_token_bytes(llm_dtype: str, hidden_size: int, deepstack_count: int) -> int:

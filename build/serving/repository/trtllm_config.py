@@ -11,7 +11,18 @@ belongs to (read at NVIDIA/TensorRT-LLM commit 0c8de69a, tensorrt_llm/version.py
   then fails the "Both encoder and decoder model paths are empty" check for a decoder-only engine.
 - Guided decoding is off when guided_decoding_backend or xgrammar_tokenizer_info_path is empty;
   tokenizer_dir is only logged as unused by the C++ flow, so it carries the checkpoint directory.
-- Booleans parse from true/false/1/0 (GetParameter<bool>); enable_kv_cache_reuse defaults to true.
+- Booleans parse from true/false/1/0 (GetParameter<bool>); enable_kv_cache_reuse defaults to true,
+  enable_chunked_context to false (getKvCacheConfigFromParams, getExecutorConfigFromParams). Both are
+  written from the engine's build_config.plugin_config.use_paged_context_fmha (gpu_memory.LLMEngineBuild),
+  which fp32 engines lack (llm.engine_build): block reuse without it is switched off with a warning
+  (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp fixExecutorConfig, applied by
+  trtGptModelFactory.h; 1.2 line at b35ac1b6, 1.2.0rc2), chunked context without it stops the load
+  ("Chunked context requires context FMHA, paged kv_cache and paged context FMHA", same constructor).
+  Chunked context lets a prompt longer than the engine's max_num_tokens (up to max_input_len) be
+  prefilled in chunks; without it a context longer than max_num_tokens fails the request
+  (microBatchScheduler.cpp: "The number of context tokens (%d) exceeds the limit value (%d)").
+  Engines without context FMHA need no chunks: trtllm-build raises their max_num_tokens to
+  max_input_len (tensorrt_llm/_common.py check_max_num_tokens).
   Reuse is safe here because preprocessing sends one prompt_table_extra_ids value per prompt token
   (contracts.PROMPT_TABLE_EXTRA_IDS); utils.cc getPromptTuningConfigFromTensors drops the extra ids
   silently unless their count equals the input length.
@@ -85,14 +96,16 @@ def tensorrt_llm_model_config(
     model_data_type: str,
     tokenizer_dir: Path,
     max_queue_delay_us: int,
+    paged_context_fmha: bool,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
     instance_gpus: Sequence[int] = (),
     batch_scheduler_policy: str = "guaranteed_no_evict",
 ) -> mc.ModelConfig:
     """The `llm` model for the tensorrtllm backend. model_data_type: the LLM's Triton dtype (FP16,
     BF16, FP32), the prompt table's. instance_gpus: the devices of the engine's ranks (gpu_device_ids);
-    empty lets the backend choose. Paths are written absolute: the backend resolves them against
-    tritonserver's working directory."""
+    empty lets the backend choose. paged_context_fmha: the engine's (gpu_memory.LLMEngineBuild), which
+    KV-cache reuse and chunked context need. Paths are written absolute: the backend resolves them
+    against tritonserver's working directory."""
     if model_data_type not in MODEL_DATA_TYPES.values():
         raise UnsupportedModelError(
             f"LLM data type {model_data_type!r} has no TensorRT-LLM prompt table type; "
@@ -124,7 +137,8 @@ def tensorrt_llm_model_config(
         "guided_decoding_backend": "",  # empty: guided decoding off
         "xgrammar_tokenizer_info_path": "",
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
-        "enable_kv_cache_reuse": True,
+        "enable_kv_cache_reuse": paged_context_fmha,
+        "enable_chunked_context": paged_context_fmha,
         "batch_scheduler_policy": batch_scheduler_policy,
         "max_beam_width": 1,
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",

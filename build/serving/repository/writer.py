@@ -266,6 +266,7 @@ def _llm(m: _Models) -> mc.ModelConfig:
             tokenizer_dir=m.model_dir,
             max_queue_delay_us=m.settings.max_queue_delay_us,
             kv_cache_free_gpu_mem_fraction=m.memory.kv_cache_fraction() if fraction is None else fraction,
+            paged_context_fmha=m.memory.llm_paged_context_fmha,
         )
     return _python_model(
         m,
@@ -378,9 +379,7 @@ def gpu_memory_plan(
         vision_activation_bytes=engine.device_memory_bytes,
         patch_dim=vision.patch_dim,
         merge_unit=vision.spatial_merge_size**2,
-        llm_dtype=llm.dtype,
-        hidden_size=llm.hidden_size,
-        deepstack_count=llm.deepstack_count,
+        llm=llm,
     )
 
 

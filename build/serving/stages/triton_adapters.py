@@ -181,9 +181,11 @@ class _Model:
 def _tensor(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
-            # The tensor itself, not a capsule: python_backend calls its __dlpack__(stream) and synchronizes that
-            # stream before the tensor leaves the model (r26.04 src/pb_tensor.cc, FromDLPack); a capsule is taken as
-            # it is, with the work that produced it maybe still in flight on another stream.
+            # The tensor itself, not a capsule: python_backend r26.04 (src/pb_tensor.cc PbTensor::FromDLPack, at
+            # 47f9e030) passes its per-device proxy stream (src/pb_stub.cc Stub::GetProxyStream) to __dlpack__(stream=),
+            # where torch makes that stream wait on the current stream (torch.Tensor.__dlpack__), and then
+            # synchronizes the proxy stream: work queued on the current torch stream, default or not, is done before
+            # the tensor leaves the model. A capsule is taken as it is, its producer maybe still running.
             return pb_utils.Tensor.from_dlpack(name, value[None].contiguous())
         if value.dtype != torch.bfloat16:
             return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()[None]))
