@@ -20,6 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, UnsupportedModelError
+from .quantization import (
+    FP8_TAG,
+    SCALE_SUFFIX,
+    BlockFP8,
+    BlockFP8Location,
+    check_scale_shape,
+    read_quantization,
+    scale_names,
+)
 
 # torch and safetensors load only when tensors are read: the command line's light paths import this module.
 if TYPE_CHECKING:
@@ -128,6 +137,7 @@ class ModelInfo:
     video_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    quantization: BlockFP8 | None = None  # the checkpoint's own (quantization_config), None for unquantized
 
     @property
     def is_moe(self) -> bool:
@@ -300,6 +310,7 @@ def parse_config(cfg: dict) -> ModelInfo:
         video_token_id=int(top.get("video_token_id", 151656)),
         vision_start_token_id=int(top.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(top.get("vision_end_token_id", 151653)),
+        quantization=read_quantization(cfg),
     )
 
 
@@ -361,6 +372,8 @@ class Checkpoint:
         self.info = parse_config(self.config)
         self._weight_map = self._read_weight_map()
         self._headers: dict[str, _ShardHeader] = {}
+        # Block scales belong to their weights, which read dequantized: they are not tensors of the model.
+        self._scales = scale_names(self._weight_map) if self.info.quantization else set()
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -385,7 +398,21 @@ class Checkpoint:
         return sorted(set(self._weight_map.values()))
 
     def tensor_names(self, prefix: str = "") -> list[str]:
-        return sorted(name for name in self._weight_map if name.startswith(prefix))
+        """The model's tensors (block scales excluded: their weights read dequantized)."""
+        return sorted(name for name in self._weight_map if name.startswith(prefix) and name not in self._scales)
+
+    def stored_bytes(self) -> dict[str, int]:
+        """Bytes on disk per stored dtype (safetensors tag), over every tensor the index lists."""
+        totals: dict[str, int] = defaultdict(int)
+        for name in self._weight_map:
+            meta = self._tensor_meta(name)
+            begin, end = meta["data_offsets"]
+            totals[meta["dtype"]] += int(end) - int(begin)
+        return dict(sorted(totals.items()))
+
+    def quantized_tensor_names(self, prefix: str = "") -> list[str]:
+        """The model's tensors stored quantized (block FP8), which every reader sees dequantized."""
+        return [n for n in self.tensor_names(prefix) if self._tensor_meta(n)["dtype"] == FP8_TAG]
 
     def _header(self, shard: str) -> _ShardHeader:
         if shard not in self._headers:
@@ -437,10 +464,31 @@ class Checkpoint:
         for shard in sorted(by_shard):
             with safe_open(str(self.path / shard), framework="pt") as f:
                 for name in by_shard[shard]:
-                    yield name, f.get_tensor(name)
+                    if self._tensor_meta(name)["dtype"] == FP8_TAG:
+                        location = self.locate(name)
+                        yield name, location.read_rows(0, location.shape[0])
+                    else:
+                        yield name, f.get_tensor(name)
 
-    def locate(self, name: str) -> TensorLocation:
-        """Where tensor `name` lies on disk, for reading it in row ranges without loading its shard."""
+    def locate(self, name: str) -> TensorLocation | BlockFP8Location:
+        """Where tensor `name` lies on disk, for reading it in row ranges without loading its shard; a
+        block-FP8 weight reads dequantized (float32) with its scales."""
+        meta = self._tensor_meta(name)
+        if meta["dtype"] != FP8_TAG:
+            return self._stored(name)
+        q = self.info.quantization
+        if q is None:
+            raise CheckpointError(
+                f"tensor '{name}' is stored as {FP8_TAG}, but config.json declares no quantization_config: "
+                "restore the release's config.json"
+            )
+        if name + SCALE_SUFFIX not in self._weight_map:
+            raise CheckpointError(f"the {FP8_TAG} tensor '{name}' has no '{name}{SCALE_SUFFIX}' (its block scales)")
+        weight, scale = self._stored(name), self._stored(name + SCALE_SUFFIX)
+        check_scale_shape(name, weight.shape, scale.shape, q)
+        return BlockFP8Location(weight, scale, q.block)
+
+    def _stored(self, name: str) -> TensorLocation:
         from .safetensors_io import TensorLocation
         from .torch_dtypes import SAFETENSORS_DTYPES
 

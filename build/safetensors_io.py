@@ -16,6 +16,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -74,6 +75,37 @@ class TensorLocation:
         _read_exactly(self.path, buffer, self.offset + start * self.row_bytes)
         tensor = torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
         return tensor.reshape((stop - start, *self.shape[1:]) if self.shape else ())
+
+
+class RowReader(Protocol):
+    """A tensor read in row ranges along dim 0: one stored (TensorLocation), dequantized
+    (quantization.BlockFP8Location) or stacked from several (StackedLocation)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def row_bytes(self) -> int: ...
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StackedLocation:
+    """Tensors of one shape read as one [len(parts), *shape] tensor: per-expert weights as an expert stack."""
+
+    parts: tuple[RowReader, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.parts[0].row_bytes * self.parts[0].shape[0]
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        return torch.stack([part.read_rows(0, part.shape[0]) for part in self.parts[start:stop]])
 
 
 @dataclass(frozen=True)

@@ -19,5 +19,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # block-FP8 weights (quantization.py reads them dequantized)
 }
 SAFETENSORS_DTYPE_TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}

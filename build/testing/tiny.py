@@ -103,8 +103,8 @@ def build_config(spec: TinySpec, moe: bool) -> dict:
         "use_cache": True,
         "vocab_size": VOCAB_SIZE,
         "dtype": "bfloat16",
-        **text,
         **(_TINY_MOE if moe else {}),
+        **text,  # overrides win
     }
     vision_config = {
         "hidden_act": "gelu_pytorch_tanh",
@@ -283,6 +283,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     preset: str = "tiny",
     vision_overrides: dict | None = None,
+    text_overrides: dict | None = None,
     shard_mb: int = 20,
     force: bool = False,
     tie_word_embeddings: bool | None = None,
@@ -292,8 +293,12 @@ def make_tiny_checkpoint(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     spec = PRESETS[preset]
-    if vision_overrides:
-        spec = TinySpec({**spec.vision, **vision_overrides}, spec.text, spec.tie_word_embeddings)
+    if vision_overrides or text_overrides:
+        spec = TinySpec(
+            {**spec.vision, **(vision_overrides or {})},
+            {**spec.text, **(text_overrides or {})},
+            spec.tie_word_embeddings,
+        )
     if tie_word_embeddings is not None:
         spec = TinySpec(spec.vision, spec.text, tie_word_embeddings)
     config = build_config(spec, moe)
