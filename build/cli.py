@@ -15,6 +15,7 @@ from .errors import Qwen3VLTrtError
 from .serving.ports import DEFAULT_OPENAI_PORT, DEFAULT_TRITON_REFRESH_S, LOCAL_TRITON_URL, GatewayOptions, ServerPorts
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .serving.server.serve import ServeOptions
 
 
@@ -64,11 +65,28 @@ def _inspect(args: argparse.Namespace) -> None:
                 "shards": len(ckpt.shard_files),
                 "visual_tensors": len(visual),
                 "visual_bytes": ckpt.tensor_bytes(visual),
+                "quantization": _quantization_summary(ckpt),
+                "bytes_by_dtype": ckpt.stored_bytes(),
             },
             indent=2,
             default=list,
         )
     )
+
+
+def _quantization_summary(ckpt: Checkpoint) -> dict | None:
+    """What inspect says of the checkpoint's own quantization (None: unquantized)."""
+    from .contracts import VISUAL_PREFIX
+
+    q = ckpt.info.quantization
+    if q is None:
+        return None
+    quantized = ckpt.quantized_tensor_names()
+    return q.describe() | {
+        "quantized_tensors": len(quantized),
+        "quantized_bytes": ckpt.tensor_bytes(quantized),
+        "vision_quantized": any(n.startswith(VISUAL_PREFIX) for n in quantized),
+    }
 
 
 def _export_vision(args: argparse.Namespace) -> None:
@@ -105,6 +123,7 @@ def _build(args: argparse.Namespace) -> None:
         args.output,
         dtype=args.dtype,
         llm_dtype=args.llm_dtype,
+        llm_quant=args.llm_quant,
         tp=args.tp,
         pp=args.pp,
         limits=_engine_limits(args),
@@ -441,7 +460,16 @@ def _infer(args: argparse.Namespace) -> None:
 def _convert_llm(args: argparse.Namespace) -> None:
     from .llm.convert import convert_llm
 
-    path = convert_llm(args.model, args.output, dtype=args.dtype, tp=args.tp, pp=args.pp, force=args.force)
+    path = convert_llm(
+        args.model,
+        args.output,
+        dtype=args.dtype,
+        tp=args.tp,
+        pp=args.pp,
+        quant=args.llm_quant,
+        force=args.force,
+        log=print,
+    )
     print(f"wrote TensorRT-LLM checkpoint ({args.tp * args.pp} rank files) to {path}")
 
 
@@ -617,6 +645,19 @@ def _add_preprocess_parser(sub: _Subparsers) -> None:
     s.set_defaults(func=_preprocess)
 
 
+def _add_llm_quant(s: argparse.ArgumentParser) -> None:
+    from .llm.weight_only import LLM_QUANT_CHOICES
+
+    s.add_argument(
+        "--llm-quant",
+        default="none",
+        choices=LLM_QUANT_CHOICES,
+        help="the language model's engine precision: none (its dtype; FP8 checkpoints dequantized), int8-wo / "
+        "int4-wo (weight-only INT8 / INT4 per channel, TensorRT-LLM W8A16 / W4A16, sm80+; docs/model.md) "
+        "(default: %(default)s)",
+    )
+
+
 def _add_build_parser(sub: _Subparsers) -> None:
     s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -626,6 +667,7 @@ def _add_build_parser(sub: _Subparsers) -> None:
         "--vision-engine-dtype", default="bf16", choices=["fp16", "bf16"], help="vision TensorRT engine (GPU hosts)"
     )
     s.add_argument("--llm-dtype", choices=["bf16", "fp16", "fp32"], help="LLM checkpoint dtype (default: the model's)")
+    _add_llm_quant(s)
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the LLM")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of the LLM")
     _add_limits(s)
@@ -719,6 +761,7 @@ def _add_convert_llm_parser(sub: _Subparsers) -> None:
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     s.add_argument("--output", required=True, help="checkpoint directory to create")
     s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the model's)")
+    _add_llm_quant(s)
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")

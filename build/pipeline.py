@@ -12,7 +12,7 @@ from .errors import GpuStackMissingError
 from .fsutil import atomic_output_dir
 from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
-from .llm.convert import convert_llm
+from .llm.convert import check_llm_options, convert_llm
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
 from .manifest import (
     LLM_CHECKPOINT_STAGE,
@@ -35,6 +35,7 @@ def build(
     output_dir: str | os.PathLike[str],
     dtype: str = "fp32",
     llm_dtype: str | None = None,
+    llm_quant: str = "none",
     tp: int = 1,
     pp: int = 1,
     limits: EngineLimits | None = None,
@@ -54,8 +55,9 @@ def build(
         raise GpuStackMissingError(
             f"a gpu-target repository needs the LLM engine, which cannot be built here: {problem}"
         )
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(model_dir)  # refuses a quantization it does not read, before any stage
     ckpt.verify_shards()
+    check_llm_options(ckpt, llm_dtype, llm_quant, tp, pp)
     stages: list[StageRecord] = []
     out = BuildLayout(Path(output_dir))
     with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp_root:
@@ -67,7 +69,7 @@ def build(
             StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
         )
         start = time.perf_counter()
-        convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp)
+        convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp, quant=llm_quant, log=log)
         stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
         if problem is None:
             start = time.perf_counter()

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checkpoint import ModelInfo
-from ..dtypes import DTYPE_NAMES
+from ..dtypes import DTYPE_CHOICES, DTYPE_NAMES
 from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import json_entry, read_json
+from .weight_only import QUANT_ALGO_SCHEMES, SCALE_NAME, WeightOnly
 
 # torch and safetensors load only when weights are read: the repository writer, which the command line's light
 # paths import, reads only the config.
@@ -89,6 +90,7 @@ class LLMConfig:
     deepstack_count: int
     mapping: ParallelLayout
     moe: MoeSettings | None = None
+    quant_algo: str | None = None  # quantization.quant_algo: None, or a weight-only QuantAlgo (llm/weight_only.py)
 
     @property
     def vocab_size_padded(self) -> int:
@@ -104,7 +106,20 @@ class MoeSettings:
     renormalize: bool
 
 
-def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
+# quantize_layers' default exclusions (tensorrt_llm/quantization/quantize.py, 1.2 line), written out because a
+# checkpoint's exclude_modules replaces them: the output head, the MoE router and the embedding stay in the dtype.
+EXCLUDED_MODULES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding"]
+
+
+def quantization_config(quant_algo: str | None) -> dict:
+    """config.json's `quantization` (QuantConfig's fields, models/modeling_utils.py; group_size is read by
+    group-wise algorithms only)."""
+    if quant_algo is None:
+        return {"quant_algo": None, "kv_cache_quant_algo": None}
+    return {"quant_algo": quant_algo, "kv_cache_quant_algo": None, "exclude_modules": EXCLUDED_MODULES}
+
+
+def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout, quant_algo: str | None = None) -> dict:
     """config.json for the TensorRT-LLM checkpoint: the fields PretrainedConfig and QWenConfig read
     (tensorrt_llm/models/modeling_utils.py, models/qwen/config.py), qwen_type qwen3 / qwen3_moe for
     the q/k RMSNorm and MoE layers, position_embedding_type mrope with rotary scaling type mrope (what
@@ -144,7 +159,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout) -> dict:
             "moe_tp_size": mapping.tp_size,
             "moe_ep_size": 1,
         },
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+        "quantization": quantization_config(quant_algo),
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
         "qwen_type": "qwen3_moe" if moe else "qwen3",
@@ -239,6 +254,12 @@ def parse_trtllm_config(cfg: dict, where: str = f"TensorRT-LLM checkpoint {CONFI
             renormalize=cfg["moe"].get("normalization_mode") == MOE_RENORMALIZE,
         )
     same_named = {name: entry(name, kind) for name, kind in _SAME_NAMED_FIELDS.items()}
+    quant_algo = entry("quantization", dict).get("quant_algo")
+    if quant_algo is not None and quant_algo not in QUANT_ALGO_SCHEMES:
+        raise CheckpointError(
+            f"{where}: quantization.quant_algo {quant_algo!r} is not one convert-llm writes "
+            f"({', '.join(QUANT_ALGO_SCHEMES)} or null); {fix}"
+        )
     if same_named["dtype"] not in DTYPE_NAMES.values():
         names = ", ".join(DTYPE_NAMES.values())
         raise CheckpointError(f"{where}: dtype {same_named['dtype']!r} is not one of {names}; {fix}")
@@ -248,6 +269,7 @@ def parse_trtllm_config(cfg: dict, where: str = f"TensorRT-LLM checkpoint {CONFI
         deepstack_count=entry("qwen3_vl.deepstack_count", int),
         mapping=ParallelLayout(entry("mapping.tp_size", int), entry("mapping.pp_size", int)),
         moe=moe,
+        quant_algo=quant_algo,
     )
 
 
@@ -290,6 +312,13 @@ REPLICATED = Split()
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Param:
     """One parameter of a rank file: its name there, its whole (unsplit) shape and its split."""
 
@@ -297,6 +326,24 @@ class Param:
     shape: tuple[int, ...]
     split: Split = REPLICATED
     float32: bool = False  # kept in float32 whatever the checkpoint dtype (the MoE router)
+    quantizable: bool = False  # a linear weight that weight-only engines store quantized
+
+    def stored(self, tp_rank: int, tp_size: int, dtype: torch.dtype, scheme: WeightOnly | None) -> list[StoredTensor]:
+        """The tensors of this parameter in a rank file: itself in `dtype`; quantized, its int8 `weight` in the
+        stored layout and its `per_channel_scale` (llm/weight_only.py)."""
+        import torch
+
+        shape = self.rank_shape(tp_rank, tp_size)
+        if scheme is None or not self.quantizable:
+            return [StoredTensor(self.name, torch.float32 if self.float32 else dtype, shape)]
+        return [
+            StoredTensor(self.name, torch.int8, scheme.stored_shape(shape)),
+            StoredTensor(self.scale_name, dtype, shape[:-1]),
+        ]
+
+    @property
+    def scale_name(self) -> str:
+        return self.name.removesuffix("weight") + SCALE_NAME
 
     def rank_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
         if self.split.dim is None:
@@ -314,25 +361,25 @@ def layer_params(config: LLMConfig, local: int) -> dict[str, Param]:
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     params = {
         "input_layernorm": Param(p + "input_layernorm.weight", (d,)),
-        "qkv": Param(p + "attention.qkv.weight", (q + 2 * kv, d), Split(0, (q, kv, kv), hd)),
+        "qkv": Param(p + "attention.qkv.weight", (q + 2 * kv, d), Split(0, (q, kv, kv), hd), quantizable=True),
         "q_norm": Param(p + "attention.q_layernorm.weight", (hd,)),
         "k_norm": Param(p + "attention.k_layernorm.weight", (hd,)),
-        "dense": Param(p + "attention.dense.weight", (d, q), Split(1, (q,))),
+        "dense": Param(p + "attention.dense.weight", (d, q), Split(1, (q,)), quantizable=True),
         "post_layernorm": Param(p + "post_layernorm.weight", (d,)),
     }
     if c.moe is None:
         i = c.intermediate_size
         params |= {
-            "mlp_gate": Param(p + "mlp.fc.weight", (i, d), Split(0, (i,))),
-            "mlp_up": Param(p + "mlp.gate.weight", (i, d), Split(0, (i,))),
-            "mlp_down": Param(p + "mlp.proj.weight", (d, i), Split(1, (i,))),
+            "mlp_gate": Param(p + "mlp.fc.weight", (i, d), Split(0, (i,)), quantizable=True),
+            "mlp_up": Param(p + "mlp.gate.weight", (i, d), Split(0, (i,)), quantizable=True),
+            "mlp_down": Param(p + "mlp.proj.weight", (d, i), Split(1, (i,)), quantizable=True),
         }
     else:
         e, i = c.moe.num_experts, c.moe.intermediate_size
         params |= {
             "router": Param(p + "mlp.router.weight", (e, d), float32=True),
-            "experts_up_gate": Param(p + "mlp.fc.weight", (e, 2 * i, d), Split(1, (i, i))),
-            "experts_down": Param(p + "mlp.proj.weight", (e, d, i), Split(2, (i,))),
+            "experts_up_gate": Param(p + "mlp.fc.weight", (e, 2 * i, d), Split(1, (i, i)), quantizable=True),
+            "experts_down": Param(p + "mlp.proj.weight", (e, d, i), Split(2, (i,)), quantizable=True),
         }
     return params
 
@@ -421,13 +468,29 @@ def merge(param: Param, parts: list[torch.Tensor], tp_size: int) -> torch.Tensor
     return whole
 
 
+def _read_stored(f: Any, want: StoredTensor, where: str) -> torch.Tensor:
+    """Tensor `want` of an open rank file, checked against its planned dtype and shape."""
+    if want.name not in f.keys():
+        raise CheckpointError(f"{where} lacks {want.name}")
+    tensor = f.get_tensor(want.name)
+    if tuple(tensor.shape) != want.shape or tensor.dtype != want.dtype:
+        raise CheckpointError(
+            f"{want.name} in {where} is {tensor.dtype} {list(tensor.shape)}, expected {want.dtype} {list(want.shape)}"
+        )
+    return tensor
+
+
 def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
     """Reads every rank file of a converted checkpoint and reassembles the model."""
     from safetensors import SafetensorError, safe_open
 
+    from ..torch_dtypes import TORCH_DTYPES
+
     root = Path(checkpoint_dir)
     _, config = read_trtllm_config(root)
     mapping = config.mapping
+    dtype = TORCH_DTYPES[DTYPE_CHOICES[config.dtype]]
+    scheme = QUANT_ALGO_SCHEMES.get(config.quant_algo) if config.quant_algo else None
     roles: dict[str, torch.Tensor] = {}
     for pp_rank in range(mapping.pp_size):
         params = stage_params(config, pp_rank)
@@ -446,15 +509,13 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
             for role, param in params.items():
                 parts = []
                 for tp_rank, f in enumerate(files):
-                    if param.name not in f.keys():
-                        raise CheckpointError(f"{rank_file(mapping.rank(tp_rank, pp_rank))} lacks {param.name}")
-                    part = f.get_tensor(param.name)
-                    if tuple(part.shape) != param.rank_shape(tp_rank, mapping.tp_size):
-                        raise CheckpointError(
-                            f"{param.name} in rank file has shape {list(part.shape)}, expected "
-                            f"{list(param.rank_shape(tp_rank, mapping.tp_size))}"
-                        )
-                    parts.append(part)
+                    where = rank_file(mapping.rank(tp_rank, pp_rank))
+                    stored = [_read_stored(f, t, where) for t in param.stored(tp_rank, mapping.tp_size, dtype, scheme)]
+                    if len(stored) == 1:
+                        parts.append(stored[0])
+                    else:  # weight-only: the engine's weights are the stored values times their scales
+                        assert scheme is not None
+                        parts.append(WeightOnly.dequantize(scheme.from_stored(stored[0]), stored[1], dtype))
                 roles[role] = merge(param, parts, mapping.tp_size)
     layers = []
     for layer in range(config.num_hidden_layers):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,9 +21,9 @@ from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, ModelInfo
 from ..dtypes import DTYPE_CHOICES
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import atomic_output_dir
-from ..safetensors_io import StreamingWriter, TensorLocation, TensorPlan
+from ..safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
 from ..torch_dtypes import TORCH_DTYPES
 from .checkpoint_format import (
     CONFIG_FILE,
@@ -34,10 +35,12 @@ from .checkpoint_format import (
     stage_params,
     trtllm_config,
 )
+from .weight_only import LLM_QUANT_CHOICES, WEIGHT_ONLY_MODES, WeightOnly
 
 TEXT_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
 CHUNK_BYTES = 32 * 2**20  # source bytes per read
+WEIGHT_ONLY_MULTIPLE = 64  # per-rank features of a weight-only linear (quantization/layers.py pads to 64 * tp)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Source:
     chunk of source rows to the same rows in the output layout; rows past the source are zeros
     (lm_head vocab padding)."""
 
-    location: TensorLocation
+    location: RowReader
     rows: int
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -89,7 +92,7 @@ class _Sources:
     def __init__(self, ckpt: Checkpoint, info: ModelInfo):
         self.ckpt, self.info = ckpt, info
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> TensorLocation:
+    def tensor(self, name: str, shape: tuple[int, ...]) -> RowReader:
         location = self.ckpt.locate(name)
         if location.shape != shape:
             raise CheckpointError(f"tensor '{name}' has shape {list(location.shape)}, expected {list(shape)}")
@@ -98,9 +101,17 @@ class _Sources:
     def plain(self, name: str, shape: tuple[int, ...], rows: int | None = None) -> list[Source]:
         return [Source(self.tensor(name, shape), rows if rows is not None else shape[0])]
 
+    def per_expert(self, prefix: str, projection: str, experts: int, shape: tuple[int, int]) -> RowReader | None:
+        """The experts' `projection` weights stored one nn.Linear per expert (`{prefix}{e}.{projection}.weight`,
+        [out, in]), as an [E, out, in] stack; None when the checkpoint fuses them."""
+        names = [f"{prefix}{e}.{projection}.weight" for e in range(experts)]
+        if not self.ckpt.tensor_names(names[0]):
+            return None
+        return StackedLocation(tuple(self.tensor(n, shape) for n in names))
+
     def experts(
         self, name: str, experts: int, in_features: int, out_features: int
-    ) -> tuple[TensorLocation, Callable[[torch.Tensor], torch.Tensor]]:
+    ) -> tuple[RowReader, Callable[[torch.Tensor], torch.Tensor]]:
         """A fused expert tensor in either layout transformers writes, and the map of a chunk of it to
         F.linear's [E, out, in]: the released [E, in, out] (x @ W; transformers 4.x) or 5.x's own
         [E, out, in] (its save_pretrained keeps it). A square shape fits both: then the layout is that of
@@ -159,7 +170,14 @@ class _Sources:
         e, i = c.moe.num_experts, c.moe.intermediate_size
         if what == "router":
             return self.plain(p + "mlp.gate.weight", (e, d))
+        experts = p + "mlp.experts."
         if what == "experts_up_gate":
+            gate = self.per_expert(experts, "gate_proj", e, (i, d))
+            if gate is not None:  # TensorRT-LLM wants [E, up; gate, H]
+                up = self.per_expert(experts, "up_proj", e, (i, d))
+                if up is None:
+                    raise CheckpointError(f"the checkpoint has {experts}0.gate_proj.weight but no up_proj")
+                return [Source(up, e), Source(gate, e)]
             # As F.linear weights gate_up_proj is [E, 2I, H] (gate rows, then up); TensorRT-LLM wants [E, up; gate, H].
             fused, as_linear = self.experts(p + "mlp.experts.gate_up_proj", e, d, 2 * i)
             return [
@@ -167,6 +185,9 @@ class _Sources:
                 Source(fused, e, lambda w: as_linear(w)[:, :i]),
             ]
         if what == "experts_down":
+            stacked = self.per_expert(experts, "down_proj", e, (d, i))
+            if stacked is not None:
+                return [Source(stacked, e)]
             down, as_linear = self.experts(p + "mlp.experts.down_proj", e, i, d)
             return [Source(down, e, as_linear)]
         raise AssertionError(f"no source for {role}")
@@ -204,39 +225,140 @@ def _param_chunks(
             yield tp_rank, torch.cat(pieces, dim=split.dim)
 
 
+def check_weight_only(config: LLMConfig, scheme: WeightOnly, mode: str) -> None:
+    """Refuses a tensor-parallel split whose quantized weights the weight-only layers would pad: they round each
+    rank's in and out features up to a multiple of 64 (WeightOnlyQuantLinear, quantization/layers.py), so the
+    stored shapes would not load. The message names the --tp values that work."""
+
+    def misfits(tp: int) -> list[str]:
+        layout = replace(config.mapping, tp_size=tp)
+        trial = replace(config, mapping=layout)
+        bad = []
+        for param in stage_params(trial, 0).values():
+            if not param.quantizable:
+                continue
+            for tp_rank in range(tp):
+                *_, n, k = param.rank_shape(tp_rank, tp)
+                if n % WEIGHT_ONLY_MULTIPLE or k % WEIGHT_ONLY_MULTIPLE:
+                    bad.append(f"{param.name.split('.', 3)[-1]} [{n}, {k}]")
+                    break
+        return sorted(set(bad))
+
+    bad = misfits(config.mapping.tp_size)
+    if bad:
+        works = [tp for tp in (1, 2, 4, 8) if _tp_divides(config, tp) and not misfits(tp)]
+        hint = f"use --tp {' or '.join(map(str, works))}" if works else "no tp fits this model: use --llm-quant none"
+        raise UnsupportedModelError(
+            f"--llm-quant {mode} at tp={config.mapping.tp_size}: the weight-only GEMM needs each rank's in and out "
+            f"features to be multiples of {WEIGHT_ONLY_MULTIPLE}, and {', '.join(bad[:4])} are not (per rank); {hint}"
+        )
+
+
+def _tp_divides(config: LLMConfig, tp: int) -> bool:
+    c = config
+    sizes = [c.num_attention_heads, c.intermediate_size] + ([c.moe.intermediate_size] if c.moe else [])
+    kv = c.num_key_value_heads
+    return all(n % tp == 0 for n in sizes) and (kv % tp == 0 or tp % kv == 0)
+
+
+def _write_param(
+    param: Param,
+    chunks: Iterator[tuple[int, torch.Tensor]],
+    writers: list[StreamingWriter],
+    dtype: torch.dtype,
+    scheme: WeightOnly | None,
+    bar: tqdm,
+) -> None:
+    """Writes a parameter's chunks to their ranks' files; weight-only, each chunk's rows are quantized (per
+    output channel: a chunk holds whole rows) and written in the stored layout, then the scales."""
+    if scheme is None or not param.quantizable:
+        for tp_rank, chunk in chunks:
+            writers[tp_rank].write(param.name, chunk)
+            bar.update(chunk.numel() * chunk.element_size())
+        return
+    rows: dict[int, list[torch.Tensor]] = defaultdict(list)
+    scales: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for tp_rank, chunk in chunks:
+        q, scale = scheme.quantize(chunk)
+        scales[tp_rank].append(scale.to(dtype))
+        if chunk.ndim == 3:  # chunks of whole experts: their stored layout is the chunk's own
+            writers[tp_rank].write(param.name, scheme.to_stored(q))
+        else:  # the stored layout is transposed: the rank's rows are gathered first (1 byte each)
+            rows[tp_rank].append(q)
+        bar.update(chunk.numel() * chunk.element_size())
+    for tp_rank in sorted(scales):
+        if rows[tp_rank]:
+            writers[tp_rank].write(param.name, scheme.to_stored(torch.cat(rows[tp_rank])))
+        writers[tp_rank].write(param.scale_name, torch.cat(scales[tp_rank]))
+
+
+@dataclass(frozen=True)
+class LLMOptions:
+    """What convert-llm writes for a checkpoint and its options, checked."""
+
+    cfg: dict  # config.json
+    config: LLMConfig
+    dtype: str
+    quant_algo: str | None
+    scheme: WeightOnly | None
+
+
+def check_llm_options(ckpt: Checkpoint, dtype: str | None, quant: str, tp: int, pp: int) -> LLMOptions:
+    """Checks the language model's options against the checkpoint before any work (build runs it first)."""
+    dtype = dtype or source_dtype(ckpt.config)
+    if dtype not in TORCH_DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    if quant not in LLM_QUANT_CHOICES:
+        raise UnsupportedModelError(f"--llm-quant must be one of {', '.join(LLM_QUANT_CHOICES)}, got {quant!r}")
+    quant_algo, scheme = WEIGHT_ONLY_MODES.get(quant, (None, None))
+    cfg = trtllm_config(ckpt.info, dtype, ParallelLayout(tp, pp), quant_algo)
+    config = parse_trtllm_config(cfg)
+    if scheme is not None:
+        check_weight_only(config, scheme, quant)
+    return LLMOptions(cfg, config, dtype, quant_algo, scheme)
+
+
 def convert_llm(
     model: str | os.PathLike[str] | Checkpoint,
     output: str | os.PathLike[str],
     dtype: str | None = None,
     tp: int = 1,
     pp: int = 1,
+    quant: str = "none",
     force: bool = False,
     progress: bool | None = None,
+    log: Callable[[str], object] | None = None,
 ) -> Path:
-    """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory."""
+    """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory; `quant`
+    a weight-only mode stores its linear weights quantized (llm/weight_only.py)."""
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     ckpt.verify_shards()
-    dtype = dtype or source_dtype(ckpt.config)
-    if dtype not in TORCH_DTYPES:
-        raise CheckpointError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    cfg = trtllm_config(ckpt.info, dtype, ParallelLayout(tp, pp))
-    config = parse_trtllm_config(cfg)
-    out_dtype = TORCH_DTYPES[dtype]
+    options = check_llm_options(ckpt, dtype, quant, tp, pp)
+    config, scheme = options.config, options.scheme
+    out_dtype = TORCH_DTYPES[options.dtype]
     sources = _Sources(ckpt, ckpt.info)
     stages = [stage_params(config, pp_rank) for pp_rank in range(pp)]
     plan = {role: sources.for_role(role, config) for params in stages for role in params}  # all checked first
 
-    def dtype_of(param: Param) -> torch.dtype:
+    def chunk_dtype(param: Param) -> torch.dtype:
         return torch.float32 if param.float32 else out_dtype
 
+    def tensors(param: Param, tp_rank: int) -> list[TensorPlan]:
+        return [TensorPlan(t.name, t.dtype, t.shape) for t in param.stored(tp_rank, tp, out_dtype, scheme)]
+
     total = sum(
-        TensorPlan(p.name, dtype_of(p), p.rank_shape(r, tp)).nbytes
+        TensorPlan(p.name, chunk_dtype(p), p.rank_shape(r, tp)).nbytes
         for params in stages
         for p in params.values()
         for r in range(tp)
     )
+    if log is not None:
+        stored = sum(t.nbytes for params in stages for p in params.values() for r in range(tp) for t in tensors(p, r))
+        saved = f", {(total - stored) / 2**30:.2f} GiB less than {options.dtype}" if scheme is not None else ""
+        what = options.quant_algo or options.dtype
+        log(f"convert-llm: --llm-quant {quant} ({what}): {stored / 2**30:.2f} GiB of weights{saved}")
     with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=4) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(options.cfg, indent=4) + "\n")
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
         ) as bar:
@@ -244,15 +366,14 @@ def convert_llm(
                 writers = [
                     StreamingWriter(
                         tmp / rank_file(config.mapping.rank(tp_rank, pp_rank)),
-                        [TensorPlan(p.name, dtype_of(p), p.rank_shape(tp_rank, tp)) for p in params.values()],
+                        [t for p in params.values() for t in tensors(p, tp_rank)],
                         metadata={"format": "pt"},
                     )
                     for tp_rank in range(tp)
                 ]
                 for role, param in params.items():
-                    for tp_rank, chunk in _param_chunks(param, plan[role], tp, dtype_of(param)):
-                        writers[tp_rank].write(param.name, chunk)
-                        bar.update(chunk.numel() * chunk.element_size())
+                    chunks = _param_chunks(param, plan[role], tp, chunk_dtype(param))
+                    _write_param(param, chunks, writers, out_dtype, scheme, bar)
                 for writer in writers:
                     writer.close()
     return Path(output)

@@ -20,6 +20,12 @@ qwen_type qwen3 / qwen3_moe, which already gives the q/k RMSNorm, GQA and MoE la
   architecture names only (`builder.py`, build); the host builds the table
   (llm.inputs.engine_mrope_rotary_cos_sin) with Qwen3-VL's interleaved sections, so the attention
   plugin's mrope path applies it as is.
+- Weight-only checkpoints (quant_algo W8A16 / W4A16) store int8 values in the layout upstream's quantizer
+  makes before its SM-specific step (llm/weight_only.py); from_checkpoint's `preprocess_weights_hook`
+  (`models/modeling_utils.py`, PretrainedModel.from_checkpoint: it runs before preprocess_weights, which
+  leaves int8 weights as they are) applies that step, `preprocess_weights_for_mixed_gemm`
+  (`quantization/functional.py`) for this GPU, to each quantized weight. The builder then turns on the
+  weight-only GEMM plugin itself (`builder.py`, build, unless disable_weight_only_quant_plugin).
 
 The module imports without TensorRT-LLM (the classes are then absent and `TRTLLM_IMPORT_ERROR` says
 why); engine_build's launcher passes Qwen3VLForCausalLM to TensorRT-LLM's parallel_build. Imports
@@ -34,6 +40,7 @@ from typing import Any
 from qwen3vl_trt.errors import UnsupportedModelError
 from qwen3vl_trt.llm.checkpoint_format import ARCHITECTURE, ParallelLayout, check_deepstack_stage
 from qwen3vl_trt.llm.inputs import prompt_table_row
+from qwen3vl_trt.llm.weight_only import QUANT_ALGO_SCHEMES, SCALE_NAME
 
 __all__ = ["ARCHITECTURE", "TRTLLM_IMPORT_ERROR", "prompt_table_row"]
 
@@ -135,7 +142,37 @@ else:
             # QWenForCausalLM builds its QWenModel itself; ours replaces it before weights are loaded.
             self.transformer = Qwen3VLModel(config)
 
+        @classmethod
+        def from_checkpoint(
+            cls, ckpt_dir: str, rank: int | None = None, config: Any = None, *, preprocess_weights_hook: Any = None
+        ) -> Any:
+            # parallel_build always passes the rank's config (engine_build.launch); QuantAlgo is a str enum.
+            quant_algo = config.quantization.quant_algo
+            hook = preprocess_weights_hook
+            if quant_algo in QUANT_ALGO_SCHEMES:
+                hook = _cutlass_layout(quant_algo, config.dtype, preprocess_weights_hook)
+            return super().from_checkpoint(ckpt_dir, rank, config, preprocess_weights_hook=hook)
+
         def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
             # Per request: max_position_embeddings x rotary_dim float32 (cos, sin) pairs.
             kwargs["mrope_rotary_cos_sin_size"] = self.config.max_position_embeddings * self.config.rotary_embedding_dim
             return super().prepare_inputs(*args, **kwargs)
+
+    def _cutlass_layout(quant_algo: str, dtype: str, then: Any) -> Any:
+        """A preprocess_weights_hook giving each stored weight-only weight (an int8 `weight` beside its
+        `per_channel_scale`) the CUTLASS mixed-GEMM layout of this GPU, after the hook it was given."""
+        import torch
+        from tensorrt_llm._utils import str_dtype_to_torch
+        from tensorrt_llm.quantization.functional import preprocess_weights_for_mixed_gemm
+
+        kind = torch.int8 if QUANT_ALGO_SCHEMES[quant_algo].bits == 8 else torch.quint4x2
+
+        def hook(weights: dict) -> dict:
+            if then is not None:
+                weights = then(weights)
+            for name in [n for n in weights if n.endswith(".weight")]:
+                if weights[name].dtype == torch.int8 and name.removesuffix("weight") + SCALE_NAME in weights:
+                    weights[name] = preprocess_weights_for_mixed_gemm(weights[name], kind, str_dtype_to_torch(dtype))
+            return weights
+
+        return hook

@@ -1,12 +1,57 @@
-"""tensorrt_llm/models/modeling_utils.py (1.2 line, b35ac1b6): PretrainedConfig's loading, PretrainedModel's
-from_checkpoint, DecoderLayerList. Loading is upstream's to the letter where our code depends on it: from_dict looks
-the architecture up in MODEL_MAP (unknown -> KeyError) and builds that model class's config_class."""
+"""tensorrt_llm/models/modeling_utils.py (1.2 line, b35ac1b6): PretrainedConfig's loading, QuantConfig,
+PretrainedModel's from_checkpoint, preprocess_weights and load, DecoderLayerList. Loading is upstream's to the letter
+where our code depends on it: from_dict looks the architecture up in MODEL_MAP (unknown -> KeyError) and builds that
+model class's config_class; from_checkpoint reads the rank's weights, runs preprocess_weights_hook, then
+preprocess_weights, builds the model and loads the weights, which must be every parameter the (quantized) model
+declares, in its shape."""
 
 import copy
+import dataclasses
+import fnmatch
 import json
 import os
+import warnings
 
 from ..mapping import Mapping
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    """Upstream's fields and defaults; any other key is a TypeError, as upstream's dataclass raises."""
+
+    quant_algo: str | None = None
+    kv_cache_quant_algo: str | None = None
+    group_size: int = 128
+    smoothquant_val: float = 0.5
+    clamp_val: list | None = None
+    use_meta_recipe: bool = False
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: list | None = None
+    mamba_ssm_cache_dtype: str | None = None
+
+
+WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16")
+# convert_utils.weight_only_quantize_dict: the weights it quantizes, by substring of the tensor name.
+QUANT_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
+
+
+def preprocess_weights(weights, model_config, from_pruned=False):
+    """Upstream's W8A16/W4A16 branch: `weight_only_quantize_dict(weights, quant_algo, exclude_modules=...,
+    plugin=True)` quantizes every float weight named in QUANT_WEIGHTS (not excluded by fnmatch) with
+    torch.ops.trtllm (CUDA here: refused) and leaves int8 weights as they are (taken as already processed)."""
+    import torch
+
+    quant = model_config.quantization
+    if quant.quant_algo not in WEIGHT_ONLY_ALGOS:
+        return weights
+    excluded = quant.exclude_modules or ["*shared_expert_gate.weight"]
+    for name, tensor in weights.items():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded):
+            continue
+        if any(key in name for key in QUANT_WEIGHTS) and tensor.dtype != torch.int8:
+            raise RuntimeError(f"{name}: a float weight would be quantized by torch.ops.trtllm, which needs CUDA")
+    return weights
 
 
 class PretrainedConfig:
@@ -50,7 +95,7 @@ class PretrainedConfig:
         elif isinstance(mapping, dict):
             mapping = Mapping.from_dict(mapping)
         self.mapping = mapping
-        self.quantization = quantization or {}
+        self.quantization = QuantConfig(**(quantization or {}))
         self.use_parallel_embedding, self.embedding_sharding_dim = use_parallel_embedding, embedding_sharding_dim
         self.head_size = hidden_size // num_attention_heads if head_size is None else head_size
         self.rotary_embedding_dim = rotary_embedding_dim if rotary_embedding_dim is not None else self.head_size
@@ -84,6 +129,7 @@ class PretrainedConfig:
         output = copy.deepcopy(self.__dict__)
         output["mapping"] = self.mapping.to_dict()
         output["mapping"].pop("rank")
+        output["quantization"] = dataclasses.asdict(self.quantization)
         return output
 
 
@@ -101,9 +147,33 @@ class PretrainedModel:
         weights_path = os.path.join(ckpt_dir, f"rank{rank}.safetensors")
         if not os.path.isfile(weights_path):
             raise FileNotFoundError(weights_path)
+        from safetensors.torch import load_file
+
+        weights = load_file(weights_path)
+        if preprocess_weights_hook is not None:
+            weights = preprocess_weights_hook(weights)
+        weights = preprocess_weights(weights, config)
         model = cls(config)
-        model.weights_file = weights_path  # upstream: safetensors.safe_open(...), then model.load(weights)
+        model.weights_file = weights_path
+        model.load(weights)
         return model
+
+    def load(self, weights):
+        """Upstream's load: every declared parameter provided (else "Required but not provided tensors"), each in
+        its declared shape (else an error); a dtype mismatch is a warning; extra tensors are a warning."""
+        declared = self.declared_parameters()
+        missing = sorted(set(declared) - set(weights))
+        if missing:
+            raise RuntimeError(f"Required but not provided tensors: {missing}")
+        for name, (dtype, shape) in declared.items():
+            if tuple(weights[name].shape) != tuple(shape):
+                raise RuntimeError(f"{name}: shape {list(weights[name].shape)} is not the declared {list(shape)}")
+            if weights[name].dtype != dtype:
+                warnings.warn(f"{name}: dtype {weights[name].dtype} is not the declared {dtype}", stacklevel=2)
+        extra = sorted(set(weights) - set(declared))
+        if extra:
+            warnings.warn(f"Provided but not required tensors: {extra}", stacklevel=2)
+        self.loaded_weights = weights
 
 
 class DecoderLayerList(list):

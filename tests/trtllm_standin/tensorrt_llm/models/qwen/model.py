@@ -71,6 +71,72 @@ class QWenForCausalLM(PretrainedModel):
         self.config = config
         self.transformer = QWenModel(config)
 
+    def declared_parameters(self):
+        """name -> (dtype, shape) of this rank's parameters, as QWenForCausalLM's layers declare them after
+        quantize(): ColumnLinear [out/tp, in], RowLinear [out, in/tp] (layers/linear.py); Attention's fused qkv with
+        key/value heads repeated when tp exceeds them (layers/attention.py); MOE fc [E, 2I/tp, H] (up; gate) and
+        proj [E, H, I/tp], the router [E, H] float32 (layers/moe.py). Weight-only (quantization/layers.py):
+        WeightOnlyQuant{Column,Row}Linear `weight` int8 [in, out * bits/8] with in and out padded to multiples of
+        64 per rank, and `per_channel_scale` [out]; MOE `weight` int8 [E, in, out * bits/8] and
+        `per_channel_scale` [E, out]. The router, embedding and lm_head stay unquantized (quantize_layers'
+        exclusions)."""
+        import math
+
+        import torch
+
+        from ..._utils import str_dtype_to_torch
+
+        c, m = self.config, self.config.mapping
+        tp, dtype = m.tp_size, str_dtype_to_torch(c.dtype)
+        algo = c.quantization.quant_algo
+        bits = {"W8A16": 8, "W4A16": 4}.get(algo)
+        hd, d = c.head_size, c.hidden_size
+        kv_r = max(c.num_key_value_heads // tp, 1)
+        declared = {}
+
+        def pad(n):
+            return math.ceil(n / 64) * 64
+
+        def linear(name, out_r, in_r):
+            if bits is None:
+                declared[name + ".weight"] = (dtype, (out_r, in_r))
+                return
+            declared[name + ".weight"] = (torch.int8, (pad(in_r), pad(out_r) * bits // 8))
+            declared[name + ".per_channel_scale"] = (dtype, (pad(out_r),))
+
+        def experts(name, e, out_r, in_r):
+            if bits is None:
+                declared[name + ".weight"] = (dtype, (e, out_r, in_r))
+                return
+            declared[name + ".weight"] = (torch.int8, (e, in_r, out_r * bits // 8))
+            declared[name + ".per_channel_scale"] = (dtype, (e, out_r))
+
+        if m.is_first_pp_rank():
+            declared["transformer.vocab_embedding.weight"] = (dtype, (c.vocab_size, d))
+        for local, _ in enumerate(m.pp_layers(c.num_hidden_layers)):
+            p = f"transformer.layers.{local}."
+            declared[p + "input_layernorm.weight"] = (dtype, (d,))
+            declared[p + "post_layernorm.weight"] = (dtype, (d,))
+            declared[p + "attention.q_layernorm.weight"] = (dtype, (hd,))
+            declared[p + "attention.k_layernorm.weight"] = (dtype, (hd,))
+            linear(p + "attention.qkv", (c.num_attention_heads // tp + 2 * kv_r) * hd, d)
+            linear(p + "attention.dense", d, c.num_attention_heads * hd // tp)
+            moe = c.moe if isinstance(c.moe, dict) else {}
+            if moe.get("num_experts", 0):
+                e, i = moe["num_experts"], c.moe_intermediate_size // tp
+                declared[p + "mlp.router.weight"] = (torch.float32, (e, d))
+                experts(p + "mlp.fc", e, 2 * i, d)
+                experts(p + "mlp.proj", e, d, i)
+            else:
+                i = c.intermediate_size // tp
+                linear(p + "mlp.fc", i, d)
+                linear(p + "mlp.gate", i, d)
+                linear(p + "mlp.proj", d, i)
+        if m.is_last_pp_rank():
+            declared["transformer.ln_f.weight"] = (dtype, (d,))
+            declared["lm_head.weight"] = (dtype, (math.ceil(c.vocab_size / tp), d))
+        return declared
+
     def prepare_inputs(self, use_cache=True, prompt_embedding_table_size=0, mrope_rotary_cos_sin_size=None, **_):
         first = self.config.mapping.is_first_pp_rank()
         inputs = {
