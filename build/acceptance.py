@@ -19,6 +19,7 @@ Exit code: 0 every row passed; 1 a row failed; 3 none failed but some were skipp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import re
@@ -47,6 +48,10 @@ VISION_TOLERANCE = 4e-2  # a bf16 engine against the fp32 tower (scripts/vision_
 # A served token is transformers' greedy choice when its logit is within this share of the step's logit spread
 # (max - median) of the maximum: bf16 engines round differently from transformers' fp32.
 LOGIT_GAP = 0.05
+# The same gap for each --llm-quant engine built from a block-FP8 checkpoint, scored by transformers on its
+# dequantized twin: the FP8 weights dequantize exactly (none), weight-only INT8 / INT4 round each weight to 256 / 16
+# levels of its channel.
+QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.25, "int4-wo": 1.0}
 NEW_TOKENS = 8
 # A stream long enough to be generating when the server is stopped (min_tokens holds it to this length; a tiny model
 # on a GPU takes a few seconds, well within serve's --stop-grace of 30 s).
@@ -216,12 +221,12 @@ class Acceptance:
             run,
         )
 
-    def build_row(self, name: str, model: Path) -> None:
+    def build_row(self, name: str, model: Path, llm_quant: str = "none") -> None:
         def run() -> tuple[bool, str]:
             from .pipeline import build
 
-            output = self.work / f"build-{name}"
-            manifest = build(model, output, target="gpu", force=True, log=self.log)
+            output = self.work / f"build-{name.replace(' ', '-')}"
+            manifest = build(model, output, llm_quant=llm_quant, target="gpu", force=True, log=self.log)
             self._builds[name] = output
             stages = manifest.done_stages()
             return True, f"{len(stages)} stages: {', '.join(stages)}"
@@ -312,6 +317,37 @@ class Acceptance:
         self.row(healing, "back, answers", needs, lambda: healed[0])
         self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
 
+    def quantized_rows(self, name: str, model: Path, twin: Path, llm_quant: str) -> None:
+        """An engine of `llm_quant` built from the block-FP8 checkpoint `model`, served, its tokens for a JPEG
+        scored teacher-forced by transformers on `twin` (the bf16 checkpoint the FP8 one stands for)."""
+        from .testing.tiny import synthetic_jpeg
+
+        self.build_row(name, model, llm_quant)
+        prompt, images = "Describe this picture.", [synthetic_jpeg(480, 640, seed=5)]
+        gap = QUANT_LOGIT_GAPS[llm_quant]
+
+        def run() -> tuple[bool, str]:
+            from .contracts import BuildLayout
+            from .serving.client import Client
+            from .serving.ports import free_ports
+            from .serving.server.serve import TritonServer
+
+            log_path = self.work / f"server-{name.replace(' ', '-')}.log"
+            server = TritonServer(BuildLayout(self._built(name)).triton_repo, free_ports(), log_path=log_path)
+            server.start()
+            try:
+                server.wait_ready()
+                with contextlib.closing(Client(server.url, timeout_s=120)) as client:
+                    served = client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
+            finally:
+                server.stop()
+            equal, gaps = _TransformersGreedy(twin).score(prompt, images, [], served)
+            worst = max(gaps, default=0.0)
+            return bool(served) and worst <= gap, f"{equal}/{len(served)} tokens equal, largest gap {worst:.3f}"
+
+        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
+        self.row(f"served tokens vs transformers greedy on the bf16 twin ({name})", f"gap <= {gap:g}", needs, run)
+
     def _built(self, name: str) -> Path:
         if name not in self._builds:
             raise RuntimeError(f"the {name} build did not finish (see its row)")
@@ -332,7 +368,22 @@ def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
         acceptance.build_row(name, model)
         acceptance.vision_engine_row(name, model)
         acceptance.served_rows(name, model)
+    fp8, twin = _block_fp8_checkpoint(work)
+    for llm_quant in QUANT_LOGIT_GAPS:
+        acceptance.quantized_rows(f"block-FP8 dense, --llm-quant {llm_quant}", fp8, twin, llm_quant)
     return acceptance.report
+
+
+def _block_fp8_checkpoint(work: Path) -> tuple[Path, Path]:
+    """A tiny dense checkpoint stored as Qwen's -FP8 releases are (text dims the weight-only GEMM takes), and its
+    dequantized bf16 twin."""
+    from .testing.quantized import dequantized_twin, quantize_block_fp8
+    from .testing.tiny import make_tiny_checkpoint
+
+    text = {"hidden_size": 128, "num_key_value_heads": 4, "intermediate_size": 256}
+    bf16 = make_tiny_checkpoint(work / "tiny-dense-128", seed=2, text_overrides=text, force=True)
+    fp8 = quantize_block_fp8(bf16, work / "tiny-dense-fp8", force=True)
+    return fp8, dequantized_twin(fp8, work / "tiny-dense-fp8-twin", force=True)
 
 
 # -- the measurements (GPU hosts) --------------------------------------------------------------------------------

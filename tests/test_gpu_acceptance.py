@@ -33,6 +33,11 @@ CHECKS = [
             "a stop lets a stream in flight finish",
         )
     ],
+    *[
+        f"{check} (block-FP8 dense, --llm-quant {mode})"
+        for mode in ("none", "int8-wo", "int4-wo")
+        for check in ("qwen3vl-trt build, every stage", "served tokens vs transformers greedy on the bf16 twin")
+    ],
 ]
 
 

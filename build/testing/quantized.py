@@ -93,6 +93,7 @@ def quantize_block_fp8(
     scale_dtype: torch.dtype = torch.float32,
     vision: bool = False,
     shard_mb: int = 20,
+    force: bool = False,
 ) -> Path:
     """Writes the block-FP8 checkpoint of a bf16 one (its vision tower too if `vision`) and returns its directory."""
     src = Path(model)
@@ -115,14 +116,16 @@ def quantize_block_fp8(
         "weight_block_size": list(BLOCK),
         "modules_to_not_convert": sorted(set(modules) - set(quantized)),
     }
-    with atomic_output_dir(output) as tmp:
+    with atomic_output_dir(output, force=force) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_side_files(src, tmp)
         _write_shards(state, tmp, shard_mb * 2**20)
     return Path(output)
 
 
-def dequantized_twin(model: str | os.PathLike[str], output: str | os.PathLike[str], shard_mb: int = 20) -> Path:
+def dequantized_twin(
+    model: str | os.PathLike[str], output: str | os.PathLike[str], shard_mb: int = 20, force: bool = False
+) -> Path:
     """Writes the bf16 checkpoint a block-FP8 one stands for (weights dequantized in float32 and rounded
     once, experts fused in the released [E, in, out] layout) and returns its directory."""
     src = Path(model)
@@ -146,7 +149,7 @@ def dequantized_twin(model: str | os.PathLike[str], output: str | os.PathLike[st
         gate_up = [torch.cat([w["gate_proj.weight"], w["up_proj.weight"]]).T for w in ordered]  # [in, 2I]
         state[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(gate_up).contiguous()
         state[f"{prefix}.mlp.experts.down_proj"] = torch.stack([w["down_proj.weight"].T for w in ordered]).contiguous()
-    with atomic_output_dir(output) as tmp:
+    with atomic_output_dir(output, force=force) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_side_files(src, tmp)
         _write_shards(state, tmp, shard_mb * 2**20)
