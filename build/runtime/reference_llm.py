@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..llm.checkpoint_format import LLMWeights, MoEWeights, load_llm_weights
+from ..llm.checkpoint_format import LayerWeights, LLMWeights, MoEWeights, load_llm_weights
+from ..llm.fp8 import linear
 from ..llm.inputs import prompt_table_row, rope_inv_freq
 from .sampling import SamplingParams, TokenSampler
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 TokenCallback = Callable[[int, int], None]
 """Called as (request index, token id) for every generated token, in order."""
+Observer = Callable[[str, torch.Tensor], None]
+"""Called during a prefill with the input of each quantized linear of a layer ("qkv", "dense", "mlp", "down",
+"experts", "experts_down") and its keys and values ("kv"): what calibration measures."""
 
 
 @dataclass
@@ -191,13 +195,17 @@ class ReferenceLLM:
 
     # -- layers ----------------------------------------------------------------------------------
 
-    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        w = self.w.layers[layer].mlp
-        if isinstance(w, MoEWeights):
-            return self._moe(w, x)
-        return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    def _mlp(self, w: LayerWeights, x: torch.Tensor, observe: Observer | None = None) -> torch.Tensor:
+        mlp = w.mlp
+        if isinstance(mlp, MoEWeights):
+            return self._moe(mlp, x, observe)
+        hidden = F.silu(linear(x, mlp.gate)) * linear(x, mlp.up)
+        if observe is not None:
+            observe("mlp", x)
+            observe("down", hidden)
+        return linear(hidden, mlp.down)
 
-    def _moe(self, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, w: MoEWeights, x: torch.Tensor, observe: Observer | None = None) -> torch.Tensor:
         moe = self.config.moe
         assert moe is not None
         probs = F.softmax(F.linear(x.float(), w.router), dim=-1)  # the router runs in float32
@@ -206,19 +214,22 @@ class ReferenceLLM:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         top_p = top_p.to(x.dtype)
         out = torch.zeros_like(x)
+        if observe is not None:
+            observe("experts", x)  # every token reaches top_k experts: the experts' inputs are all tokens
         for expert in top_e.unique().tolist():
             token, slot = (top_e == expert).nonzero(as_tuple=True)
             xs = x[token]
-            hidden = F.silu(F.linear(xs, w.gate[expert])) * F.linear(xs, w.up[expert])
-            out.index_add_(0, token, F.linear(hidden, w.down[expert]) * top_p[token, slot, None])
+            hidden = F.silu(linear(xs, w.gate[expert])) * linear(xs, w.up[expert])
+            if observe is not None:
+                observe("experts_down", hidden)
+            out.index_add_(0, token, linear(hidden, w.down[expert]) * top_p[token, slot, None])
         return out
 
-    def _qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [N, H, hd], k/v [N, KV, hd] of N tokens x [N, D] rotating with cos/sin [N, half],
         normalized per head and rotated."""
-        w = self.w.layers[layer]
         n = x.shape[0]
-        q, k, v = F.linear(x, w.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, w.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         eps = self.config.norm_epsilon
         q = _rms_norm(q.view(n, -1, self.head_dim), w.q_norm, eps)
         k = _rms_norm(k.view(n, -1, self.head_dim), w.k_norm, eps)
@@ -239,25 +250,50 @@ class ReferenceLLM:
         cos = torch.cat([p.cos for p in prompts])
         sin = torch.cat([p.sin for p in prompts])
         h = torch.cat([self._embed(p) for p in prompts])  # [T, D]
-        c, eps = self.config, self.config.norm_epsilon
+        c = self.config
         keys = h.new_empty(c.num_hidden_layers, h.shape[0], c.num_key_value_heads, self.head_dim)
         values = torch.empty_like(keys)
         for layer, w in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, _rms_norm(h, w.input_layernorm, eps), cos, sin)
-            keys[layer], values[layer] = k, v
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # heads first
-            attended = torch.cat(
+            h, keys[layer], values[layer] = self.prefill_layer(w, h, cos, sin, spans)
+            for (a, b), prompt in zip(spans, prompts, strict=True):
+                self._deepstack(h[a:b], prompt, layer)
+        return self._logits(h if all_logits else h[[b - 1 for _, b in spans]]), keys, values
+
+    def prefill_layer(
+        self,
+        w: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spans: list[tuple[int, int]],
+        observe: Observer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder layer over prompts concatenated in h (spans: each prompt's [start, stop)), each attending
+        only to itself: the new h and the layer's keys and values (DeepStack is the caller's)."""
+        eps = self.config.norm_epsilon
+        x = _rms_norm(h, w.input_layernorm, eps)
+        q, k, v = self._qkv(w, x, cos, sin)
+        if observe is not None:
+            observe("qkv", x)
+            observe("kv", torch.cat([k, v], dim=-1))
+        keys, values = k, v
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # heads first
+        attended = (
+            torch.cat(
                 [
                     F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, enable_gqa=True)
                     for a, b in spans
                 ],
                 dim=1,
             )
-            h = h + F.linear(attended.transpose(0, 1).reshape(h.shape[0], self.q_size), w.dense)
-            h = h + self._mlp(layer, _rms_norm(h, w.post_layernorm, eps))
-            for (a, b), prompt in zip(spans, prompts, strict=True):
-                self._deepstack(h[a:b], prompt, layer)
-        return self._logits(h if all_logits else h[[b - 1 for _, b in spans]]), keys, values
+            .transpose(0, 1)
+            .reshape(h.shape[0], self.q_size)
+        )
+        if observe is not None:
+            observe("dense", attended)
+        h = h + linear(attended, w.dense)
+        h = h + self._mlp(w, _rms_norm(h, w.post_layernorm, eps), observe)
+        return h, keys, values
 
     def prompt_logits(self, request: LLMRequest) -> torch.Tensor:
         """float32 logits [L, vocab_size] at every prompt position (what gather_context_logits returns)."""
@@ -292,7 +328,7 @@ class ReferenceLLM:
         kv_heads = self.config.num_key_value_heads
         h = F.embedding(ids, self.w.vocab_embedding)  # [B, D]
         for layer, w in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, _rms_norm(h, w.input_layernorm, eps), cos, sin)
+            q, k, v = self._qkv(w, _rms_norm(h, w.input_layernorm, eps), cos, sin)
             cache.keys[layer, rows, :, position] = k
             cache.values[layer, rows, :, position] = v
             # Grouped-query attention without copying the cache: a row's single query becomes one
@@ -300,8 +336,8 @@ class ReferenceLLM:
             grouped = q.view(batch, kv_heads, -1, self.head_dim)
             keys, values = cache.keys[layer, :batch, :, :span], cache.values[layer, :batch, :, :span]
             attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            h = h + F.linear(attended.reshape(batch, self.q_size), w.dense)
-            h = h + self._mlp(layer, _rms_norm(h, w.post_layernorm, eps))
+            h = h + linear(attended.reshape(batch, self.q_size), w.dense)
+            h = h + self._mlp(w, _rms_norm(h, w.post_layernorm, eps))
         return self._logits(h)
 
 
