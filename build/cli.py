@@ -124,6 +124,9 @@ def _build(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         llm_dtype=args.llm_dtype,
         llm_quant=args.llm_quant,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_arch=args.gpu_arch,
+        calibration_data=args.calibration_data,
         tp=args.tp,
         pp=args.pp,
         limits=_engine_limits(args),
@@ -467,6 +470,9 @@ def _convert_llm(args: argparse.Namespace) -> None:
         tp=args.tp,
         pp=args.pp,
         quant=args.llm_quant,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_arch=args.gpu_arch,
+        calibration_data=args.calibration_data,
         force=args.force,
         log=print,
     )
@@ -645,16 +651,43 @@ def _add_preprocess_parser(sub: _Subparsers) -> None:
     s.set_defaults(func=_preprocess)
 
 
+def _gpu_arch(value: str) -> int:
+    from .llm.precision import parse_gpu_arch
+
+    try:
+        return parse_gpu_arch(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_llm_quant(s: argparse.ArgumentParser) -> None:
-    from .llm.weight_only import LLM_QUANT_CHOICES
+    from .dtypes import KV_CACHE_DTYPE_CHOICES, LLM_QUANT_CHOICES
 
     s.add_argument(
         "--llm-quant",
-        default="none",
         choices=LLM_QUANT_CHOICES,
         help="the language model's engine precision: none (its dtype; FP8 checkpoints dequantized), int8-wo / "
-        "int4-wo (weight-only INT8 / INT4 per channel, TensorRT-LLM W8A16 / W4A16, sm80+; docs/model.md) "
+        "int4-wo (weight-only INT8 / INT4 per channel, TensorRT-LLM W8A16 / W4A16, sm80+), fp8 (FP8 weights and "
+        "activations, per-tensor scales from a calibration pass, sm89+) (default: fp8 for an FP8 checkpoint built for "
+        "an FP8-capable GPU, else none; docs/model.md)",
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help="the KV cache's precision: auto (the engine dtype), fp8 or int8 (scales from the calibration pass) "
         "(default: %(default)s)",
+    )
+    s.add_argument(
+        "--gpu-arch",
+        type=_gpu_arch,
+        help="the GPU the engines are for, as sm80, sm89, sm90, ... (default: the visible GPU's): chooses the default "
+        "--llm-quant and refuses modes the GPU cannot run",
+    )
+    s.add_argument(
+        "--calibration-data",
+        help='JSON lines of {"text": ..., "image": optional path} to calibrate fp8 / quantized KV-cache scales on '
+        "(default: a small built-in set of synthetic images and prompts)",
     )
 
 

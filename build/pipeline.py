@@ -35,7 +35,10 @@ def build(
     output_dir: str | os.PathLike[str],
     dtype: str = "fp32",
     llm_dtype: str | None = None,
-    llm_quant: str = "none",
+    llm_quant: str | None = None,
+    kv_cache_dtype: str = "auto",
+    gpu_arch: int | None = None,
+    calibration_data: str | os.PathLike[str] | None = None,
     tp: int = 1,
     pp: int = 1,
     limits: EngineLimits | None = None,
@@ -57,7 +60,8 @@ def build(
         )
     ckpt = Checkpoint(model_dir)  # refuses a quantization it does not read, before any stage
     ckpt.verify_shards()
-    check_llm_options(ckpt, llm_dtype, llm_quant, tp, pp)
+    llm_options = check_llm_options(ckpt, llm_dtype, llm_quant, tp, pp, kv_cache_dtype, gpu_arch)
+    log(f"language model engine: --llm-quant {llm_options.quant} ({llm_options.why})")
     stages: list[StageRecord] = []
     out = BuildLayout(Path(output_dir))
     with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp_root:
@@ -69,7 +73,18 @@ def build(
             StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
         )
         start = time.perf_counter()
-        convert_llm(ckpt, tmp.llm_checkpoint, dtype=llm_dtype, tp=tp, pp=pp, quant=llm_quant, log=log)
+        convert_llm(
+            ckpt,
+            tmp.llm_checkpoint,
+            dtype=llm_dtype,
+            tp=tp,
+            pp=pp,
+            quant=llm_options.quant,
+            kv_cache_dtype=kv_cache_dtype,
+            gpu_arch=gpu_arch,
+            calibration_data=calibration_data,
+            log=log,
+        )
         stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
         if problem is None:
             start = time.perf_counter()

@@ -28,7 +28,13 @@ from ..checkpoint import ModelInfo
 from ..dtypes import DTYPE_CHOICES, DTYPE_NAMES
 from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import json_entry, read_json
+from .fp8 import ACTIVATION_SCALE, FP8_ALGO, WEIGHT_SCALE, FP8PerTensor, FP8Weight
+from .kv_cache import KV_CACHE_ALGOS, KV_SCALE, KVCacheQuant
 from .weight_only import QUANT_ALGO_SCHEMES, SCALE_NAME, WeightOnly
+
+Scheme = WeightOnly | FP8PerTensor
+# quantization.quant_algo values convert-llm writes, and how their weights are stored.
+SCHEMES: dict[str, Scheme] = {**QUANT_ALGO_SCHEMES, FP8_ALGO: FP8PerTensor()}
 
 # torch and safetensors load only when weights are read: the repository writer, which the command line's light
 # paths import, reads only the config.
@@ -90,7 +96,16 @@ class LLMConfig:
     deepstack_count: int
     mapping: ParallelLayout
     moe: MoeSettings | None = None
-    quant_algo: str | None = None  # quantization.quant_algo: None, or a weight-only QuantAlgo (llm/weight_only.py)
+    quant_algo: str | None = None  # quantization.quant_algo: None, or one of SCHEMES
+    kv_cache_quant_algo: str | None = None  # None, or one of kv_cache.KV_CACHE_ALGOS
+
+    @property
+    def scheme(self) -> Scheme | None:
+        return SCHEMES[self.quant_algo] if self.quant_algo else None
+
+    @property
+    def kv_cache(self) -> KVCacheQuant | None:
+        return KV_CACHE_ALGOS[self.kv_cache_quant_algo] if self.kv_cache_quant_algo else None
 
     @property
     def vocab_size_padded(self) -> int:
@@ -111,15 +126,22 @@ class MoeSettings:
 EXCLUDED_MODULES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding"]
 
 
-def quantization_config(quant_algo: str | None) -> dict:
+def quantization_config(quant_algo: str | None, kv_cache_quant_algo: str | None = None) -> dict:
     """config.json's `quantization` (QuantConfig's fields, models/modeling_utils.py; group_size is read by
     group-wise algorithms only)."""
-    if quant_algo is None:
-        return {"quant_algo": None, "kv_cache_quant_algo": None}
-    return {"quant_algo": quant_algo, "kv_cache_quant_algo": None, "exclude_modules": EXCLUDED_MODULES}
+    out: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo}
+    if quant_algo is not None:
+        out["exclude_modules"] = EXCLUDED_MODULES
+    return out
 
 
-def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout, quant_algo: str | None = None) -> dict:
+def trtllm_config(
+    info: ModelInfo,
+    dtype: str,
+    mapping: ParallelLayout,
+    quant_algo: str | None = None,
+    kv_cache_quant_algo: str | None = None,
+) -> dict:
     """config.json for the TensorRT-LLM checkpoint: the fields PretrainedConfig and QWenConfig read
     (tensorrt_llm/models/modeling_utils.py, models/qwen/config.py), qwen_type qwen3 / qwen3_moe for
     the q/k RMSNorm and MoE layers, position_embedding_type mrope with rotary scaling type mrope (what
@@ -159,7 +181,7 @@ def trtllm_config(info: ModelInfo, dtype: str, mapping: ParallelLayout, quant_al
             "moe_tp_size": mapping.tp_size,
             "moe_ep_size": 1,
         },
-        "quantization": quantization_config(quant_algo),
+        "quantization": quantization_config(quant_algo, kv_cache_quant_algo),
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
         "qwen_type": "qwen3_moe" if moe else "qwen3",
@@ -254,12 +276,17 @@ def parse_trtllm_config(cfg: dict, where: str = f"TensorRT-LLM checkpoint {CONFI
             renormalize=cfg["moe"].get("normalization_mode") == MOE_RENORMALIZE,
         )
     same_named = {name: entry(name, kind) for name, kind in _SAME_NAMED_FIELDS.items()}
-    quant_algo = entry("quantization", dict).get("quant_algo")
-    if quant_algo is not None and quant_algo not in QUANT_ALGO_SCHEMES:
-        raise CheckpointError(
-            f"{where}: quantization.quant_algo {quant_algo!r} is not one convert-llm writes "
-            f"({', '.join(QUANT_ALGO_SCHEMES)} or null); {fix}"
-        )
+    quantization = entry("quantization", dict)
+    quant_algo, kv_cache_quant_algo = quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")
+    for key, value, known in (
+        ("quant_algo", quant_algo, SCHEMES),
+        ("kv_cache_quant_algo", kv_cache_quant_algo, KV_CACHE_ALGOS),
+    ):
+        if value is not None and value not in known:
+            raise CheckpointError(
+                f"{where}: quantization.{key} {value!r} is not one convert-llm writes "
+                f"({', '.join(known)} or null); {fix}"
+            )
     if same_named["dtype"] not in DTYPE_NAMES.values():
         names = ", ".join(DTYPE_NAMES.values())
         raise CheckpointError(f"{where}: dtype {same_named['dtype']!r} is not one of {names}; {fix}")
@@ -270,6 +297,7 @@ def parse_trtllm_config(cfg: dict, where: str = f"TensorRT-LLM checkpoint {CONFI
         mapping=ParallelLayout(entry("mapping.tp_size", int), entry("mapping.pp_size", int)),
         moe=moe,
         quant_algo=quant_algo,
+        kv_cache_quant_algo=kv_cache_quant_algo,
     )
 
 
@@ -328,17 +356,25 @@ class Param:
     float32: bool = False  # kept in float32 whatever the checkpoint dtype (the MoE router)
     quantizable: bool = False  # a linear weight that weight-only engines store quantized
 
-    def stored(self, tp_rank: int, tp_size: int, dtype: torch.dtype, scheme: WeightOnly | None) -> list[StoredTensor]:
-        """The tensors of this parameter in a rank file: itself in `dtype`; quantized, its int8 `weight` in the
-        stored layout and its `per_channel_scale` (llm/weight_only.py)."""
+    def stored(self, tp_rank: int, tp_size: int, dtype: torch.dtype, scheme: Scheme | None) -> list[StoredTensor]:
+        """The tensors of this parameter in a rank file: itself in `dtype`; weight-only, its int8 `weight` in the
+        stored layout and its `per_channel_scale` (llm/weight_only.py); FP8, its e4m3 `weight` and its weight and
+        activation scales (llm/fp8.py)."""
         import torch
 
         shape = self.rank_shape(tp_rank, tp_size)
         if scheme is None or not self.quantizable:
             return [StoredTensor(self.name, torch.float32 if self.float32 else dtype, shape)]
+        if isinstance(scheme, WeightOnly):
+            return [
+                StoredTensor(self.name, torch.int8, scheme.stored_shape(shape)),
+                StoredTensor(self.scale_name, dtype, shape[:-1]),
+            ]
+        prefix = self.name.removesuffix("weight")
         return [
-            StoredTensor(self.name, torch.int8, scheme.stored_shape(shape)),
-            StoredTensor(self.scale_name, dtype, shape[:-1]),
+            StoredTensor(self.name, torch.float8_e4m3fn, shape),
+            StoredTensor(prefix + WEIGHT_SCALE, torch.float32, (shape[0], 1) if len(shape) == 3 else (1,)),
+            StoredTensor(prefix + ACTIVATION_SCALE, torch.float32, (1,)),
         ]
 
     @property
@@ -367,6 +403,8 @@ def layer_params(config: LLMConfig, local: int) -> dict[str, Param]:
         "dense": Param(p + "attention.dense.weight", (d, q), Split(1, (q,)), quantizable=True),
         "post_layernorm": Param(p + "post_layernorm.weight", (d,)),
     }
+    if c.kv_cache is not None:
+        params["kv_scale"] = Param(p + "attention." + KV_SCALE, (1,), float32=True)
     if c.moe is None:
         i = c.intermediate_size
         params |= {
@@ -405,28 +443,42 @@ def stage_params(config: LLMConfig, pp_rank: int) -> dict[str, Param]:
 
 @dataclass
 class DenseMLPWeights:
-    gate: torch.Tensor  # [I, H], activated
-    up: torch.Tensor  # [I, H]
-    down: torch.Tensor  # [H, I]
+    gate: torch.Tensor | FP8Weight  # [I, H], activated
+    up: torch.Tensor | FP8Weight  # [I, H]
+    down: torch.Tensor | FP8Weight  # [H, I]
 
 
 @dataclass
 class MoEWeights:
     router: torch.Tensor  # [E, H] float32
-    up: torch.Tensor  # [E, I, H]
-    gate: torch.Tensor  # [E, I, H], activated
-    down: torch.Tensor  # [E, H, I]
+    up: torch.Tensor | FP8Weight  # [E, I, H]
+    gate: torch.Tensor | FP8Weight  # [E, I, H], activated
+    down: torch.Tensor | FP8Weight  # [E, H, I]
 
 
 @dataclass
 class LayerWeights:
     input_layernorm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KV) * head_size, hidden]: q, k, v heads
+    qkv: torch.Tensor | FP8Weight  # [(H + 2 KV) * head_size, hidden]: q, k, v heads
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    dense: torch.Tensor
+    dense: torch.Tensor | FP8Weight
     post_layernorm: torch.Tensor
     mlp: DenseMLPWeights | MoEWeights
+    kv_scale: torch.Tensor | None = None  # (1,) float32 with a quantized KV cache
+
+
+def layer_weights(roles: dict[str, Any], config: LLMConfig) -> LayerWeights:
+    """A decoder layer from its parameters by role (layer_params' keys)."""
+    w = dict(roles)
+    mlp: DenseMLPWeights | MoEWeights
+    if config.moe is None:
+        mlp = DenseMLPWeights(w.pop("mlp_gate"), w.pop("mlp_up"), w.pop("mlp_down"))
+    else:
+        fc = w.pop("experts_up_gate")
+        up, gate = fc.split([config.moe.intermediate_size] * 2, 1)
+        mlp = MoEWeights(w.pop("router"), up, gate, w.pop("experts_down"))
+    return LayerWeights(**w, mlp=mlp)
 
 
 @dataclass
@@ -443,7 +495,7 @@ class LLMWeights:
         import torch
 
         def move(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
+            if isinstance(obj, (torch.Tensor, FP8Weight)):
                 return obj.to(device)
             if isinstance(obj, list):
                 return [move(o) for o in obj]
@@ -490,8 +542,8 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
     _, config = read_trtllm_config(root)
     mapping = config.mapping
     dtype = TORCH_DTYPES[DTYPE_CHOICES[config.dtype]]
-    scheme = QUANT_ALGO_SCHEMES.get(config.quant_algo) if config.quant_algo else None
-    roles: dict[str, torch.Tensor] = {}
+    scheme = config.scheme
+    roles: dict[str, Any] = {}
     for pp_rank in range(mapping.pp_size):
         params = stage_params(config, pp_rank)
         with contextlib.ExitStack() as opened:  # the stage's rank files, closed on every path out
@@ -511,21 +563,19 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
                 for tp_rank, f in enumerate(files):
                     where = rank_file(mapping.rank(tp_rank, pp_rank))
                     stored = [_read_stored(f, t, where) for t in param.stored(tp_rank, mapping.tp_size, dtype, scheme)]
-                    if len(stored) == 1:
-                        parts.append(stored[0])
+                    if len(stored) == 1 or isinstance(scheme, FP8PerTensor):
+                        parts.append(stored)
                     else:  # weight-only: the engine's weights are the stored values times their scales
-                        assert scheme is not None
-                        parts.append(WeightOnly.dequantize(scheme.from_stored(stored[0]), stored[1], dtype))
-                roles[role] = merge(param, parts, mapping.tp_size)
-    layers = []
-    for layer in range(config.num_hidden_layers):
-        w = {role.split(".", 2)[2]: t for role, t in roles.items() if role.startswith(f"layers.{layer}.")}
-        mlp: DenseMLPWeights | MoEWeights
-        if config.moe is None:
-            mlp = DenseMLPWeights(w.pop("mlp_gate"), w.pop("mlp_up"), w.pop("mlp_down"))
-        else:
-            up, gate = w.pop("experts_up_gate").chunk(2, dim=1)
-            mlp = MoEWeights(w.pop("router"), up, gate, w.pop("experts_down"))
-        layers.append(LayerWeights(**w, mlp=mlp))
+                        assert isinstance(scheme, WeightOnly)
+                        parts.append([WeightOnly.dequantize(scheme.from_stored(stored[0]), stored[1], dtype)])
+                whole = merge(param, [p[0] for p in parts], mapping.tp_size)
+                # FP8: one weight scale per tensor (or expert) and one activation scale, the same on every rank.
+                roles[role] = FP8Weight(whole, parts[0][1], parts[0][2]) if len(parts[0]) == 3 else whole
+    layers = [
+        layer_weights(
+            {role.split(".", 2)[2]: t for role, t in roles.items() if role.startswith(f"layers.{layer}.")}, config
+        )
+        for layer in range(config.num_hidden_layers)
+    ]
     lm_head = roles["lm_head"][: config.vocab_size]
     return LLMWeights(config, roles["vocab_embedding"], layers, roles["ln_f"], lm_head)

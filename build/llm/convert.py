@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, ModelInfo
-from ..dtypes import DTYPE_CHOICES
+from ..dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import atomic_output_dir
 from ..safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
 from ..torch_dtypes import TORCH_DTYPES
+from .calibration import builtin_prompts, calibrate, read_prompts
 from .checkpoint_format import (
     CONFIG_FILE,
     LLMConfig,
@@ -35,7 +36,10 @@ from .checkpoint_format import (
     stage_params,
     trtllm_config,
 )
-from .weight_only import LLM_QUANT_CHOICES, WEIGHT_ONLY_MODES, WeightOnly
+from .fp8 import ACTIVATION_SCALE, E4M3_MAX, FP8_ALGO, WEIGHT_SCALE, FP8PerTensor, scale_of, to_fp8
+from .kv_cache import KV_CACHE_DTYPES, KVCacheQuant
+from .precision import check_kv_cache, choose_llm_quant, visible_gpu_arch
+from .weight_only import WEIGHT_ONLY_MODES, WeightOnly
 
 TEXT_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
@@ -101,6 +105,11 @@ class _Sources:
     def plain(self, name: str, shape: tuple[int, ...], rows: int | None = None) -> list[Source]:
         return [Source(self.tensor(name, shape), rows if rows is not None else shape[0])]
 
+    def whole(self, role: str, config: LLMConfig, param: Param, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `role` of a one-rank `config`, whole, in `dtype` (float32 where the parameter stays so)."""
+        parts = [s.read(0, s.rows, torch.float32 if param.float32 else dtype) for s in self.for_role(role, config)]
+        return torch.cat(parts, dim=param.split.dim or 0)
+
     def per_expert(self, prefix: str, projection: str, experts: int, shape: tuple[int, int]) -> RowReader | None:
         """The experts' `projection` weights stored one nn.Linear per expert (`{prefix}{e}.{projection}.weight`,
         [out, in]), as an [E, out, in] stack; None when the checkpoint fuses them."""
@@ -160,6 +169,8 @@ class _Sources:
         }
         if what in simple:
             return self.plain(p + simple[what][0], simple[what][1])
+        if what == "kv_scale":
+            return []  # from calibration
         if what == "qkv":
             return [
                 *self.plain(p + "self_attn.q_proj.weight", (q, d)),
@@ -261,35 +272,117 @@ def _tp_divides(config: LLMConfig, tp: int) -> bool:
     return all(n % tp == 0 for n in sizes) and (kv % tp == 0 or tp % kv == 0)
 
 
-def _write_param(
-    param: Param,
-    chunks: Iterator[tuple[int, torch.Tensor]],
-    writers: list[StreamingWriter],
+# The calibrated input (reference_llm.Observer's name) of each FP8 linear, by role.
+_ACTIVATIONS = {
+    "qkv": "qkv",
+    "dense": "dense",
+    "mlp_gate": "mlp",
+    "mlp_up": "mlp",
+    "mlp_down": "down",
+    "experts_up_gate": "experts",
+    "experts_down": "experts_down",
+}
+# Parameters whose FP8 weight scales are one: the dense MLP's fc and gate, which the build fuses (fuse_gate_mlp).
+_SHARED_WEIGHT_SCALE = {"mlp_gate": "mlp_up", "mlp_up": "mlp_gate"}
+
+
+def _weight_amax(param: Param, sources: list[Source], dtype: torch.dtype) -> torch.Tensor:
+    """The absolute maximum of a parameter in `dtype`: over the whole tensor ([1]), or per expert ([E])."""
+    experts = len(param.shape) == 3
+    totals = []
+    for src in sources:
+        parts = []
+        for start in range(0, src.rows, src.chunk_rows):
+            chunk = src.read(start, min(start + src.chunk_rows, src.rows), dtype).abs()
+            parts.append(chunk.flatten(1).amax(1) if experts else chunk.amax().reshape(1))
+        per_source = torch.cat(parts)
+        totals.append(per_source if experts else per_source.amax().reshape(1))
+    return torch.stack(totals).amax(0).float()
+
+
+def _layer_role(role: str) -> tuple[int, str]:
+    """(layer, role within it) of a stage parameter's role; (-1, role) outside the layers."""
+    if not role.startswith("layers."):
+        return -1, role
+    _, layer, what = role.split(".", 2)
+    return int(layer), what
+
+
+def _fp8_weight_scale(
+    role: str,
+    params: dict[str, Param],
+    plan: dict[str, list[Source]],
+    amax: dict[str, torch.Tensor],
     dtype: torch.dtype,
-    scheme: WeightOnly | None,
-    bar: tqdm,
+) -> torch.Tensor:
+    """A parameter's FP8 weight scale: its amax / 448, the max with its partner's where two share one (amax keeps
+    each parameter's absolute maximum once read)."""
+    layer, what = _layer_role(role)
+    names = [role] + ([f"layers.{layer}.{_SHARED_WEIGHT_SCALE[what]}"] if what in _SHARED_WEIGHT_SCALE else [])
+    for name in names:
+        if name not in amax:
+            amax[name] = _weight_amax(params[name], plan[name], dtype)
+    return scale_of(torch.stack([amax[name] for name in names]).amax(0))
+
+
+@dataclass
+class _Writing:
+    """What writing one stage's parameters needs besides their chunks."""
+
+    writers: list[StreamingWriter]
+    dtype: torch.dtype
+    bar: tqdm
+
+
+def _write_plain(param: Param, chunks: Iterator[tuple[int, torch.Tensor]], w: _Writing) -> None:
+    for tp_rank, chunk in chunks:
+        w.writers[tp_rank].write(param.name, chunk)
+        w.bar.update(chunk.numel() * chunk.element_size())
+
+
+def _write_weight_only(
+    param: Param, chunks: Iterator[tuple[int, torch.Tensor]], w: _Writing, scheme: WeightOnly
 ) -> None:
-    """Writes a parameter's chunks to their ranks' files; weight-only, each chunk's rows are quantized (per
-    output channel: a chunk holds whole rows) and written in the stored layout, then the scales."""
-    if scheme is None or not param.quantizable:
-        for tp_rank, chunk in chunks:
-            writers[tp_rank].write(param.name, chunk)
-            bar.update(chunk.numel() * chunk.element_size())
-        return
+    """Each chunk's rows quantized (per output channel: a chunk holds whole rows) and written in the stored
+    layout, then the scales."""
     rows: dict[int, list[torch.Tensor]] = defaultdict(list)
     scales: dict[int, list[torch.Tensor]] = defaultdict(list)
     for tp_rank, chunk in chunks:
         q, scale = scheme.quantize(chunk)
-        scales[tp_rank].append(scale.to(dtype))
+        scales[tp_rank].append(scale.to(w.dtype))
         if chunk.ndim == 3:  # chunks of whole experts: their stored layout is the chunk's own
-            writers[tp_rank].write(param.name, scheme.to_stored(q))
+            w.writers[tp_rank].write(param.name, scheme.to_stored(q))
         else:  # the stored layout is transposed: the rank's rows are gathered first (1 byte each)
             rows[tp_rank].append(q)
-        bar.update(chunk.numel() * chunk.element_size())
+        w.bar.update(chunk.numel() * chunk.element_size())
     for tp_rank in sorted(scales):
         if rows[tp_rank]:
-            writers[tp_rank].write(param.name, scheme.to_stored(torch.cat(rows[tp_rank])))
-        writers[tp_rank].write(param.scale_name, torch.cat(scales[tp_rank]))
+            w.writers[tp_rank].write(param.name, scheme.to_stored(torch.cat(rows[tp_rank])))
+        w.writers[tp_rank].write(param.scale_name, torch.cat(scales[tp_rank]))
+
+
+def _write_fp8(
+    param: Param,
+    chunks: Iterator[tuple[int, torch.Tensor]],
+    w: _Writing,
+    weight_scale: torch.Tensor,
+    activation_scale: float,
+) -> None:
+    """Each chunk as e4m3 with the tensor's (or its experts') scale, then the scales, on every rank."""
+    cursor: dict[int, int] = defaultdict(int)  # experts written per rank
+    for tp_rank, chunk in chunks:
+        scale = weight_scale
+        if chunk.ndim == 3:
+            first = cursor[tp_rank]
+            scale = weight_scale[first : first + chunk.shape[0]].reshape(-1, 1, 1)
+            cursor[tp_rank] += chunk.shape[0]
+        w.writers[tp_rank].write(param.name, to_fp8(chunk, scale))
+        w.bar.update(chunk.numel() * chunk.element_size())
+    prefix = param.name.removesuffix("weight")
+    stored_scale = weight_scale.reshape(-1, 1) if len(param.shape) == 3 else weight_scale.reshape(1)
+    for writer in w.writers:
+        writer.write(prefix + WEIGHT_SCALE, stored_scale.float())
+        writer.write(prefix + ACTIVATION_SCALE, torch.tensor([activation_scale], dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -299,23 +392,46 @@ class LLMOptions:
     cfg: dict  # config.json
     config: LLMConfig
     dtype: str
-    quant_algo: str | None
-    scheme: WeightOnly | None
+    quant: str
+    why: str  # how the mode was chosen
+    kv_cache: KVCacheQuant | None
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.quant == "fp8" or self.kv_cache is not None
 
 
-def check_llm_options(ckpt: Checkpoint, dtype: str | None, quant: str, tp: int, pp: int) -> LLMOptions:
-    """Checks the language model's options against the checkpoint before any work (build runs it first)."""
+def check_llm_options(
+    ckpt: Checkpoint,
+    dtype: str | None,
+    quant: str | None,
+    tp: int,
+    pp: int,
+    kv_cache_dtype: str = "auto",
+    gpu_arch: int | None = None,
+) -> LLMOptions:
+    """Checks the language model's options against the checkpoint and the target GPU (`gpu_arch`, else the
+    visible one) before any work (build runs it first), and chooses the default --llm-quant."""
     dtype = dtype or source_dtype(ckpt.config)
     if dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    if quant not in LLM_QUANT_CHOICES:
-        raise UnsupportedModelError(f"--llm-quant must be one of {', '.join(LLM_QUANT_CHOICES)}, got {quant!r}")
-    quant_algo, scheme = WEIGHT_ONLY_MODES.get(quant, (None, None))
-    cfg = trtllm_config(ckpt.info, dtype, ParallelLayout(tp, pp), quant_algo)
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        choices = ", ".join(KV_CACHE_DTYPE_CHOICES)
+        raise UnsupportedModelError(f"--kv-cache-dtype must be one of {choices}, got {kv_cache_dtype!r}")
+    arch = gpu_arch if gpu_arch is not None else visible_gpu_arch()
+    quant, why = choose_llm_quant(quant, ckpt.info.quantization is not None, arch)
+    check_kv_cache(kv_cache_dtype, arch)
+    kv_cache = KV_CACHE_DTYPES.get(kv_cache_dtype)
+    quant_algo = FP8_ALGO if quant == "fp8" else WEIGHT_ONLY_MODES[quant][0] if quant in WEIGHT_ONLY_MODES else None
+    if quant != "none" and dtype == "fp32":
+        raise UnsupportedModelError(f"--llm-quant {quant} quantizes from a bf16 or fp16 engine dtype, not fp32")
+    cfg = trtllm_config(
+        ckpt.info, dtype, ParallelLayout(tp, pp), quant_algo, kv_cache.algo if kv_cache is not None else None
+    )
     config = parse_trtllm_config(cfg)
-    if scheme is not None:
-        check_weight_only(config, scheme, quant)
-    return LLMOptions(cfg, config, dtype, quant_algo, scheme)
+    if isinstance(config.scheme, WeightOnly):
+        check_weight_only(config, config.scheme, quant)
+    return LLMOptions(cfg, config, dtype, quant, why, kv_cache)
 
 
 def convert_llm(
@@ -324,17 +440,27 @@ def convert_llm(
     dtype: str | None = None,
     tp: int = 1,
     pp: int = 1,
-    quant: str = "none",
+    quant: str | None = None,
+    kv_cache_dtype: str = "auto",
+    gpu_arch: int | None = None,
+    calibration_data: str | os.PathLike[str] | None = None,
     force: bool = False,
     progress: bool | None = None,
     log: Callable[[str], object] | None = None,
 ) -> Path:
-    """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory; `quant`
-    a weight-only mode stores its linear weights quantized (llm/weight_only.py)."""
+    """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory. `quant` (None:
+    the default for the checkpoint and the GPU, precision.choose_llm_quant) stores its linear weights quantized;
+    fp8 and a quantized KV cache (`kv_cache_dtype`) take their activation scales from a calibration pass over
+    `calibration_data` (calibration.read_prompts) or the built-in prompts."""
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     ckpt.verify_shards()
-    options = check_llm_options(ckpt, dtype, quant, tp, pp)
-    config, scheme = options.config, options.scheme
+    options = check_llm_options(ckpt, dtype, quant, tp, pp, kv_cache_dtype, gpu_arch)
+    if calibration_data is not None and not options.needs_calibration:
+        raise UnsupportedModelError(
+            "--calibration-data sets the scales of --llm-quant fp8 and --kv-cache-dtype fp8/int8; this build has none"
+        )
+    prompts = read_prompts(calibration_data) if calibration_data is not None else builtin_prompts()
+    config, scheme = options.config, options.config.scheme
     out_dtype = TORCH_DTYPES[options.dtype]
     sources = _Sources(ckpt, ckpt.info)
     stages = [stage_params(config, pp_rank) for pp_rank in range(pp)]
@@ -354,26 +480,53 @@ def convert_llm(
     )
     if log is not None:
         stored = sum(t.nbytes for params in stages for p in params.values() for r in range(tp) for t in tensors(p, r))
+        what = config.quant_algo or options.dtype
         saved = f", {(total - stored) / 2**30:.2f} GiB less than {options.dtype}" if scheme is not None else ""
-        what = options.quant_algo or options.dtype
-        log(f"convert-llm: --llm-quant {quant} ({what}): {stored / 2**30:.2f} GiB of weights{saved}")
+        log(
+            f"convert-llm: --llm-quant {options.quant} ({what}; {options.why}): "
+            f"{stored / 2**30:.2f} GiB of weights{saved}"
+        )
+    ranges = None
+    if options.needs_calibration:
+        if log is not None:
+            log(f"convert-llm: calibrating activation ranges over {len(prompts)} prompts, one decoder layer at a time")
+        ranges = calibrate(ckpt, sources, out_dtype, prompts)
     with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(options.cfg, indent=4) + "\n")
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
         ) as bar:
             for pp_rank, params in enumerate(stages):
-                writers = [
-                    StreamingWriter(
-                        tmp / rank_file(config.mapping.rank(tp_rank, pp_rank)),
-                        [t for p in params.values() for t in tensors(p, tp_rank)],
-                        metadata={"format": "pt"},
-                    )
-                    for tp_rank in range(tp)
-                ]
+                writing = _Writing(
+                    [
+                        StreamingWriter(
+                            tmp / rank_file(config.mapping.rank(tp_rank, pp_rank)),
+                            [t for p in params.values() for t in tensors(p, tp_rank)],
+                            metadata={"format": "pt"},
+                        )
+                        for tp_rank in range(tp)
+                    ],
+                    out_dtype,
+                    bar,
+                )
+                amax: dict[str, torch.Tensor] = {}
                 for role, param in params.items():
                     chunks = _param_chunks(param, plan[role], tp, chunk_dtype(param))
-                    _write_param(param, chunks, writers, out_dtype, scheme, bar)
-                for writer in writers:
+                    layer, what = _layer_role(role)
+                    if what == "kv_scale":
+                        assert ranges is not None and options.kv_cache is not None
+                        scale = ranges.scale(layer, "kv", options.kv_cache.levels)
+                        for writer in writing.writers:
+                            writer.write(param.name, torch.tensor([scale], dtype=torch.float32))
+                    elif isinstance(scheme, WeightOnly) and param.quantizable:
+                        _write_weight_only(param, chunks, writing, scheme)
+                    elif isinstance(scheme, FP8PerTensor) and param.quantizable:
+                        assert ranges is not None
+                        weight_scale = _fp8_weight_scale(role, params, plan, amax, out_dtype)
+                        activation = ranges.scale(layer, _ACTIVATIONS[what], E4M3_MAX)
+                        _write_fp8(param, chunks, writing, weight_scale, activation)
+                    else:
+                        _write_plain(param, chunks, writing)
+                for writer in writing.writers:
                     writer.close()
     return Path(output)

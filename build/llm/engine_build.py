@@ -72,6 +72,9 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
     # TensorRT-LLM's fused context attention has fp16/bf16 kernels only; fp32 engines run the unfused
     # context path (and, without paged context FMHA, cannot reuse KV cache blocks).
     fused_context = "disable" if config.dtype == "float32" else "enable"
+    # An INT8 KV cache has no paged context FMHA: the builder turns it off (builder.py, build) and so do we, so the
+    # engine's config says what it has (serving.repository.trtllm_config reads it).
+    paged_context = "disable" if config.kv_cache_quant_algo == "INT8" else fused_context
     flags = {
         "--checkpoint_dir": checkpoint_dir,
         "--output_dir": output_dir,
@@ -83,7 +86,7 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
         "--max_prompt_embedding_table_size": build.prompt_table_rows(config.deepstack_count),
         "--kv_cache_type": "paged",
         "--tokens_per_block": build.tokens_per_block,
-        "--use_paged_context_fmha": fused_context,
+        "--use_paged_context_fmha": paged_context,
         "--context_fmha": fused_context,
         "--remove_input_padding": "enable",
         "--gpt_attention_plugin": plugin_dtype,
@@ -180,8 +183,8 @@ def launch(argv: Sequence[str] | None) -> int:
     from .engine_model import Qwen3VLForCausalLM
 
     args = launcher_arguments(argv, add_plugin_argument)
-    # from_json_file's one step besides from_dict reads quant_cfg.json for mixed-precision checkpoints; convert-llm
-    # writes none (quant_algo null), so there is nothing to read.
+    # from_json_file's one step besides from_dict reads quant_cfg.json for MIXED_PRECISION checkpoints; convert-llm
+    # writes none (its quant_algo is null, W8A16, W4A16 or FP8), so there is nothing to read.
     checkpoint_config, _ = read_trtllm_config(args.checkpoint_dir)
     model_config = Qwen3VLForCausalLM.config_class(**checkpoint_config)
     model_config.max_position_embeddings = args.max_seq_len

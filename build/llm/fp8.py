@@ -70,3 +70,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | FP8Weight) -> torch.Tensor:
     a, s = w.activation_scale.float(), w.weight_scale.float().reshape(-1)[0]
     out = F.linear(to_fp8(x, a).float(), w.weight.float())
     return (out * (a * s)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class FP8PerTensor:
+    """The FP8 scheme of a checkpoint (quant_algo FP8), beside weight_only.WeightOnly."""
+
+    algo: str = FP8_ALGO

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-# torch loads when weights are quantized: the command line's light paths read LLM_QUANT_CHOICES.
+# torch loads when weights are quantized: checkpoint_format, which the repository writer reads configs with, imports
+# this module.
 if TYPE_CHECKING:
     import torch
 
@@ -82,4 +83,3 @@ class WeightOnly:
 # --llm-quant choices that are weight-only, and their TensorRT-LLM QuantAlgo (quantization/mode.py).
 WEIGHT_ONLY_MODES = {"int8-wo": ("W8A16", WeightOnly(8)), "int4-wo": ("W4A16", WeightOnly(4))}
 QUANT_ALGO_SCHEMES = {algo: scheme for algo, scheme in WEIGHT_ONLY_MODES.values()}
-LLM_QUANT_CHOICES = ("none", *WEIGHT_ONLY_MODES)  # --llm-quant; "none": the engine dtype, FP8 checkpoints dequantized

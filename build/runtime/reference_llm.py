@@ -255,9 +255,19 @@ class ReferenceLLM:
         values = torch.empty_like(keys)
         for layer, w in enumerate(self.w.layers):
             h, keys[layer], values[layer] = self.prefill_layer(w, h, cos, sin, spans)
+            self._round_kv(w, keys[layer], values[layer])
             for (a, b), prompt in zip(spans, prompts, strict=True):
                 self._deepstack(h[a:b], prompt, layer)
         return self._logits(h if all_logits else h[[b - 1 for _, b in spans]]), keys, values
+
+    def _round_kv(self, w: LayerWeights, k: torch.Tensor, v: torch.Tensor) -> None:
+        """With a quantized KV cache, keys and values become what the cache gives back (in place): the context
+        phase attends over them unrounded, as the engine's context attention does, and decoding over the cache."""
+        kv = self.config.kv_cache
+        if kv is not None:
+            assert w.kv_scale is not None
+            k.copy_(kv.round_trip(k, w.kv_scale))
+            v.copy_(kv.round_trip(v, w.kv_scale))
 
     def prefill_layer(
         self,
@@ -329,6 +339,7 @@ class ReferenceLLM:
         h = F.embedding(ids, self.w.vocab_embedding)  # [B, D]
         for layer, w in enumerate(self.w.layers):
             q, k, v = self._qkv(w, _rms_norm(h, w.input_layernorm, eps), cos, sin)
+            self._round_kv(w, k, v)
             cache.keys[layer, rows, :, position] = k
             cache.values[layer, rows, :, position] = v
             # Grouped-query attention without copying the cache: a row's single query becomes one

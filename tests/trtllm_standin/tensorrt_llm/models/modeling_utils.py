@@ -37,12 +37,27 @@ QUANT_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate
 
 
 def preprocess_weights(weights, model_config, from_pruned=False):
-    """Upstream's W8A16/W4A16 branch: `weight_only_quantize_dict(weights, quant_algo, exclude_modules=...,
-    plugin=True)` quantizes every float weight named in QUANT_WEIGHTS (not excluded by fnmatch) with
-    torch.ops.trtllm (CUDA here: refused) and leaves int8 weights as they are (taken as already processed)."""
+    """Upstream's branches for what convert-llm writes. KV-cache scales: a missing `kv_cache_rcp_scaling_factor`
+    becomes 1 / `kv_cache_scaling_factor`. FP8: int8 `*weight` tensors are viewed as e4m3 (F8_E4M3 ones pass as
+    they are); a lm_head that is not FP8 loses its scales. W8A16/W4A16: `weight_only_quantize_dict(weights,
+    quant_algo, exclude_modules=..., plugin=True)` quantizes every float weight named in QUANT_WEIGHTS (not excluded
+    by fnmatch) with torch.ops.trtllm (CUDA here: refused) and leaves int8 weights as they are (taken as already
+    processed)."""
     import torch
 
     quant = model_config.quantization
+    for name in [n for n in weights if n.endswith("kv_cache_scaling_factor")]:
+        rcp = name.replace("kv_cache_scaling_factor", "kv_cache_rcp_scaling_factor")
+        if rcp not in weights:
+            weights[rcp] = torch.reciprocal(weights[name])
+    if quant.quant_algo == "FP8":
+        for name, tensor in list(weights.items()):
+            if name.endswith("weight") and tensor.dtype == torch.int8:
+                weights[name] = tensor.view(torch.float8_e4m3fn)
+        if "lm_head.weight" in weights and weights["lm_head.weight"].dtype != torch.float8_e4m3fn:
+            weights.pop("lm_head.weights_scaling_factor", None)
+            weights.pop("lm_head.activation_scaling_factor", None)
+        return weights
     if quant.quant_algo not in WEIGHT_ONLY_ALGOS:
         return weights
     excluded = quant.exclude_modules or ["*shared_expert_gate.weight"]

@@ -78,8 +78,11 @@ class QWenForCausalLM(PretrainedModel):
         proj [E, H, I/tp], the router [E, H] float32 (layers/moe.py). Weight-only (quantization/layers.py):
         WeightOnlyQuant{Column,Row}Linear `weight` int8 [in, out * bits/8] with in and out padded to multiples of
         64 per rank, and `per_channel_scale` [out]; MOE `weight` int8 [E, in, out * bits/8] and
-        `per_channel_scale` [E, out]. The router, embedding and lm_head stay unquantized (quantize_layers'
-        exclusions)."""
+        `per_channel_scale` [E, out]. FP8 (FP8Linear / FP8RowLinear): `weight` e4m3 [out, in],
+        `weights_scaling_factor` and `activation_scaling_factor` (1,) float32; MOE `weight` e4m3 [E, out, in],
+        `weights_scaling_factor` (E, 1), `activation_scaling_factor` (1,). A quantized KV cache
+        (kv_cache_quantize): every Attention's `kv_cache_scaling_factor` and `kv_cache_rcp_scaling_factor` (1,)
+        float32. The router, embedding and lm_head stay unquantized (quantize_layers' exclusions)."""
         import math
 
         import torch
@@ -98,6 +101,11 @@ class QWenForCausalLM(PretrainedModel):
             return math.ceil(n / 64) * 64
 
         def linear(name, out_r, in_r):
+            if algo == "FP8":
+                declared[name + ".weight"] = (torch.float8_e4m3fn, (out_r, in_r))
+                declared[name + ".weights_scaling_factor"] = (torch.float32, (1,))
+                declared[name + ".activation_scaling_factor"] = (torch.float32, (1,))
+                return
             if bits is None:
                 declared[name + ".weight"] = (dtype, (out_r, in_r))
                 return
@@ -105,6 +113,11 @@ class QWenForCausalLM(PretrainedModel):
             declared[name + ".per_channel_scale"] = (dtype, (pad(out_r),))
 
         def experts(name, e, out_r, in_r):
+            if algo == "FP8":
+                declared[name + ".weight"] = (torch.float8_e4m3fn, (e, out_r, in_r))
+                declared[name + ".weights_scaling_factor"] = (torch.float32, (e, 1))
+                declared[name + ".activation_scaling_factor"] = (torch.float32, (1,))
+                return
             if bits is None:
                 declared[name + ".weight"] = (dtype, (e, out_r, in_r))
                 return
@@ -119,6 +132,9 @@ class QWenForCausalLM(PretrainedModel):
             declared[p + "post_layernorm.weight"] = (dtype, (d,))
             declared[p + "attention.q_layernorm.weight"] = (dtype, (hd,))
             declared[p + "attention.k_layernorm.weight"] = (dtype, (hd,))
+            if c.quantization.kv_cache_quant_algo in ("FP8", "INT8"):
+                declared[p + "attention.kv_cache_scaling_factor"] = (torch.float32, (1,))
+                declared[p + "attention.kv_cache_rcp_scaling_factor"] = (torch.float32, (1,))
             linear(p + "attention.qkv", (c.num_attention_heads // tp + 2 * kv_r) * hd, d)
             linear(p + "attention.dense", d, c.num_attention_heads * hd // tp)
             moe = c.moe if isinstance(c.moe, dict) else {}

@@ -1,0 +1,176 @@
+"""Activation ranges for engines with static scales: FP8 (per-tensor activation scales) and a quantized KV cache.
+
+The prompts (a built-in set of chat turns, each with or without an image; or the user's) are preprocessed as
+requests are, their images encoded by the checkpoint's vision tower (PyTorch, float32), and the language model runs
+them one decoder layer at a time: a layer's weights are read from the checkpoint (dequantized if stored in FP8),
+its inputs' and its keys' and values' absolute maxima are recorded (runtime.reference_llm.Observer), and the layer
+is freed before the next is read, so memory holds one layer and the prompts' hidden states whatever the model
+size (a 235B-A22B layer is 3 GB in bf16). The built-in set is small and synthetic (images of smooth colour fields
+and edges, short English prompts): it bounds ranges well enough for the weights' own scales to dominate, but a
+user's own images and prompts (`--calibration-data`) give the ranges their traffic has; docs/model.md says when
+that matters.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..checkpoint import Checkpoint
+from ..errors import CheckpointError
+from .checkpoint_format import (
+    LLMWeights,
+    ParallelLayout,
+    layer_params,
+    layer_weights,
+    parse_trtllm_config,
+    stage_params,
+)
+from .checkpoint_format import trtllm_config as make_trtllm_config
+
+if TYPE_CHECKING:
+    from .convert import _Sources
+
+PROMPTS = (
+    "Describe this picture in detail.",
+    "What colours and shapes do you see? Answer in two sentences.",
+    "Write a short story about a lighthouse keeper and a storm.",
+    "List three facts about the Pacific Ocean.",
+    "Explain how a bicycle gear works to a child.",
+    "Translate 'good morning, how are you?' into French and German.",
+)
+IMAGE_SIZES = ((448, 448), (336, 672), (672, 336))
+
+
+def _synthetic_image(height: int, width: int, seed: int) -> bytes:
+    """A JPEG of smooth colour fields with edges and noise: the statistics of a photo, none of its content."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    fields = [128 + 100 * np.sin(x / (19 + 9 * c) + seed) * np.cos(y / (13 + 7 * c) - c) for c in range(3)]
+    image = np.stack(fields, axis=-1) + rng.normal(0, 10, (height, width, 3))
+    image[(x // 64 + y // 64) % 5 == 0] *= 0.3  # edges
+    out = io.BytesIO()
+    Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class CalibrationPrompt:
+    text: str
+    image: bytes | None = None
+
+    def messages(self) -> list[dict]:
+        parts: list[dict] = [{"type": "image", "image": self.image}] if self.image is not None else []
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": self.text}]}]
+
+
+def builtin_prompts() -> list[CalibrationPrompt]:
+    """Half the prompts with an image (of three aspect ratios), half text only."""
+    out = []
+    for i, text in enumerate(PROMPTS):
+        image = _synthetic_image(*IMAGE_SIZES[i % len(IMAGE_SIZES)], seed=i) if i % 2 == 0 else None
+        out.append(CalibrationPrompt(text, image))
+    return out
+
+
+def read_prompts(path: str | os.PathLike[str]) -> list[CalibrationPrompt]:
+    """A JSON-lines file of {"text": ..., "image": optional path relative to the file}."""
+    path = Path(path)
+    prompts = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise CheckpointError(f"cannot read the calibration data {path}: {e.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            text, image = str(item["text"]), item.get("image")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f'{path}:{number}: expected {{"text": ..., "image": optional path}}') from None
+        data = None
+        if image is not None:
+            try:
+                data = (path.parent / image).read_bytes()
+            except OSError as e:
+                raise CheckpointError(f"{path}:{number}: cannot read image {image}: {e.strerror}") from None
+        prompts.append(CalibrationPrompt(text, data))
+    if not prompts:
+        raise CheckpointError(f"{path} holds no calibration prompts")
+    return prompts
+
+
+@dataclass
+class Ranges:
+    """Absolute maxima per decoder layer and observed input (reference_llm.Observer's names)."""
+
+    amax: list[dict[str, float]] = field(default_factory=list)
+
+    def scale(self, layer: int, name: str, levels: float) -> float:
+        value = self.amax[layer].get(name, 0.0)
+        return value / levels if value > 0 else 1.0
+
+
+def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: list[CalibrationPrompt]) -> Ranges:
+    """The ranges of the language model's activations over `prompts`, one decoder layer in memory at a time."""
+    from ..preprocess import Preprocessor
+    from ..runtime.reference_llm import LLMRequest, ReferenceLLM
+    from ..vision.model import VisionTower
+
+    info = ckpt.info
+    config = parse_trtllm_config(make_trtllm_config(info, "fp32", ParallelLayout()))  # one rank, unsplit
+    pre = Preprocessor.from_pretrained(ckpt.path)
+    tower = None
+    requests = []
+    for prompt in prompts:
+        request = pre(prompt.messages())
+        embeds = (None, None)
+        if request.num_visual_tokens:
+            if tower is None:
+                names = VisionTower.checkpoint_names(info.vision)
+                tower = VisionTower.from_checkpoint_tensors(info.vision, ckpt.load_tensors(names), torch.float32)
+            with torch.inference_mode():
+                inputs = {k: torch.as_tensor(v) for k, v in request.vision_inputs.items()}
+                embeds = tower(torch.as_tensor(request.pixel_values).float(), **inputs)
+        requests.append(LLMRequest.from_preprocessed(request, *embeds))
+    del tower
+
+    embedding = sources.whole("vocab_embedding", config, stage_params(config, 0)["vocab_embedding"], dtype)
+    skeleton = LLMWeights(config, embedding, [], embedding.new_empty(0), embedding.new_empty(0))
+    llm = ReferenceLLM(skeleton)
+    checked = [llm._check(request) for request in requests]
+    lengths = [p.ids.numel() for p in checked]
+    ends = np.cumsum(lengths).tolist()
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+    cos, sin = torch.cat([p.cos for p in checked]), torch.cat([p.sin for p in checked])
+    ranges = Ranges()
+    with torch.inference_mode():
+        h = torch.cat([llm._embed(p) for p in checked])
+        del embedding, skeleton
+        for layer in range(config.num_hidden_layers):
+            roles = layer_params(config, 0).items()
+            w = layer_weights(
+                {role: sources.whole(f"layers.{layer}.{role}", config, param, dtype) for role, param in roles}, config
+            )
+            seen: dict[str, float] = defaultdict(float)
+
+            def observe(name: str, x: torch.Tensor, seen: dict[str, float] = seen) -> None:
+                seen[name] = max(seen[name], float(x.abs().max()) if x.numel() else 0.0)
+
+            h, _, _ = llm.prefill_layer(w, h, cos, sin, spans, observe)
+            for (a, b), checked_prompt in zip(spans, checked, strict=True):
+                llm._deepstack(h[a:b], checked_prompt, layer)
+            ranges.amax.append(dict(seen))
+            del w
+    return ranges

@@ -1,0 +1,41 @@
+"""A quantized KV cache (`--kv-cache-dtype fp8|int8`, TensorRT-LLM kv_cache_quant_algo FP8 / INT8).
+
+Each attention layer holds `kv_cache_scaling_factor` (1,) float32, one scale for its keys and values (the loader
+takes the max of separate ones; `models/modeling_utils.py` preprocess_weights, which also derives
+`kv_cache_rcp_scaling_factor` = 1 / scale when a checkpoint omits it). The attention kernels store k * rcp as e4m3,
+or as int8 rounded to nearest even and saturated (`cvt.rni.sat.s8.f32`), and read back value * scale; so the scale
+is amax / 448 (FP8) or amax / 127 (INT8), with the amax of the layer's keys and values after rotation from
+calibration. INT8 turns paged context FMHA off in the build (`builder.py`), so such engines neither reuse KV blocks
+nor chunk long prompts (serving.repository.trtllm_config reads this from the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+KV_SCALE = "kv_cache_scaling_factor"
+
+
+@dataclass(frozen=True)
+class KVCacheQuant:
+    algo: str  # kv_cache_quant_algo
+    levels: float  # what the scale maps amax to
+
+    def round_trip(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x as the cache gives it back: stored as the engine stores it, read times the scale, in x's dtype."""
+        import torch
+
+        y = x.float() / scale
+        if self.algo == "FP8":
+            y = y.clamp(-self.levels, self.levels).to(torch.float8_e4m3fn).float()
+        else:
+            y = torch.round(y).clamp(-128, 127)  # round half to even, as cvt.rni
+        return (y * scale).to(x.dtype)
+
+
+KV_CACHE_DTYPES = {"fp8": KVCacheQuant("FP8", 448.0), "int8": KVCacheQuant("INT8", 127.0)}
+KV_CACHE_ALGOS = {q.algo: q for q in KV_CACHE_DTYPES.values()}

@@ -1,0 +1,68 @@
+"""Which --llm-quant a build uses, for which GPU: the choice is made (and refused) before any stage runs.
+
+FP8 GEMMs need Ada or Hopper tensor cores (sm89+); the weight-only GEMMs run from Ampere (sm80) on. The target GPU
+is `--gpu-arch` where given, else the visible GPU; a build with neither (a CPU machine) runs the chosen mode's
+arithmetic in the reference runtime and names the GPUs an engine of it can serve on.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..dtypes import LLM_QUANT_CHOICES
+from ..errors import UnsupportedModelError
+
+MIN_SM = {"none": 0, "int8-wo": 80, "int4-wo": 80, "fp8": 89}
+
+
+def parse_gpu_arch(value: str) -> int:
+    """sm90, 90 or 9.0 -> 90."""
+    match = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})", value.strip().lower())
+    if match is None:
+        raise ValueError(f"{value!r} is not a GPU architecture: write it as sm80, sm89, sm90, ...")
+    major, minor = match.groups()
+    return int(major) * 10 + int(minor)
+
+
+def visible_gpu_arch() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def choose_llm_quant(requested: str | None, fp8_checkpoint: bool, arch: int | None) -> tuple[str, str]:
+    """(mode, why): the requested mode checked against the GPU, or the default (fp8 for an FP8 checkpoint on an
+    FP8-capable GPU, else none)."""
+    target = f"sm{arch}" if arch is not None else "no GPU visible and no --gpu-arch"
+    if requested is None:
+        if fp8_checkpoint and arch is not None and arch >= MIN_SM["fp8"]:
+            return "fp8", f"the default for an FP8 checkpoint on {target}"
+        if fp8_checkpoint:
+            return "none", f"the default for an FP8 checkpoint without an FP8-capable GPU ({target}): dequantized"
+        return "none", "the default"
+    if requested not in LLM_QUANT_CHOICES:
+        raise UnsupportedModelError(f"--llm-quant must be one of {', '.join(LLM_QUANT_CHOICES)}, got {requested!r}")
+    need = MIN_SM[requested]
+    if arch is not None and arch < need:
+        works = [m for m in LLM_QUANT_CHOICES if MIN_SM[m] <= arch]
+        raise UnsupportedModelError(
+            f"--llm-quant {requested} needs a GPU of sm{need} or newer, and the target is sm{arch}; "
+            f"use --llm-quant {' or '.join(works)}"
+        )
+    if arch is not None:
+        return requested, f"asked for, on {target}"
+    return requested, f"asked for; {target}" + (f": an engine of it needs sm{need}+" if need else "")
+
+
+def check_kv_cache(kv_cache_dtype: str, arch: int | None) -> None:
+    """Refuses a KV-cache dtype the target GPU cannot hold: FP8 needs sm89+, and TensorRT-LLM's builder refuses
+    an INT8 KV cache on sm100-sm119 (`builder.py`, build)."""
+    if arch is None or kv_cache_dtype == "auto":
+        return
+    if kv_cache_dtype == "fp8" and arch < MIN_SM["fp8"]:
+        raise UnsupportedModelError(f"--kv-cache-dtype fp8 needs sm89 or newer, the target is sm{arch}; use int8")
+    if kv_cache_dtype == "int8" and 100 <= arch < 120:
+        raise UnsupportedModelError(f"TensorRT-LLM builds no INT8 KV cache for sm{arch}; use --kv-cache-dtype fp8")
