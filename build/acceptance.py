@@ -51,7 +51,8 @@ LOGIT_GAP = 0.05
 # The same gap for each --llm-quant engine built from a block-FP8 checkpoint, scored by transformers on its
 # dequantized twin: the FP8 weights dequantize exactly (none), weight-only INT8 / INT4 round each weight to 256 / 16
 # levels of its channel.
-QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.25, "int4-wo": 1.0}
+# FP8 rounds weights and activations to e4m3 (3 mantissa bits) with per-tensor scales.
+QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.25, "int4-wo": 1.0, "fp8": 0.5}
 NEW_TOKENS = 8
 # A stream long enough to be generating when the server is stopped (min_tokens holds it to this length; a tiny model
 # on a GPU takes a few seconds, well within serve's --stop-grace of 30 s).
@@ -125,6 +126,24 @@ def _tensorrt_llm() -> str | None:
     from .llm.engine_build import gpu_stack_problem
 
     return gpu_stack_problem()
+
+
+def _gpu_runs(llm_quant: str) -> Callable[[], str | None]:
+    """A need: the visible GPU runs engines of `llm_quant` (fp8: sm89+)."""
+
+    def need() -> str | None:
+        from .llm.precision import MIN_SM, visible_gpu_arch
+
+        arch = visible_gpu_arch()
+        if arch is None:
+            return "no CUDA device is visible"
+        return (
+            None
+            if arch >= MIN_SM[llm_quant]
+            else f"--llm-quant {llm_quant} needs sm{MIN_SM[llm_quant]}+, this GPU is sm{arch}"
+        )
+
+    return need
 
 
 def _tritonserver() -> str | None:
@@ -221,7 +240,9 @@ class Acceptance:
             run,
         )
 
-    def build_row(self, name: str, model: Path, llm_quant: str = "none") -> None:
+    def build_row(
+        self, name: str, model: Path, llm_quant: str = "none", needs: Sequence[Callable[[], str | None]] = ()
+    ) -> None:
         def run() -> tuple[bool, str]:
             from .pipeline import build
 
@@ -234,7 +255,7 @@ class Acceptance:
         self.row(
             f"qwen3vl-trt build, every stage ({name})",
             "all stages done",
-            [_cuda, _tensorrt, _tensorrt_llm],
+            needs or [_cuda, _tensorrt, _tensorrt_llm],
             run,
         )
 
@@ -322,7 +343,8 @@ class Acceptance:
         scored teacher-forced by transformers on `twin` (the bf16 checkpoint the FP8 one stands for)."""
         from .testing.tiny import synthetic_jpeg
 
-        self.build_row(name, model, llm_quant)
+        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC, _gpu_runs(llm_quant)]
+        self.build_row(name, model, llm_quant, needs[:3] + needs[-1:])
         prompt, images = "Describe this picture.", [synthetic_jpeg(480, 640, seed=5)]
         gap = QUANT_LOGIT_GAPS[llm_quant]
 
@@ -345,7 +367,6 @@ class Acceptance:
             worst = max(gaps, default=0.0)
             return bool(served) and worst <= gap, f"{equal}/{len(served)} tokens equal, largest gap {worst:.3f}"
 
-        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC]
         self.row(f"served tokens vs transformers greedy on the bf16 twin ({name})", f"gap <= {gap:g}", needs, run)
 
     def _built(self, name: str) -> Path:

@@ -8,7 +8,7 @@ block, ~1000 MB shards) and writes its dequantized bf16 twin. Then, each convers
 
 1. converts both to a bf16 TensorRT-LLM checkpoint: seconds, peak RSS of the child, and peak RSS divided by the
    source's largest shard (aim: <= 1.5);
-2. converts the FP8 checkpoint once per engine precision convert_llm accepts (`quant`: none, int8-wo, int4-wo)
+2. converts the FP8 checkpoint once per engine precision (--llm-quant: none, int8-wo, int4-wo, fp8)
    and prints the bytes of the rank files, with the source's language-model bytes, against the bf16 engine's.
 
     .venv/bin/python scripts/bench_quant.py [--layers 2] [--shard-mb 1000] [--repeats 1] [--workdir DIR] [--keep]
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import shutil
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 from bench_convert import GiB
 from benchutil import time_interleaved
 from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.dtypes import LLM_QUANT_CHOICES
 from qwen3vl_trt.llm import convert
 from qwen3vl_trt.quantization import SCALE_SUFFIX
 from qwen3vl_trt.testing.quantized import dequantized_twin, quantize_block_fp8
@@ -43,7 +43,6 @@ MiB = 2**20
 TEXT_8B = dict(intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 # One vision block (DeepStack taps must name layers of the tower): convert-llm never reads the tower.
 VISION_SMALL = dict(depth=1, deepstack_visual_indexes=[0])
-QUANT_MODES = ("none", "int8-wo", "int4-wo")  # --llm-quant, when convert.py does not list them (LLM_QUANT_CHOICES)
 
 # Run in a fresh interpreter per conversion: the same imports as convert-llm, the conversion timed inside it, and
 # the child's own peak RSS. No model: the interpreter and imports alone. The peak is VmHWM (this address space's
@@ -55,7 +54,7 @@ from qwen3vl_trt.llm.convert import convert_llm
 model, output, quant = sys.argv[1:4]
 start = time.perf_counter()
 if model != "-":
-    convert_llm(model, output, force=True, progress=False, **({} if quant == "-" else {"quant": quant}))
+    convert_llm(model, output, quant=quant, force=True, progress=False)
 seconds = time.perf_counter() - start
 with open("/proc/self/status") as status:
     peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
@@ -74,16 +73,9 @@ def size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def accepted_modes() -> tuple[str, ...] | None:
-    """The engine precisions convert_llm takes (its `quant` argument), None when it has no such argument."""
-    if "quant" not in inspect.signature(convert.convert_llm).parameters:
-        return None
-    return tuple(getattr(convert, "LLM_QUANT_CHOICES", QUANT_MODES))
-
-
-def child_convert(model: Path | None, output: Path, quant: str | None, run: Run) -> None:
+def child_convert(model: Path | None, output: Path, quant: str, run: Run) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model or "-"), str(output), quant or "-"], capture_output=True, text=True
+        [sys.executable, "-c", CHILD, str(model or "-"), str(output), quant], capture_output=True, text=True
     )
     if proc.returncode:
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
@@ -160,7 +152,6 @@ def main() -> None:
         start = time.perf_counter()
         fp8, twin, what = make_sources(root, args.smoke, args.layers, args.shard_mb)
         prepared = time.perf_counter() - start
-        modes = accepted_modes()
         print(f"source: {what}")
         for label, model in (("block FP8", fp8), ("bf16 twin", twin)):
             sizes = shard_sizes(model)
@@ -168,14 +159,13 @@ def main() -> None:
 
         # 1. Both sources to a bf16 engine checkpoint, interleaved (noise hits both alike).
         baseline = Run([])
-        child_convert(None, root / "unused", None, baseline)
+        child_convert(None, root / "unused", "none", baseline)
         sources = {"block FP8": fp8, "bf16 twin": twin}
         runs = {label: Run([]) for label in sources}
         engines = {label: root / f"engine-{'fp8' if label == 'block FP8' else 'twin'}-none" for label in sources}
-        default_mode = "none" if modes else None
         time_interleaved(
             [
-                lambda m=model, e=engines[label], r=runs[label]: child_convert(m, e, default_mode, r)
+                lambda m=model, e=engines[label], r=runs[label]: child_convert(m, e, "none", r)
                 for label, model in sources.items()
             ],
             warmup=0,
@@ -201,21 +191,14 @@ def main() -> None:
 
         # 2. Weight bytes per engine precision, from the FP8 checkpoint ("none" is the conversion above).
         print()
-        if modes is None:
-            print(
-                "weight bytes per --llm-quant mode: convert_llm takes no `quant` argument in this tree, so only "
-                "'none' (the bf16 engine checkpoint above) is reported"
-            )
-        else:
-            accepted = ", ".join(modes)
-            print(f"weight bytes per --llm-quant mode (convert_llm accepts: {accepted}), from the FP8 checkpoint:")
+        print(f"weight bytes per --llm-quant mode ({', '.join(LLM_QUANT_CHOICES)}), from the FP8 checkpoint:")
         reference = rank_bytes(engines["block FP8"])
         rows = [
             ("source block FP8, language model (weights + scales)", language_model_bytes(fp8), None),
             ("source bf16 twin, language model", language_model_bytes(twin), None),
             ("engine checkpoint, none (bf16)", reference, runs["block FP8"]),
         ]
-        for mode in [m for m in modes or () if m != "none"]:
+        for mode in [m for m in LLM_QUANT_CHOICES if m != "none"]:
             engine, run = root / f"engine-fp8-{mode}", Run([])
             child_convert(fp8, engine, mode, run)
             if run.error:

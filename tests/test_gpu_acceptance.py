@@ -35,7 +35,7 @@ CHECKS = [
     ],
     *[
         f"{check} (block-FP8 dense, --llm-quant {mode})"
-        for mode in ("none", "int8-wo", "int4-wo")
+        for mode in ("none", "int8-wo", "int4-wo", "fp8")
         for check in ("qwen3vl-trt build, every stage", "served tokens vs transformers greedy on the bf16 twin")
     ],
 ]

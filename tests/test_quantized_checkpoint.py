@@ -508,29 +508,62 @@ def test_greedy_tokens_of_moe_fp8_equal_transformers_on_the_dequantized_twin(mad
 # -- served: the CPU deployment built from the FP8 checkpoint ----------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.server
-def test_served_greedy_tokens_of_dense_fp8_equal_transformers(made, tmp_path):
-    needs_transformers_fp8()
-    from deployment import build_cpu_repository
-    from qwen3vl_trt.preprocess import Preprocessor
+def _served_tokens(model: Path, root: Path, **options: object) -> list[int]:
+    """Greedy tokens for MESSAGES from the CPU deployment built (build --target cpu) from `model` with `options`."""
+    from deployment import LIMITS, SETTINGS
+    from qwen3vl_trt.pipeline import build
     from qwen3vl_trt.serving.client import Client
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.server.serve import TritonServer
-    from qwen3vl_trt.testing.hf_reference import hf_request_inputs
 
-    fp8 = made["aligned-fp8-pow2"]
-    server = TritonServer(build_cpu_repository(fp8, tmp_path), free_ports(), log_path=tmp_path / "server.log")
+    build(model, root / "build", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet, **options)
+    server = TritonServer(root / "build" / "triton_repo", free_ports(), log_path=root / "server.log")
     server.start()
     try:
         server.wait_ready()
-        answer = Client(server.url, timeout_s=120).generate("Describe.", [PHOTO], max_tokens=NEW_TOKENS)
+        return Client(server.url, timeout_s=120).generate("Describe.", [PHOTO], max_tokens=NEW_TOKENS).token_ids
     finally:
         server.stop()
-    hf, pre = load_hf_fp8(fp8, torch.float32), Preprocessor.from_pretrained(fp8)
-    r = pre(MESSAGES)
-    inputs = hf_request_inputs(hf, r, pre.info.image_token_id, pre.info.video_token_id)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.parametrize("name", ["aligned-fp8-pow2", "moe-fp8-pow2"])
+def test_served_greedy_tokens_of_fp8_checkpoints_equal_transformers(made, tmp_path, name):
+    """Dense: transformers on the FP8 checkpoint as it loads it; MoE: on the dequantized twin (transformers leaves
+    per-expert FP8 keys unloaded)."""
+    from qwen3vl_trt.preprocess import Preprocessor
+    from qwen3vl_trt.testing.hf_reference import hf_request_inputs
+    from transformers import AutoModelForImageTextToText
+
+    fp8 = made[name]
+    served = _served_tokens(fp8, tmp_path, llm_dtype="fp32")
+    if name.startswith("moe"):
+        hf = AutoModelForImageTextToText.from_pretrained(made[name + "-twin"], dtype=torch.float32).eval()
+    else:
+        needs_transformers_fp8()
+        hf = load_hf_fp8(fp8, torch.float32)
+    pre = Preprocessor.from_pretrained(fp8)
+    inputs = hf_request_inputs(hf, pre(MESSAGES), pre.info.image_token_id, pre.info.video_token_id)
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=list(END_IDS))
     expected = [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
-    assert expected and answer.token_ids == expected
+    assert expected and served == expected
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_served_weight_only_build_runs_its_quantized_checkpoint(made, tmp_path):
+    """build --llm-quant int8-wo from the FP8 checkpoint: the deployment's llm serves the quantized checkpoint as
+    written, token for token what the in-process chain (LocalPipeline: the same reference runtime) gives."""
+    from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
+    from qwen3vl_trt.runtime import SamplingParams
+    from qwen3vl_trt.runtime.local import LocalPipeline
+
+    fp8 = made["aligned-fp8-pow2"]
+    served = _served_tokens(fp8, tmp_path, llm_dtype="bf16", llm_quant="int8-wo")
+    assert read_trtllm_config(tmp_path / "build" / "llm_checkpoint")[0]["quantization"]["quant_algo"] == "W8A16"
+    local = LocalPipeline(fp8, tmp_path / "build").generate(
+        MESSAGES, SamplingParams(max_new_tokens=NEW_TOKENS, end_ids=END_IDS)
+    )
+    assert served and served == local.token_ids
