@@ -124,9 +124,7 @@ def _build(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         llm_dtype=args.llm_dtype,
         llm_quant=args.llm_quant,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_arch=args.gpu_arch,
-        calibration_data=args.calibration_data,
+        **_quantization_options(args),
         tp=args.tp,
         pp=args.pp,
         limits=_engine_limits(args),
@@ -460,6 +458,11 @@ def _infer(args: argparse.Namespace) -> None:
         print()
 
 
+def _quantization_options(args: argparse.Namespace) -> dict:
+    """The options _add_llm_quant adds besides --llm-quant, as build and convert_llm take them."""
+    return {"kv_cache_dtype": args.kv_cache_dtype, "gpu_arch": args.gpu_arch, "calibration_data": args.calibration_data}
+
+
 def _convert_llm(args: argparse.Namespace) -> None:
     from .llm.convert import convert_llm
 
@@ -470,9 +473,7 @@ def _convert_llm(args: argparse.Namespace) -> None:
         tp=args.tp,
         pp=args.pp,
         quant=args.llm_quant,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_arch=args.gpu_arch,
-        calibration_data=args.calibration_data,
+        **_quantization_options(args),
         force=args.force,
         log=print,
     )
