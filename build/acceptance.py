@@ -240,6 +240,14 @@ class Acceptance:
             run,
         )
 
+    def weight_only_layout_row(self) -> None:
+        self.row(
+            "weight-only checkpoint layout + the build's hook vs TensorRT-LLM's quantizer (int8, int4; 2-D, experts)",
+            "equal values and scales",
+            [_cuda, _tensorrt_llm],
+            _weight_only_layout_against_upstream,
+        )
+
     def build_row(
         self, name: str, model: Path, llm_quant: str = "none", needs: Sequence[Callable[[], str | None]] = ()
     ) -> None:
@@ -385,6 +393,7 @@ def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
     models = {"dense": make_tiny_checkpoint(work / "tiny-dense", seed=0, force=True)}
     models["moe"] = make_tiny_checkpoint(work / "tiny-moe", moe=True, seed=1, force=True)
     acceptance.decode_row(models["dense"])
+    acceptance.weight_only_layout_row()
     for name, model in models.items():
         acceptance.build_row(name, model)
         acceptance.vision_engine_row(name, model)
@@ -521,6 +530,34 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
         errors.append(parity_errors(image.float().cpu().numpy(), ref_image)[1])
         errors.append(parity_errors(deepstack.float().cpu().numpy(), ref_deepstack)[1])
     return max(errors)
+
+
+def _weight_only_layout_against_upstream() -> tuple[bool, str]:
+    """What the engine build loads for a weight-only linear (our stored layout through engine_model's hook, i.e.
+    preprocess_weights_for_mixed_gemm for this GPU) against what TensorRT-LLM's own converters store
+    (symmetric_quantize_last_axis_of_batched_matrix on the [K, N] weight), for dense weights and expert stacks."""
+    import tensorrt_llm  # noqa: F401  (registers torch.ops.trtllm)
+    import torch
+    from tensorrt_llm.quantization.functional import preprocess_weights_for_mixed_gemm
+
+    from .llm.weight_only import WeightOnly
+
+    torch.manual_seed(0)
+    weights = {"2-D": torch.randn(384, 256) * 0.02, "experts": torch.randn(4, 256, 128) * 0.02}
+    mismatches = []
+    for bits, kind in ((8, torch.int8), (4, torch.quint4x2)):
+        scheme = WeightOnly(bits)
+        for name, weight in weights.items():
+            w = weight.to(torch.bfloat16)
+            q, scale = scheme.quantize(w)
+            ours = preprocess_weights_for_mixed_gemm(scheme.to_stored(q), kind, torch.bfloat16)
+            upstream = torch.ops.trtllm.symmetric_quantize_last_axis_of_batched_matrix(
+                w.transpose(-1, -2).contiguous(), kind
+            )
+            theirs, their_scale = upstream[0], upstream[1]
+            if not torch.equal(ours, theirs) or not torch.equal(scale.to(torch.bfloat16), their_scale):
+                mismatches.append(f"int{bits} {name}")
+    return not mismatches, "all equal" if not mismatches else f"differ: {', '.join(mismatches)}"
 
 
 def _served_tokens(

@@ -99,6 +99,21 @@ def trtllm_standin(monkeypatch):
         del sys.modules[name]
 
 
+@pytest.fixture
+def standin_engine_model(trtllm_standin):
+    """A private copy of qwen3vl_trt.llm.engine_model imported over the TensorRT-LLM stand-in (the package's own
+    module keeps seeing the real, absent TensorRT-LLM)."""
+    import importlib.util
+
+    from qwen3vl_trt.llm import engine_model
+
+    spec = importlib.util.spec_from_file_location("standin_engine_model", engine_model.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.TRTLLM_IMPORT_ERROR is None, module.TRTLLM_IMPORT_ERROR
+    return module
+
+
 def pytest_report_header(config):
     import onnxruntime
     import torch

@@ -5,7 +5,6 @@ emulation and, teacher-forced, against transformers' full-precision model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from qwen3vl_trt.errors import UnsupportedModelError
-from qwen3vl_trt.llm import engine_model as package_engine_model
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
 from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.weight_only import WeightOnly
@@ -79,19 +77,10 @@ def converted(models, tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def engine_model(trtllm_standin):
-    spec = importlib.util.spec_from_file_location("stand_in_engine_model", package_engine_model.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.TRTLLM_IMPORT_ERROR is None
-    return module
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("quant,algo", [("int8-wo", "W8A16"), ("int4-wo", "W4A16")])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_every_rank_loads_into_the_standins_quantized_layers(converted, engine_model, kind, quant, algo, tp):
+def test_every_rank_loads_into_the_standins_quantized_layers(converted, standin_engine_model, kind, quant, algo, tp):
     """config.json's quantization as QuantConfig reads it; each rank file through upstream's from_checkpoint:
     our hook gives each stored int8 weight the GPU layout, preprocess_weights leaves it, and load() finds every
     parameter the quantized layers declare, in its shape and dtype."""
@@ -102,12 +91,12 @@ def test_every_rank_loads_into_the_standins_quantized_layers(converted, engine_m
     assert cfg["quantization"]["quant_algo"] == algo
     assert {"*lm_head", "*router", "*vocab_embedding"} <= set(cfg["quantization"]["exclude_modules"])
     for rank in range(tp):
-        config = engine_model.Qwen3VLForCausalLM.config_class(**cfg)
+        config = standin_engine_model.Qwen3VLForCausalLM.config_class(**cfg)
         config.set_rank(rank)
         functional.CALLS.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a dtype the layers do not declare, or a tensor they do not have
-            model = engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
+            model = standin_engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
         quantized = [n for n, t in model.loaded_weights.items() if t.dtype == torch.int8]
         per_layer = 4 if kind == "moe" else 5  # qkv, dense and the MLP's fc, gate, proj (MoE: fc, proj)
         assert len(quantized) == len(functional.CALLS) == per_layer * cfg["num_hidden_layers"]
@@ -116,15 +105,15 @@ def test_every_rank_loads_into_the_standins_quantized_layers(converted, engine_m
         assert model.loaded_weights["lm_head.weight"].dtype == torch.bfloat16
 
 
-def test_float_weights_would_need_cuda_in_the_standin(converted, engine_model, tmp_path):
+def test_float_weights_would_need_cuda_in_the_standin(converted, standin_engine_model, tmp_path):
     """The stand-in models what upstream does with a float weight under W8A16 (quantize it with CUDA ops): our
     checkpoints never rely on it."""
     ckpt = converted("dense", "none")
     cfg, _ = read_trtllm_config(ckpt)
     cfg["quantization"] = {"quant_algo": "W8A16"}
-    config = engine_model.Qwen3VLForCausalLM.config_class(**cfg)
+    config = standin_engine_model.Qwen3VLForCausalLM.config_class(**cfg)
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
+        standin_engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
 
 
 def test_splits_the_weight_only_gemm_would_pad_are_refused_with_the_tp_that_works(checkpoints, tmp_path):

@@ -32,7 +32,6 @@ from .checkpoint_format import (
     layer_params,
     layer_weights,
     parse_trtllm_config,
-    stage_params,
 )
 from .checkpoint_format import trtllm_config as make_trtllm_config
 
@@ -127,6 +126,7 @@ def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: 
     from ..preprocess import Preprocessor
     from ..runtime.reference_llm import LLMRequest, ReferenceLLM
     from ..vision.model import VisionTower
+    from .inputs import prompt_table_row
 
     info = ckpt.info
     config = parse_trtllm_config(make_trtllm_config(info, "fp32", ParallelLayout()))  # one rank, unsplit
@@ -146,18 +146,23 @@ def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: 
         requests.append(LLMRequest.from_preprocessed(request, *embeds))
     del tower
 
-    embedding = sources.whole("vocab_embedding", config, stage_params(config, 0)["vocab_embedding"], dtype)
-    skeleton = LLMWeights(config, embedding, [], embedding.new_empty(0), embedding.new_empty(0))
-    llm = ReferenceLLM(skeleton)
+    # Only the embedding rows the prompts use are read (the table is 1.2 GB at 8B), and a skeleton model holds them.
+    llm = ReferenceLLM(LLMWeights(config, torch.empty(0, config.hidden_size, dtype=dtype), [], *[torch.empty(0)] * 2))
     checked = [llm._check(request) for request in requests]
+    ids = torch.cat([p.ids for p in checked]).clamp(max=config.vocab_size - 1)
+    used, where = torch.unique(ids, return_inverse=True)
+    (table,) = sources.for_role("vocab_embedding", config)
+    rows = torch.cat([table.read(i, i + 1, dtype) for i in used.tolist()])
     lengths = [p.ids.numel() for p in checked]
     ends = np.cumsum(lengths).tolist()
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
     cos, sin = torch.cat([p.cos for p in checked]), torch.cat([p.sin for p in checked])
     ranges = Ranges()
     with torch.inference_mode():
-        h = torch.cat([llm._embed(p) for p in checked])
-        del embedding, skeleton
+        h = rows[where]
+        for (a, b), item in zip(spans, checked, strict=True):  # visual tokens take their prompt-table rows
+            if item.table is not None:
+                h[a:b][item.visual] = item.table[prompt_table_row(item.visual_ids, config.vocab_size)]
         for layer in range(config.num_hidden_layers):
             roles = layer_params(config, 0).items()
             w = layer_weights(
@@ -169,8 +174,8 @@ def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: 
                 seen[name] = max(seen[name], float(x.abs().max()) if x.numel() else 0.0)
 
             h, _, _ = llm.prefill_layer(w, h, cos, sin, spans, observe)
-            for (a, b), checked_prompt in zip(spans, checked, strict=True):
-                llm._deepstack(h[a:b], checked_prompt, layer)
+            for (a, b), item in zip(spans, checked, strict=True):
+                llm._deepstack(h[a:b], item, layer)
             ranges.amax.append(dict(seen))
             del w
     return ranges

@@ -72,16 +72,23 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
     # TensorRT-LLM's fused context attention has fp16/bf16 kernels only; fp32 engines run the unfused
     # context path (and, without paged context FMHA, cannot reuse KV cache blocks).
     fused_context = "disable" if config.dtype == "float32" else "enable"
-    # An INT8 KV cache has no paged context FMHA: the builder turns it off (builder.py, build) and so do we, so the
-    # engine's config says what it has (serving.repository.trtllm_config reads it).
-    paged_context = "disable" if config.kv_cache_quant_algo == "INT8" else fused_context
+    # Quantized KV caches without paged context FMHA: the builder turns it off for an INT8 cache, and for an FP8 cache
+    # unless the weights are FP8 too (builder.py, build); so do we, and the engine's config says what it has
+    # (serving.repository.trtllm_config reads it). Without it a prompt is not chunked, so a step must hold a whole
+    # prompt: max_num_tokens is raised to max_input_len (trtllm-build does so itself without context FMHA).
+    kv = config.kv_cache_quant_algo
+    no_paged = kv == "INT8" or (kv == "FP8" and config.quant_algo != "FP8")
+    paged_context = "disable" if no_paged else fused_context
+    max_num_tokens = (
+        max(build.max_num_tokens, build.max_input_len) if paged_context == "disable" else build.max_num_tokens
+    )
     flags = {
         "--checkpoint_dir": checkpoint_dir,
         "--output_dir": output_dir,
         "--max_batch_size": build.max_batch_size,
         "--max_input_len": build.max_input_len,
         "--max_seq_len": build.max_seq_len,
-        "--max_num_tokens": build.max_num_tokens,
+        "--max_num_tokens": max_num_tokens,
         "--max_beam_width": 1,
         "--max_prompt_embedding_table_size": build.prompt_table_rows(config.deepstack_count),
         "--kv_cache_type": "paged",

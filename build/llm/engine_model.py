@@ -38,7 +38,7 @@ import copy
 from typing import Any
 
 from qwen3vl_trt.errors import UnsupportedModelError
-from qwen3vl_trt.llm.checkpoint_format import ARCHITECTURE, ParallelLayout, check_deepstack_stage
+from qwen3vl_trt.llm.checkpoint_format import ARCHITECTURE, ParallelLayout, check_deepstack_stage, read_trtllm_config
 from qwen3vl_trt.llm.inputs import prompt_table_row
 from qwen3vl_trt.llm.weight_only import QUANT_ALGO_SCHEMES, SCALE_NAME
 
@@ -146,7 +146,8 @@ else:
         def from_checkpoint(
             cls, ckpt_dir: str, rank: int | None = None, config: Any = None, *, preprocess_weights_hook: Any = None
         ) -> Any:
-            # parallel_build always passes the rank's config (engine_build.launch); QuantAlgo is a str enum.
+            if config is None:  # upstream reads config.json through MODEL_MAP, which lacks our architecture
+                config = cls.config_class(**read_trtllm_config(ckpt_dir)[0])
             quant_algo = config.quantization.quant_algo
             hook = preprocess_weights_hook
             if quant_algo in QUANT_ALGO_SCHEMES:

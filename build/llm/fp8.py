@@ -6,11 +6,11 @@ per-tensor recipe is the one upstream tests Qwen3 with: each quantized linear ho
 `weights_scaling_factor` (1,) and `activation_scaling_factor` (1,) in float32 (FP8Linear / FP8RowLinear), MoE
 experts `weight` [E, out, in], `weights_scaling_factor` (E, 1) and one `activation_scaling_factor` (1,)
 (layers/moe.py); a scale maps fp8 back to the original (amax / 448). FP8Linear computes
-fp8(x / a) @ fp8(w / s)^T * (a * s), which `linear` emulates in float32 on a CPU (e4m3 products are exact in
-float32, as in the tensor cores' float32 accumulation). Weight scales are per tensor across ranks (the whole
-tensor's amax); the activation scales come from calibration.py. The dense MLP's fc and gate share one weight
-scale (their max), which is what the build's gate/up fusion (fuse_gate_mlp) would requantize them to, so the
-fused GEMM computes with the stored values.
+fp8(x / a) @ fp8(w / s)^T * (a * s) with a and s in the engine dtype, which `linear` emulates in float32 on a
+CPU (e4m3 products are exact in float32, as in the tensor cores' float32 accumulation). Weight scales are per
+tensor across ranks (the whole tensor's amax); the activation scales come from calibration.py. The dense MLP's
+fc and gate share one weight scale (their max), which is what the build's gate/up fusion (fuse_gate_mlp) would
+requantize them to, so the fused GEMM computes with the stored values.
 """
 
 from __future__ import annotations
@@ -62,12 +62,14 @@ class FP8Weight:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | FP8Weight) -> torch.Tensor:
-    """F.linear, or FP8Linear's arithmetic for an FP8Weight (output in x's dtype)."""
+    """F.linear, or FP8Linear's arithmetic for an FP8Weight (output in x's dtype): its scales are cast to the
+    engine dtype first (FP8Linear.forward casts both, quantization/layers.py)."""
     import torch.nn.functional as F
 
     if not isinstance(w, FP8Weight):
         return F.linear(x, w)
-    a, s = w.activation_scale.float(), w.weight_scale.float().reshape(-1)[0]
+    a = w.activation_scale.to(x.dtype).float()
+    s = w.weight_scale.to(x.dtype).float().reshape(-1)[0]
     out = F.linear(to_fp8(x, a).float(), w.weight.float())
     return (out * (a * s)).to(x.dtype)
 

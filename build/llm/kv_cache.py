@@ -5,8 +5,9 @@ takes the max of separate ones; `models/modeling_utils.py` preprocess_weights, w
 `kv_cache_rcp_scaling_factor` = 1 / scale when a checkpoint omits it). The attention kernels store k * rcp as e4m3,
 or as int8 rounded to nearest even and saturated (`cvt.rni.sat.s8.f32`), and read back value * scale; so the scale
 is amax / 448 (FP8) or amax / 127 (INT8), with the amax of the layer's keys and values after rotation from
-calibration. INT8 turns paged context FMHA off in the build (`builder.py`), so such engines neither reuse KV blocks
-nor chunk long prompts (serving.repository.trtllm_config reads this from the engine).
+calibration. An INT8 cache, and an FP8 one beside weights that are not FP8, turn paged context FMHA off in the build
+(`builder.py`), so such engines neither reuse KV blocks nor chunk long prompts (serving.repository.trtllm_config
+reads this from the engine; engine_build raises max_num_tokens to max_input_len for them).
 """
 
 from __future__ import annotations

@@ -16,12 +16,15 @@ MIN_SM = {"none": 0, "int8-wo": 80, "int4-wo": 80, "fp8": 89}
 
 
 def parse_gpu_arch(value: str) -> int:
-    """sm90, 90 or 9.0 -> 90."""
-    match = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})", value.strip().lower())
-    if match is None:
-        raise ValueError(f"{value!r} is not a GPU architecture: write it as sm80, sm89, sm90, ...")
-    major, minor = match.groups()
-    return int(major) * 10 + int(minor)
+    """sm90, sm_90, 90 or 9.0 -> 90; sm100 or 10.0 -> 100."""
+    text = value.strip().lower()
+    dotted = re.fullmatch(r"(\d{1,2})\.(\d)", text)
+    if dotted is not None:
+        return int(dotted.group(1)) * 10 + int(dotted.group(2))
+    plain = re.fullmatch(r"(?:sm_?)?(\d{2,3})", text)
+    if plain is None:
+        raise ValueError(f"{value!r} is not a GPU architecture: write it as sm80, sm89, sm90, sm100, ...")
+    return int(plain.group(1))
 
 
 def visible_gpu_arch() -> int | None:
