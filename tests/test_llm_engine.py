@@ -5,6 +5,7 @@ arithmetic shared by the engine model and the runtime."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -71,6 +72,21 @@ def test_flags_derive_from_the_build_config(name, bf16_checkpoints):
         "--workers": str(config.mapping.world_size),  # one build process per rank
         **({"--moe_plugin": "bfloat16"} if name == "moe" else {}),
     }
+
+
+@pytest.mark.parametrize(
+    "quant_algo, kv, paged",
+    [(None, "INT8", False), (None, "FP8", False), ("W8A16", "FP8", False), ("FP8", "FP8", True), ("FP8", None, True)],
+)
+def test_quantized_kv_caches_without_paged_context_fmha_hold_whole_prompts(bf16_checkpoints, quant_algo, kv, paged):
+    """The builder drops paged context FMHA for an INT8 cache and for an FP8 one beside non-FP8 weights (builder.py):
+    the flags say so, and an engine without it (no chunked prefill) takes a whole prompt in one step."""
+    _, config = read_trtllm_config(bf16_checkpoints["dense"])
+    config = dataclasses.replace(config, quant_algo=quant_algo, kv_cache_quant_algo=kv)
+    limits = dataclasses.replace(LIMITS, max_num_tokens=1024)  # below max_input_len 2048
+    flags = _flags(trtllm_build_flags("/ckpt", "/engine", config, limits))
+    assert flags["--use_paged_context_fmha"] == ("enable" if paged else "disable")
+    assert flags["--max_num_tokens"] == ("1024" if paged else "2048")
 
 
 def test_limits_are_checked(bf16_checkpoints):
