@@ -14,6 +14,7 @@ SIZE = r"(\d+(?:\.\d+)?) (MiB|GiB)"
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_smoke_prints_conversion_and_weight_bytes(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--workdir", str(tmp_path)],

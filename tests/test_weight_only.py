@@ -38,6 +38,7 @@ def emulate(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.from_numpy(q * stored_scale[..., None]).to(weight.dtype)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantizer_matches_the_emulation_and_round_trips_the_stored_layout(bits):
     torch.manual_seed(0)
@@ -77,6 +78,7 @@ def converted(models, tmp_path_factory):
     return get
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("quant,algo", [("int8-wo", "W8A16"), ("int4-wo", "W4A16")])
 @pytest.mark.parametrize("tp", [1, 2])
@@ -105,6 +107,7 @@ def test_every_rank_loads_into_the_standins_quantized_layers(converted, standin_
         assert model.loaded_weights["lm_head.weight"].dtype == torch.bfloat16
 
 
+@pytest.mark.once
 def test_float_weights_would_need_cuda_in_the_standin(converted, standin_engine_model, tmp_path):
     """The stand-in models what upstream does with a float weight under W8A16 (quantize it with CUDA ops): our
     checkpoints never rely on it."""
@@ -116,6 +119,7 @@ def test_float_weights_would_need_cuda_in_the_standin(converted, standin_engine_
         standin_engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
 
 
+@pytest.mark.once
 def test_splits_the_weight_only_gemm_would_pad_are_refused_with_the_tp_that_works(checkpoints, tmp_path):
     out = tmp_path / "never"
     with pytest.raises(UnsupportedModelError, match=r"multiples of 64.*no tp fits") as e:
@@ -124,6 +128,7 @@ def test_splits_the_weight_only_gemm_would_pad_are_refused_with_the_tp_that_work
     assert not out.exists()
 
 
+@pytest.mark.once
 def test_refusal_names_the_tp_values_that_fit(models, tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"at tp=4.*use --tp 1 or 2"):
         convert_llm(models["dense"], tmp_path / "never", quant="int4-wo", tp=4, progress=False)
@@ -141,6 +146,7 @@ def _emulated_weights(none_ckpt, bits: int):
     return weights
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("quant,bits", [("int8-wo", 8), ("int4-wo", 4)])
 def test_reference_runtime_logits_equal_the_emulated_arithmetic(converted, kind, quant, bits):

@@ -106,9 +106,22 @@ class _Sources:
         return [Source(self.tensor(name, shape), rows if rows is not None else shape[0])]
 
     def whole(self, role: str, config: LLMConfig, param: Param, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter `role` of a one-rank `config`, whole, in `dtype` (float32 where the parameter stays so)."""
-        parts = [s.read(0, s.rows, torch.float32 if param.float32 else dtype) for s in self.for_role(role, config)]
-        return torch.cat(parts, dim=param.split.dim or 0)
+        """Parameter `role` of a one-rank `config`, whole, in `dtype` (float32 where the parameter stays so), read
+        chunk by chunk into place (a block-FP8 tensor is never whole in float32). Its sources are consecutive
+        groups along the split dimension; their rows (experts, for expert stacks) run along dim 0."""
+        out = torch.empty(param.shape, dtype=torch.float32 if param.float32 else dtype)
+        dim, offset = param.split.dim or 0, 0
+        for src in self.for_role(role, config):
+            width = src.rows
+            for start in range(0, src.rows, src.chunk_rows):
+                chunk = src.read(start, min(start + src.chunk_rows, src.rows), out.dtype)
+                if dim == 0:
+                    out[offset + start : offset + start + len(chunk)] = chunk
+                else:
+                    width = chunk.shape[dim]
+                    out.narrow(dim, offset, width)[start : start + len(chunk)] = chunk
+            offset += width
+        return out
 
     def per_expert(self, prefix: str, projection: str, experts: int, shape: tuple[int, int]) -> RowReader | None:
         """The experts' `projection` weights stored one nn.Linear per expert (`{prefix}{e}.{projection}.weight`,
