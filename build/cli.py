@@ -464,9 +464,9 @@ def _quantization_options(args: argparse.Namespace) -> dict:
 
 
 def _convert_llm(args: argparse.Namespace) -> None:
-    from .llm.convert import convert_llm
+    from .calibration import convert_calibrated
 
-    path = convert_llm(
+    path = convert_calibrated(
         args.model,
         args.output,
         dtype=args.dtype,

@@ -6,13 +6,14 @@ import os
 import time
 from pathlib import Path
 
+from .calibration import convert_calibrated
 from .checkpoint import Checkpoint
 from .contracts import PLUGIN, BuildLayout
 from .errors import GpuStackMissingError
 from .fsutil import atomic_output_dir
 from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
-from .llm.convert import check_llm_options, convert_llm
+from .llm.convert import check_llm_options
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
 from .manifest import (
     LLM_CHECKPOINT_STAGE,
@@ -73,7 +74,7 @@ def build(
             StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
         )
         start = time.perf_counter()
-        convert_llm(
+        convert_calibrated(
             ckpt,
             tmp.llm_checkpoint,
             dtype=llm_dtype,

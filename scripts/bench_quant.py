@@ -50,11 +50,11 @@ VISION_SMALL = dict(depth=1, deepstack_visual_indexes=[0])
 # ru_maxrss, so a child of this process (several GiB after writing the checkpoints) would report the parent's.
 CHILD = """
 import json, sys, time
-from qwen3vl_trt.llm.convert import convert_llm
+from qwen3vl_trt.calibration import convert_calibrated
 model, output, quant = sys.argv[1:4]
 start = time.perf_counter()
 if model != "-":
-    convert_llm(model, output, quant=quant, force=True, progress=False)
+    convert_calibrated(model, output, quant=quant, force=True, progress=False)
 seconds = time.perf_counter() - start
 with open("/proc/self/status") as status:
     peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from qwen3vl_trt.calibration import builtin_prompts, calibrate, convert_calibrated, read_prompts
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli_main
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
-from qwen3vl_trt.llm.calibration import builtin_prompts, calibrate, read_prompts
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
-from qwen3vl_trt.llm.convert import _Sources, check_llm_options, convert_llm
+from qwen3vl_trt.llm.convert import check_llm_options
 from qwen3vl_trt.llm.fp8 import FP8Weight, linear
 from qwen3vl_trt.llm.kv_cache import KV_CACHE_DTYPES
 from qwen3vl_trt.llm.precision import choose_llm_quant, parse_gpu_arch
@@ -112,7 +112,7 @@ def fp8_converted(checkpoints, calibration_file, tmp_path_factory):
             calibrated = quant == "fp8" or kv != "auto"
             data = calibration_file if prompts == "file" and calibrated else None
             out = root / "_".join(map(str, key))
-            done[key] = convert_llm(
+            done[key] = convert_calibrated(
                 checkpoints[kind], out, quant=quant, kv_cache_dtype=kv, tp=tp, gpu_arch=90, calibration_data=data
             )
         return done[key]
@@ -258,7 +258,7 @@ def assert_same_ranges(got: list[dict[str, float]], want: list[dict[str, float]]
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_layer_at_a_time_calibration_matches_a_whole_model_run(checkpoints, calibration_file, file_ranges, kind):
     ckpt = Checkpoint(checkpoints[kind])
-    ranges = calibrate(ckpt, _Sources(ckpt, ckpt.info), torch.bfloat16, read_prompts(calibration_file))
+    ranges = calibrate(ckpt, torch.bfloat16, read_prompts(calibration_file))
     want = file_ranges[kind]
     expected_names = {"qkv", "kv", "dense", *{v for v in LINEAR_INPUTS[kind].values()}}
     assert all(set(layer) == expected_names for layer in want)
@@ -498,7 +498,7 @@ def test_fp8_agrees_with_transformers_full_precision_teacher_forced(checkpoints,
     fractions = {}
     for quant in ("fp8", "none"):
         data = calibration_file if quant == "fp8" else None
-        out = convert_llm(model_dir, tmp_path / quant, quant=quant, gpu_arch=90, calibration_data=data)
+        out = convert_calibrated(model_dir, tmp_path / quant, quant=quant, gpu_arch=90, calibration_data=data)
         llm = ReferenceLLM.from_checkpoint(out)
         served = llm.generate([LLMRequest(prompt, sampling=SamplingParams(max_new_tokens=steps))])[0].output_ids
         sequence = torch.as_tensor(np.concatenate([prompt, served[:-1]]), dtype=torch.long)
@@ -547,7 +547,7 @@ def test_default_mode_follows_the_checkpoint_and_the_gpu(checkpoints, block_fp8)
 
 @pytest.mark.once
 def test_block_fp8_checkpoint_converts_to_fp8_by_default_on_hopper(block_fp8, calibration_file, tmp_path):
-    out = convert_llm(block_fp8, tmp_path / "out", gpu_arch=90, calibration_data=calibration_file)
+    out = convert_calibrated(block_fp8, tmp_path / "out", gpu_arch=90, calibration_data=calibration_file)
     cfg, _ = read_trtllm_config(out)
     assert cfg["quantization"]["quant_algo"] == "FP8"
     logits = ReferenceLLM.from_checkpoint(out).prompt_logits(LLMRequest(PROMPT))
@@ -628,5 +628,5 @@ def test_malformed_calibration_data_is_refused_before_any_output(checkpoints, tm
     assert code == 2 and "bad.jsonl:1:" in err and "Traceback" not in err, err
     assert not out.exists()
     with pytest.raises(UnsupportedModelError, match="--calibration-data"):  # nothing to calibrate
-        convert_llm(checkpoints["dense"], out, quant="none", calibration_data=bad)
+        convert_calibrated(checkpoints["dense"], out, quant="none", calibration_data=bad)
     assert not out.exists()

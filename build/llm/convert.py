@@ -25,7 +25,6 @@ from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import atomic_output_dir
 from ..safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
 from ..torch_dtypes import TORCH_DTYPES
-from .calibration import builtin_prompts, calibrate, read_prompts
 from .checkpoint_format import (
     CONFIG_FILE,
     LLMConfig,
@@ -39,6 +38,7 @@ from .checkpoint_format import (
 from .fp8 import ACTIVATION_SCALE, E4M3_MAX, FP8_ALGO, WEIGHT_SCALE, FP8PerTensor, scale_of, to_fp8
 from .kv_cache import KV_CACHE_DTYPES, KVCacheQuant
 from .precision import check_kv_cache, choose_llm_quant, visible_gpu_arch
+from .ranges import Ranges
 from .weight_only import WEIGHT_ONLY_MODES, WeightOnly
 
 TEXT_PREFIX = "model.language_model."
@@ -90,7 +90,7 @@ def source_dtype(config: dict) -> str:
     return DTYPE_CHOICES.get(str(name), "bf16")
 
 
-class _Sources:
+class CheckpointSources:
     """Locates and shape-checks the Hugging Face tensors behind each output parameter."""
 
     def __init__(self, ckpt: Checkpoint, info: ModelInfo):
@@ -456,26 +456,26 @@ def convert_llm(
     quant: str | None = None,
     kv_cache_dtype: str = "auto",
     gpu_arch: int | None = None,
-    calibration_data: str | os.PathLike[str] | None = None,
+    ranges: Ranges | None = None,
     force: bool = False,
     progress: bool | None = None,
     log: Callable[[str], object] | None = None,
 ) -> Path:
     """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory. `quant` (None:
     the default for the checkpoint and the GPU, precision.choose_llm_quant) stores its linear weights quantized;
-    fp8 and a quantized KV cache (`kv_cache_dtype`) take their activation scales from a calibration pass over
-    `calibration_data` (calibration.read_prompts) or the built-in prompts."""
+    fp8 and a quantized KV cache (`kv_cache_dtype`) take their static scales from `ranges`, a calibration pass's
+    (qwen3vl_trt.calibration.convert_calibrated runs one first)."""
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     ckpt.verify_shards()
     options = check_llm_options(ckpt, dtype, quant, tp, pp, kv_cache_dtype, gpu_arch)
-    if calibration_data is not None and not options.needs_calibration:
+    if options.needs_calibration and ranges is None:
         raise UnsupportedModelError(
-            "--calibration-data sets the scales of --llm-quant fp8 and --kv-cache-dtype fp8/int8; this build has none"
+            f"--llm-quant {options.quant} with --kv-cache-dtype {kv_cache_dtype} needs activation ranges from a "
+            "calibration pass: convert with qwen3vl_trt.calibration.convert_calibrated (what convert-llm runs)"
         )
-    prompts = read_prompts(calibration_data) if calibration_data is not None else builtin_prompts()
     config, scheme = options.config, options.config.scheme
     out_dtype = TORCH_DTYPES[options.dtype]
-    sources = _Sources(ckpt, ckpt.info)
+    sources = CheckpointSources(ckpt, ckpt.info)
     stages = [stage_params(config, pp_rank) for pp_rank in range(pp)]
     plan = {role: sources.for_role(role, config) for params in stages for role in params}  # all checked first
 
@@ -499,11 +499,6 @@ def convert_llm(
             f"convert-llm: --llm-quant {options.quant} ({what}; {options.why}): "
             f"{stored / 2**30:.2f} GiB of weights{saved}"
         )
-    ranges = None
-    if options.needs_calibration:
-        if log is not None:
-            log(f"convert-llm: calibrating activation ranges over {len(prompts)} prompts, one decoder layer at a time")
-        ranges = calibrate(ckpt, sources, out_dtype, prompts)
     with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(options.cfg, indent=4) + "\n")
         with tqdm(

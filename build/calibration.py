@@ -1,4 +1,6 @@
-"""Activation ranges for engines with static scales: FP8 (per-tensor activation scales) and a quantized KV cache.
+"""Activation ranges for engines with static scales: FP8 (per-tensor activation scales) and a quantized KV cache,
+and convert-llm with them (`convert_calibrated`, what `convert-llm` and `build` run). It sits above the stages it
+uses (preprocessing, the vision tower, the reference runtime's layers, the converter's sources).
 
 The prompts (a built-in set of chat turns, each with or without an image; or the user's) are preprocessed as
 requests are, their images encoded by the checkpoint's vision tower (PyTorch, float32), and the language model runs
@@ -17,26 +19,20 @@ import io
 import json
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
-from ..errors import CheckpointError
-from .checkpoint_format import (
-    LLMWeights,
-    ParallelLayout,
-    layer_params,
-    layer_weights,
-    parse_trtllm_config,
-)
-from .checkpoint_format import trtllm_config as make_trtllm_config
-
-if TYPE_CHECKING:
-    from .convert import _Sources
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, UnsupportedModelError
+from .llm.checkpoint_format import LLMWeights, ParallelLayout, layer_params, layer_weights, parse_trtllm_config
+from .llm.checkpoint_format import trtllm_config as make_trtllm_config
+from .llm.convert import CheckpointSources, check_llm_options, convert_llm
+from .llm.ranges import Ranges
+from .torch_dtypes import TORCH_DTYPES
 
 PROMPTS = (
     "Describe this picture in detail.",
@@ -110,24 +106,14 @@ def read_prompts(path: str | os.PathLike[str]) -> list[CalibrationPrompt]:
     return prompts
 
 
-@dataclass
-class Ranges:
-    """Absolute maxima per decoder layer and observed input (reference_llm.Observer's names)."""
-
-    amax: list[dict[str, float]] = field(default_factory=list)
-
-    def scale(self, layer: int, name: str, levels: float) -> float:
-        value = self.amax[layer].get(name, 0.0)
-        return value / levels if value > 0 else 1.0
-
-
-def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: list[CalibrationPrompt]) -> Ranges:
+def calibrate(ckpt: Checkpoint, dtype: torch.dtype, prompts: list[CalibrationPrompt]) -> Ranges:
     """The ranges of the language model's activations over `prompts`, one decoder layer in memory at a time."""
-    from ..preprocess import Preprocessor
-    from ..runtime.reference_llm import LLMRequest, ReferenceLLM
-    from ..vision.model import VisionTower
-    from .inputs import prompt_table_row
+    from .llm.inputs import prompt_table_row
+    from .preprocess import Preprocessor
+    from .runtime.reference_llm import LLMRequest, ReferenceLLM
+    from .vision.model import VisionTower
 
+    sources = CheckpointSources(ckpt, ckpt.info)
     info = ckpt.info
     config = parse_trtllm_config(make_trtllm_config(info, "fp32", ParallelLayout()))  # one rank, unsplit
     pre = Preprocessor.from_pretrained(ckpt.path)
@@ -179,3 +165,48 @@ def calibrate(ckpt: Checkpoint, sources: _Sources, dtype: torch.dtype, prompts: 
             ranges.amax.append(dict(seen))
             del w
     return ranges
+
+
+def convert_calibrated(
+    model: str | os.PathLike[str] | Checkpoint,
+    output: str | os.PathLike[str],
+    dtype: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    quant: str | None = None,
+    kv_cache_dtype: str = "auto",
+    gpu_arch: int | None = None,
+    calibration_data: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    log: Callable[[str], object] | None = None,
+) -> Path:
+    """llm.convert.convert_llm with the options' calibration pass run first where they need one (fp8, a quantized
+    KV cache), over `calibration_data` (read_prompts) or the built-in prompts; refused with calibration data that
+    nothing would use."""
+    ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
+    options = check_llm_options(ckpt, dtype, quant, tp, pp, kv_cache_dtype, gpu_arch)
+    if calibration_data is not None and not options.needs_calibration:
+        raise UnsupportedModelError(
+            "--calibration-data sets the scales of --llm-quant fp8 and --kv-cache-dtype fp8/int8; this build has none"
+        )
+    ranges = None
+    if options.needs_calibration:
+        prompts = read_prompts(calibration_data) if calibration_data is not None else builtin_prompts()
+        if log is not None:
+            log(f"convert-llm: calibrating activation ranges over {len(prompts)} prompts, one decoder layer at a time")
+        ranges = calibrate(ckpt, TORCH_DTYPES[options.dtype], prompts)
+    return convert_llm(
+        ckpt,
+        output,
+        dtype=dtype,
+        tp=tp,
+        pp=pp,
+        quant=quant,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_arch=gpu_arch,
+        ranges=ranges,
+        force=force,
+        progress=progress,
+        log=log,
+    )
