@@ -488,14 +488,6 @@ def greedy_pair(fp8: Path, vision_dir: Path, hf: torch.nn.Module, out: Path) -> 
 
 
 @pytest.mark.slow
-def test_greedy_tokens_of_dense_fp8_equal_transformers_on_the_fp8_checkpoint(made, vision_dirs, tmp_path):
-    needs_transformers_fp8()
-    fp8 = made["aligned-fp8-pow2"]
-    ours, theirs = greedy_pair(fp8, vision_dirs("aligned-fp8-pow2"), load_hf_fp8(fp8, torch.float32), tmp_path)
-    assert len(theirs) > 1 and ours == theirs
-
-
-@pytest.mark.slow
 def test_greedy_tokens_of_moe_fp8_equal_transformers_on_the_dequantized_twin(made, vision_dirs, tmp_path):
     """transformers skips per-expert FP8 keys (its fused experts stay random), so its reference is the twin."""
     from transformers import AutoModelForImageTextToText
@@ -549,21 +541,3 @@ def test_served_greedy_tokens_of_fp8_checkpoints_equal_transformers(made, tmp_pa
         out = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=list(END_IDS))
     expected = [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
     assert expected and served == expected
-
-
-@pytest.mark.slow
-@pytest.mark.server
-def test_served_weight_only_build_runs_its_quantized_checkpoint(made, tmp_path):
-    """build --llm-quant int8-wo from the FP8 checkpoint: the deployment's llm serves the quantized checkpoint as
-    written, token for token what the in-process chain (LocalPipeline: the same reference runtime) gives."""
-    from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
-    from qwen3vl_trt.runtime import SamplingParams
-    from qwen3vl_trt.runtime.local import LocalPipeline
-
-    fp8 = made["aligned-fp8-pow2"]
-    served = _served_tokens(fp8, tmp_path, llm_dtype="bf16", llm_quant="int8-wo")
-    assert read_trtllm_config(tmp_path / "build" / "llm_checkpoint")[0]["quantization"]["quant_algo"] == "W8A16"
-    local = LocalPipeline(fp8, tmp_path / "build").generate(
-        MESSAGES, SamplingParams(max_new_tokens=NEW_TOKENS, end_ids=END_IDS)
-    )
-    assert served and served == local.token_ids
