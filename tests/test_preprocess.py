@@ -412,7 +412,11 @@ def test_template_features_equal_transformers(tiny_dense, tmp_path, image_files)
 def test_tool_call_turns_without_content_equal_transformers(preprocessors, processors):
     chat = [
         {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {}}}],
+        },
         {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
     ]
     request = preprocessors["torchvision"](chat)

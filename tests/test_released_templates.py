@@ -1,7 +1,7 @@
 """The released Qwen3-VL Instruct and Thinking chat templates render as transformers renders them.
 
-Each template (tests/data/, provenance in tests/data/SOURCES.md) is installed as chat_template.json
-in a copy of the tiny checkpoint's small files; the token ids of this package's Preprocessor must
+Each released template (qwen3vl_trt/data/chat_templates/, provenance in its SOURCES.md) is installed as
+chat_template.json in a copy of the tiny checkpoint's small files; the token ids of this package's Preprocessor must
 equal `processor.apply_chat_template(..., tokenize=True)` on the same files, for conversations with
 tools, multi-turn history, reasoning content (as a field and inline <think>), tool calls, tool
 responses and images.
@@ -22,7 +22,7 @@ from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.prompts import load_chat_template
 from qwen3vl_trt.testing.hf_reference import load_hf_processor
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "build" / "data" / "chat_templates"
 TEMPLATES = {"instruct": "qwen3_vl_instruct.chat_template.json", "thinking": "qwen3_vl_thinking.chat_template.json"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 

@@ -44,6 +44,8 @@ VIDEO_WRAPPED = VISION_START + VIDEO_PLACEHOLDER + VISION_END
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _BASE64_LINE_BREAKS = (" ", "\t", "\r", "\n")
+# A tool that no template names: rendering with it and without tells whether a template has a tools section.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_7f3a", "description": "", "parameters": {}}}
 
 
 def _raise_exception(message: str) -> None:
@@ -160,6 +162,12 @@ class PromptBuilder:
             raise
         except Exception as e:  # syntax errors, unknown tags or filters
             raise CheckpointError(f"{root}: the chat template does not compile: {e}") from e
+        self.root = root
+        probe = [{"role": "user", "content": "hi"}]
+        self.renders_tools = self._render(probe, True, {"tools": [_PROBE_TOOL]}) != self._render(probe, True, {})
+        # A Thinking template's generation prompt opens the reasoning block, so generation starts inside it.
+        opened = self._render(probe, True, {}).removeprefix(self._render(probe, False, {}))
+        self.opens_reasoning = opened.rstrip().endswith("<think>")
 
     def from_messages(
         self,
@@ -174,18 +182,26 @@ class PromptBuilder:
         are (their media were checked against the byte limits they were normalized with)."""
         if "continue_final_message" in template_kwargs:
             raise MessageError("continue_final_message is not supported; send the conversation to continue from")
+        if template_kwargs.get("tools") and not self.renders_tools:
+            raise MessageError(
+                f"the chat template of {self.root.name} has no tools section, so the model would never see the tools; "
+                "send the request without tools, or serve a checkpoint whose template renders them"
+            )
         if not isinstance(messages, NormalizedMessages):
             messages = normalize_messages(messages, max_image_bytes, max_video_bytes)
         chat, images, videos = messages
         try:
-            text = self.template.render(
-                messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
-            )
+            text = self._render(chat, add_generation_prompt, template_kwargs)
         except Exception as e:  # raise_exception() from the template, or its code tripping on odd content
             raise MessageError(f"the chat template rejected the messages: {e}") from e
         prompt = Prompt(text, False, tuple(images), tuple(videos))
         self._check_placeholders(prompt, self._encode(text, add_special_tokens=False), "the rendered chat")
         return prompt
+
+    def _render(self, chat: Sequence[Mapping[str, Any]], add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
+        return self.template.render(
+            messages=chat, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs}
+        )
 
     def from_prompt(
         self,

@@ -4,8 +4,9 @@ Tests and demos need real-architecture checkpoints without downloading weights. 
 what the released models ship: config.json in the 4.57 style (`rope_scaling` with
 `mrope_section` and `mrope_interleaved`), bf16 safetensors shards with an index (MoE experts
 fused as `[experts, hidden, 2 * moe_intermediate]`), processor configs with patch 16 and
-mean = std = 0.5, Qwen's byte-level BPE tokenizer with its special tokens at their real ids, and a
-chat template. Presets keep the real vision tower shapes for benchmarks.
+mean = std = 0.5, Qwen's byte-level BPE tokenizer with its special tokens at their real ids, and the
+released Instruct or Thinking chat template (qwen3vl_trt/data/chat_templates). Presets keep the real vision
+tower shapes for benchmarks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from ..chat_templates import released_chat_template
 from ..fsutil import atomic_output_dir
 from .tokenizer_files import SPECIAL_TOKENS, qwen_tokenizer_json
 
@@ -161,43 +163,6 @@ GENERATION_CONFIG = {
     "repetition_penalty": 1.0,
 }
 
-# Qwen3-VL's chat format: ChatML turns, each image as <|vision_start|><|image_pad|><|vision_end|>
-# (the processor expands the pad to one token per merged patch), no default system turn.
-CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
-{%- set video_count = namespace(value=0) -%}
-{%- macro render(content) -%}
-{%- if content is string -%}{{- content -}}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}
-{%- set image_count.value = image_count.value + 1 -%}
-{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
-<|vision_start|><|image_pad|><|vision_end|>
-{%- elif part.type == 'video' or 'video' in part -%}
-{%- set video_count.value = video_count.value + 1 -%}
-{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
-<|vision_start|><|video_pad|><|vision_end|>
-{%- elif 'text' in part -%}{{- part.text -}}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- for message in messages -%}
-{%- if message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
-<tool_response>
-{{ render(message.content) }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif -%}
-{%- else -%}
-<|im_start|>{{ message.role }}
-{{ render(message.content) }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}"""
-
 
 def _tokenizer_config() -> dict:
     return {
@@ -287,12 +252,15 @@ def make_tiny_checkpoint(
     shard_mb: int = 20,
     force: bool = False,
     tie_word_embeddings: bool | None = None,
+    template: str = "instruct",
 ) -> Path:
     """Writes a random-weight Qwen3-VL checkpoint and returns its directory; tie_word_embeddings
-    overrides the preset's (tied checkpoints store no lm_head, as the released 2B and 4B)."""
+    overrides the preset's (tied checkpoints store no lm_head, as the released 2B and 4B). template: which
+    released chat template it carries (RELEASED_TEMPLATES: the Instruct or the Thinking checkpoints')."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     spec = PRESETS[preset]
+    chat_template = released_chat_template(template)  # an unknown name fails before anything is written
     if vision_overrides or text_overrides:
         spec = TinySpec(
             {**spec.vision, **(vision_overrides or {})},
@@ -307,7 +275,7 @@ def make_tiny_checkpoint(
         _write_json(tmp / "generation_config.json", GENERATION_CONFIG)
         _write_json(tmp / "preprocessor_config.json", PREPROCESSOR_CONFIG)
         _write_json(tmp / "video_preprocessor_config.json", VIDEO_PREPROCESSOR_CONFIG)
-        _write_json(tmp / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+        _write_json(tmp / "chat_template.json", {"chat_template": chat_template})
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
         (tmp / "tokenizer.json").write_text(qwen_tokenizer_json())
         _write_shards(_random_state_dict(tmp, config, seed), tmp, shard_mb * 2**20)
