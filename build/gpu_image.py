@@ -59,6 +59,16 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         "torch", "2.10.0a0", f"{_MATRIX}; {_BACKEND_DOCKERFILE}: PIP_WHL_VER_TORCH=2.10.0a0+b4e4ee81d3.nv25.12"
     ),
     ImagePackage("transformers", "4.57.3", "TensorRT-LLM 1.2.1 requirements.txt (transformers==4.57.3)"),
+    # The grammar library of guided decoding, in the executor (3rdparty/fetch_content.json) and in Python: 1.2.0 pinned
+    # 0.1.25; "[None][infra] Bump xgrammar" (NVIDIA/TensorRT-LLM #12811, merged 2026-04-07, the 1.2.1 release's
+    # infra work) moved requirements.txt and the C++ fetch to 0.1.32. The gateway and the CPU runtime build and run
+    # the same grammars at this version (0.1.25 masks bounded strings hundreds of times slower).
+    ImagePackage(
+        "xgrammar",
+        "0.1.32",
+        "TensorRT-LLM #12811 (requirements.txt and 3rdparty/fetch_content.json: xgrammar 0.1.25 -> 0.1.32)",
+        tested_here=True,
+    ),
     # Not pinned by the image (neither its Dockerfile nor Triton's build.py installs it), nor by us: each tritonclient
     # release pins a grpcio range (2.68.0: <1.68; 2.73.0: >=1.81.1), so the image build lets pip take the one that
     # fits the image's grpcio. Tested here: the release of the 26.04 server.
