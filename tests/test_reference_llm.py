@@ -244,10 +244,12 @@ class _Stream:
     def __init__(self):
         self.tokens: list[int] = []
         self.errors: list[Exception] = []
+        self.responses: list[dict] = []  # what each send carried
         self.done = threading.Event()
 
-    def send(self, tokens, final):
+    def send(self, tokens, final, log_probs=None):
         self.tokens.extend(tokens)
+        self.responses.append(dict(tokens=list(tokens), final=final, log_probs=log_probs))
         if final:
             self.done.set()
 
@@ -283,6 +285,67 @@ def test_the_inflight_llm_streams_tokens_and_closes_promptly_when_idle(converted
     start = time.monotonic()
     engine.close()
     assert time.monotonic() - start < 5
+
+
+def test_the_inflight_llm_returns_the_log_probs_of_its_tokens(converted, runtimes):
+    """return_log_probs: every response carries the log probs of the tokens generated so far (the end id's left out,
+    as its token is), as the tensorrtllm backend sends them; they equal the runtime's for the request alone."""
+    end_ids = (IM_END_ID, ENDOFTEXT_ID)
+    ids = np.arange(5, 25, dtype=np.int32)
+    sampling = SamplingParams(6, temperature=3.0, seed=9, end_ids=end_ids, return_log_probs=True)
+    alone = runtimes("dense").generate([LLMRequest(ids, sampling=sampling)])[0]
+    kept = [(t, lp) for t, lp in zip(alone.output_ids, alone.log_probs, strict=True) if t not in end_ids]
+    engine = InflightLLM(converted["dense"], end_ids, max_batch_size=2)
+    engine.start()
+    try:
+        inputs = {
+            interface.INPUT_IDS.name: ids,
+            interface.REQUEST_OUTPUT_LEN.name: np.array([6], np.int32),
+            interface.TEMPERATURE.name: np.array([3.0], np.float32),
+            interface.RUNTIME_TOP_P.name: np.array([1.0], np.float32),
+            interface.SEED.name: np.array([9], np.uint64),
+            interface.RETURN_LOG_PROBS.name: np.array([True]),
+            interface.EXCLUDE_INPUT.name: np.array([True]),
+        }
+        for streaming in (False, True):
+            stream = _Stream()
+            engine.submit({**inputs, interface.STREAMING.name: np.array([streaming])}, stream, f"lp-{streaming}")
+            assert stream.done.wait(60) and not stream.errors
+            assert stream.tokens == [t for t, _ in kept]
+            assert stream.responses[-1]["log_probs"] == pytest.approx([lp for _, lp in kept])
+            if streaming:  # cumulative: the k-th response has k log probs
+                assert [len(r["log_probs"]) for r in stream.responses] == list(range(1, len(kept) + 1))
+    finally:
+        engine.close()
+
+
+def test_a_batch_penalizes_the_prompt_and_fails_a_broken_guide_alone(runtimes):
+    """The batch hands each sampler its prompt: a huge presence penalty keeps every token out of the prompt and
+    the tokens before it. A request whose guide fails ends with the error; the others decode as alone."""
+    llm = runtimes("dense")
+    ids = np.arange(5, 25, dtype=np.int32)
+    shy = SamplingParams(8, temperature=1.0, top_k=1, presence_penalty=1e4, return_log_probs=True)
+    plain = SamplingParams(8)
+
+    class Broken:
+        def mask(self, logits):
+            return logits
+
+        def accept(self, token):
+            raise ValueError("no grammar")
+
+    results = llm.generate(
+        [
+            LLMRequest(ids, sampling=shy),
+            LLMRequest(ids, sampling=replace(plain, guide=Broken())),
+            LLMRequest(ids, sampling=plain),
+        ]
+    )
+    tokens = results[0].output_ids
+    assert not set(tokens) & set(ids.tolist()) and len(set(tokens)) == len(tokens) == 8
+    assert len(results[0].log_probs) == 8
+    assert results[1].finish_reason == "error" and "no grammar" in str(results[1].error) and not results[1].output_ids
+    assert results[2].output_ids == llm.generate([LLMRequest(ids, sampling=plain)])[0].output_ids
 
 
 def test_sampling_is_seeded_and_respects_its_cuts(chains, runtimes):

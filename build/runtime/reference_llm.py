@@ -36,13 +36,15 @@ from ..errors import InputError
 from ..llm.checkpoint_format import LayerWeights, LLMWeights, MoEWeights, load_llm_weights
 from ..llm.fp8 import linear
 from ..llm.inputs import prompt_table_row, rope_inv_freq
-from .sampling import SamplingParams, TokenSampler
+from .sampling import GuideFailed, SamplingParams, TokenSampler
 
 if TYPE_CHECKING:
     from ..preprocess import Request
 
 TokenCallback = Callable[[int, int], None]
 """Called as (request index, token id) for every generated token, in order."""
+StepCallback = Callable[[int, int, float | None], None]
+"""Called as (request index, token id, its log prob or None without return_log_probs) for every generated token."""
 Observer = Callable[[str, torch.Tensor], None]
 """Called during a prefill with the input of each quantized linear of a layer ("qkv", "dense", "mlp", "down",
 "experts", "experts_down") and its keys and values ("kv"): what calibration measures."""
@@ -87,8 +89,10 @@ class LLMRequest:
 @dataclass
 class GenerationResult:
     output_ids: list[int]
-    finish_reason: str  # "stop" (an end id or stop sequence was generated), "length" or "cancelled"
+    finish_reason: str  # "stop" (an end id or stop sequence was generated), "length", "cancelled" or "error"
     prompt_length: int
+    log_probs: list[float] = field(default_factory=list)  # one per output id, with return_log_probs
+    error: Exception | None = None  # why the request failed (finish_reason "error"): its guide failed
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -415,8 +419,8 @@ class DecodeBatch:
     """Prompts joining together run in ragged batches of at most this many tokens (a longer prompt
     alone), which bounds the activations as the engine's max_num_tokens does."""
 
-    def __init__(self, llm: ReferenceLLM, on_token: TokenCallback | None = None):
-        self.llm, self.on_token = llm, on_token
+    def __init__(self, llm: ReferenceLLM, on_token: TokenCallback | None = None, on_step: StepCallback | None = None):
+        self.llm, self.on_token, self.on_step = llm, on_token, on_step
         self.sequences: list[_Sequence] = []  # sequence i decodes in cache row i
         self.cache = KVCache(llm)
         self.position = torch.zeros(0, dtype=torch.int64, device=llm.device)  # sequence index of each row's next token
@@ -436,6 +440,9 @@ class DecodeBatch:
         llm = self.llm
         prompts = [llm._check(request) for request in requests]
         for request, prompt in zip(requests, prompts, strict=True):
+            bias = request.sampling.embedding_bias
+            if bias is not None and bias.numel() != llm.vocab_size:
+                raise InputError(f"embedding_bias holds {bias.numel()} values; the vocabulary has {llm.vocab_size}")
             need = prompt.ids.numel() + request.sampling.max_new_tokens
             if need > llm.config.max_position_embeddings:
                 raise InputError(
@@ -452,7 +459,7 @@ class DecodeBatch:
                 length = prompt.ids.numel()
                 seq = _Sequence(
                     index,
-                    TokenSampler(request.sampling, llm.device),
+                    TokenSampler(request.sampling, llm.device, prompt.ids, llm.vocab_size),
                     GenerationResult([], "length", length),
                     int(np.asarray(request.mrope_position_deltas).reshape(-1)[0]),
                 )
@@ -525,9 +532,21 @@ class DecodeBatch:
         self.position, self.delta = self.position[: len(keep)], self.delta[: len(keep)]
 
     def _accept(self, seq: _Sequence, logits: torch.Tensor, argmax: int | None = None) -> None:
-        seq.next_id = seq.sampler.next_token(logits, argmax)
+        sampler = seq.sampler
+        try:
+            seq.next_id = sampler.next_token(logits, argmax)
+        except GuideFailed as e:  # this request fails; the batch goes on
+            sampler.fail()
+            seq.result.finish_reason, seq.result.error = sampler.finish_reason, e
+            return
         seq.result.output_ids.append(seq.next_id)
-        if seq.sampler.finished:
-            seq.result.finish_reason = seq.sampler.finish_reason
+        log_prob = None
+        if sampler.params.return_log_probs:
+            log_prob = sampler.log_probs[-1]
+            seq.result.log_probs.append(log_prob)
+        if sampler.finished:
+            seq.result.finish_reason = sampler.finish_reason
         if self.on_token is not None:
             self.on_token(seq.index, seq.next_id)
+        if self.on_step is not None:
+            self.on_step(seq.index, seq.next_id, log_prob)
