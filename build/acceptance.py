@@ -292,14 +292,16 @@ class Acceptance:
         served: dict[str, list[int]] = {}
         healed: list[tuple[bool, str]] = []
         cached: list[tuple[bool, str]] = []
+        guided: list[tuple[bool, str]] = []
         drained: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, hits, heals, drains = _served_tokens(self._built(name), requests, log_path)
+            tokens, hits, guides, heals, drains = _served_tokens(self._built(name), requests, log_path)
             served.update(tokens)
             cached.append(hits)
+            guided.append(guides)
             healed.append(heals)
             drained.append(drains)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
@@ -314,12 +316,14 @@ class Acceptance:
         healing = f"metrics published; a killed vision_encoder stub comes back ({name})"
         caching = f"a repeated image: a visual cache hit, no decode, no vision encoder ({name})"
         draining = f"a stop lets a stream in flight finish ({name})"
+        guiding = f"guided decoding on the engine: a json_schema answer and a required tool call ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
             for check, check_limit in (
                 (caching, "same tokens, 0 runs"),
+                (guiding, "both validate"),
                 (healing, "back, answers"),
                 (draining, "all tokens, exit 0, shm named and gone"),
             ):
@@ -343,6 +347,7 @@ class Acceptance:
             video_needs = [_PYNVVIDEOCODEC] if videos else []
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
+        self.row(guiding, "both validate", needs, lambda: guided[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
         self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
 
@@ -562,10 +567,11 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
 
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]], log_path: Path
-) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str]]:
+) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str]]:
     """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
-    a request's image sent again is answered from the visual cache (see _cache_hit), whether the deployment
-    heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its figure."""
+    a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
+    decoding holds (see _guided), whether the deployment heals (see _heals), and whether its stop lets a stream in
+    flight finish (see _drains), each with its figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.ports import free_ports
@@ -583,12 +589,67 @@ def _served_tokens(
                 for kind, (prompt, images, videos) in requests.items()
             }
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
+            guided = _guided(client)
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, hits, heals, _drains(server)
+        return tokens, hits, guided, heals, _drains(server)
     finally:
         server.stop()
+
+
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["colour", "count", "tags"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _guided(client: Any) -> tuple[bool, str]:
+    """The engine's guided decoding (the tensorrtllm backend's xgrammar over the build's tokenizer info) on the
+    grammars the gateway sends: a json_schema answer that parses and validates, and a required tool call whose
+    arguments validate against the function's parameters (the tiny model's weights are random: only the grammar
+    makes either valid)."""
+    try:
+        return _guided_answers(client)
+    except Exception as e:  # an answer that does not parse or validate, or a request the server refused
+        return False, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _guided_answers(client: Any) -> tuple[bool, str]:
+    import jsonschema
+
+    from .guided_decoding import json_schema_guide, tool_call_guide
+    from .serving.gateway.tool_calls import parse_tool_calls
+
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    schema = json_schema_guide(GUIDED_SCHEMA)
+    answer = client.generate("", [], max_tokens=96, messages=messages, guide=(schema.type, schema.text)).text
+    jsonschema.validate(json.loads(answer), GUIDED_SCHEMA)
+    tools = [{"type": "function", "function": WEATHER_TOOL}]
+    call = tool_call_guide([WEATHER_TOOL], named=None, parallel=False)
+    weather = [{"role": "user", "content": "Weather in Bern?"}]
+    text = client.generate("", [], max_tokens=96, messages=weather, tools=tools, guide=(call.type, call.text)).text
+    content, calls = parse_tool_calls(text, ["get_weather"])
+    if len(calls) != 1 or content:
+        return False, f"the required call is not one valid call: {text[:200]!r}"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_TOOL["parameters"])
+    return True, f"json_schema answer {answer[:80]!r} validates; call {calls[0].name}({calls[0].arguments[:60]})"
 
 
 def _drains(server: Any) -> tuple[bool, str]:

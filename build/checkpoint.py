@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, UnsupportedModelError
+from .fsutil import read_json
 from .quantization import (
     FP8_TAG,
     SCALE_SUFFIX,
@@ -522,3 +523,15 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().data)  # a view: no copy
     return digest.hexdigest()
+
+
+def generation_end_ids(model_dir: Path) -> tuple[int, ...]:
+    """The eos ids of generation_config.json (none if the file is absent)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = read_json(path, "").get("eos_token_id", [])
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)

@@ -397,8 +397,8 @@ def bench_transformers(
 ) -> tuple[Level, list[list[int]]]:
     """The same requests one at a time through transformers' greedy generate; also its token ids per request."""
     import torch
+    from qwen3vl_trt.checkpoint import generation_end_ids
     from qwen3vl_trt.preprocess import Preprocessor
-    from qwen3vl_trt.runtime.local import generation_end_ids
     from qwen3vl_trt.testing.hf_reference import hf_model_inputs
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging

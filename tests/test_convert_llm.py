@@ -293,6 +293,7 @@ def test_cli(checkpoints, tmp_path, capsys):
         "config.json",
         "rank0.safetensors",
         "rank1.safetensors",
+        "xgrammar_tokenizer_info.json",  # guided decoding's (guided_decoding.write_tokenizer_info)
     ]
     assert cli(["convert-llm", "--model", str(tmp_path / "nope"), "--output", str(tmp_path / "d")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -4,6 +4,7 @@ write-repo command, and the request-level pieces the models run (word lists, sam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from qwen3vl_trt.cli import main
 from qwen3vl_trt.contracts import BuildLayout
 from qwen3vl_trt.errors import CheckpointError, LimitsError
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
+from qwen3vl_trt.llm.checkpoint_format import TOKENIZER_INFO_FILE, read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import interface
@@ -59,6 +60,11 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
             list(theirs.dims),
             list(theirs.reshape.shape),
         ), tensor.name
+    # Guided decoding on the engine reads the tokenizer info convert-llm wrote beside the TensorRT-LLM checkpoint.
+    params = {k: v.string_value for k, v in gpu[interface.LLM].parameters.items()}
+    info = Path(params["xgrammar_tokenizer_info_path"])
+    assert params["guided_decoding_backend"] == "xgrammar" and info == layout.llm_checkpoint / TOKENIZER_INFO_FILE
+    assert set(json.loads(info.read_text())) == {"encoded_vocab", "tokenizer_str", "stop_token_ids"}
     engine_dir = {name: VisionEncoderParameters.from_model_config(c[interface.VISION_ENCODER]).vision_engine_dir
                   for name, c in (("cpu", cpu), ("gpu", gpu))}  # fmt: skip
     assert engine_dir == {"cpu": None, "gpu": layout.vision_engine}

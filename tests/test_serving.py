@@ -322,6 +322,18 @@ def test_tensors_cross_every_model_intact(dense):
         interface.STOP_WORDS.name: np.array([[b"stop here"]], dtype=object),
         interface.SEED_IN.name: np.array([[2**63 + 5]], np.uint64),
         interface.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
+        # What the OpenAI gateway sends on to the engine: penalties, log probs, a guide, a logit bias, tools.
+        interface.PRESENCE_PENALTY.name: np.array([[0.25]], np.float32),
+        interface.FREQUENCY_PENALTY.name: np.array([[-0.5]], np.float32),
+        interface.REPETITION_PENALTY.name: np.array([[1.5]], np.float32),
+        interface.RETURN_LOG_PROBS.name: np.array([[True]]),
+        interface.GUIDE_TYPE.name: np.array([[b"ebnf_grammar"]], dtype=object),
+        interface.GUIDE.name: np.array([[b'root ::= "yes" | "no"']], dtype=object),
+        interface.LOGIT_BIAS_IDS.name: np.array([[7, 151645, 7]], np.int32),
+        interface.LOGIT_BIAS_WEIGHTS.name: np.array([[1.5, -100.0, 0.5]], np.float32),
+        interface.TOOLS.name: np.array(
+            [[json.dumps([{"type": "function", "function": {"name": "f"}}]).encode()]], dtype=object
+        ),  # fmt: skip
     }
     served = _infer_model(dense.url, interface.PREPROCESSING, request)
     hidden_size = served.as_numpy(interface.PROMPT_TABLE.name).shape[-1]
@@ -338,6 +350,10 @@ def test_tensors_cross_every_model_intact(dense):
         np.testing.assert_array_equal(theirs, ours, err_msg=tensor.name)
         assert theirs.dtype == ours.dtype, tensor.name
     assert int(served.as_numpy(interface.SEED.name)[0, 0]) == 2**63 + 5
+    bias = served.as_numpy(interface.EMBEDDING_BIAS.name)[0]  # one entry per vocabulary id, repeats summed
+    assert bias.shape == (Preprocessor.from_pretrained(dense.model_dir).info.text.vocab_size,)
+    assert (bias[7], bias[151645], np.count_nonzero(bias)) == (2.0, -100.0, 2)
+    assert served.as_numpy(interface.GUIDE.name)[0, 0] == b'root ::= "yes" | "no"'
 
     sent = {name: np.asarray(value)[None] for name, value in vision_inputs.items()}
     table = _infer_model(dense.url, interface.VISION_ENCODER, sent).as_numpy(interface.PROMPT_TABLE.name)[0]

@@ -57,6 +57,13 @@ UPSTREAM_INPUTS = {
     "seed": ("TYPE_UINT64", [1], True, True, False),
     "exclude_input_in_output": ("TYPE_BOOL", [1], True, True, False),
     "streaming": ("TYPE_BOOL", [1], True, True, False),
+    "presence_penalty": ("TYPE_FP32", [1], True, True, False),
+    "frequency_penalty": ("TYPE_FP32", [1], True, True, False),
+    "repetition_penalty": ("TYPE_FP32", [1], True, True, False),
+    "return_log_probs": ("TYPE_BOOL", [1], True, True, False),
+    "embedding_bias": ("TYPE_FP32", [-1], False, True, True),
+    "guided_decoding_guide_type": ("TYPE_STRING", [1], False, True, True),
+    "guided_decoding_guide": ("TYPE_STRING", [1], False, True, True),
     "stop": ("TYPE_BOOL", [1], True, True, False),
     "prompt_embedding_table": ("MODEL", [-1, -1], False, True, True),
     "prompt_table_extra_ids": ("TYPE_UINT64", [-1], False, True, True),
@@ -64,14 +71,18 @@ UPSTREAM_INPUTS = {
     "mrope_position_deltas": ("TYPE_INT64", [1], False, True, False),
 }
 # fillTritonResponse (model_instance_state.cc) throws unless both are requested.
-UPSTREAM_OUTPUTS = {"output_ids": ("TYPE_INT32", [-1, -1]), "sequence_length": ("TYPE_INT32", [-1])}
+UPSTREAM_OUTPUTS = {
+    "output_ids": ("TYPE_INT32", [-1, -1]),
+    "sequence_length": ("TYPE_INT32", [-1]),
+    "output_log_probs": ("TYPE_FP32", [-1, -1]),
+}
 
 
 def _config(tmp_path: Path, model_data_type: str = "BF16", paged_context_fmha: bool = True, **kwargs) -> mc.ModelConfig:
     limits = EngineLimits(max_batch_size=4)
     engine = tmp_path / "engine"
     return tensorrt_llm_model_config(
-        engine, limits, model_data_type, tmp_path / "hf", 500, paged_context_fmha, **kwargs
+        engine, limits, model_data_type, tmp_path / "hf", tmp_path / "info.json", 500, paged_context_fmha, **kwargs
     )
 
 
@@ -92,8 +103,11 @@ def test_parameters_the_backend_cannot_load_without(tmp_path):
     assert params["gpt_model_type"] == "inflight_fused_batching" and params["gpt_model_type"] in GPT_MODEL_TYPES
     assert params["gpt_model_path"] == str((tmp_path / "engine").absolute())
     assert params["tokenizer_dir"] == str((tmp_path / "hf").absolute())
-    # Guided decoding is off when either is empty (getGuidedDecodingConfigFromParams).
-    assert params["guided_decoding_backend"] == "" and params["xgrammar_tokenizer_info_path"] == ""
+    # Guided decoding is on with both set (getGuidedDecodingConfigFromParams; "xgrammar" is the backend's name).
+    assert params["guided_decoding_backend"] == "xgrammar"
+    assert params["xgrammar_tokenizer_info_path"] == str((tmp_path / "info.json").absolute())
+    # Log probabilities over the whole vocabulary, not renormalized over the top-k (GetParameter<bool>).
+    assert params["normalize_log_probs"] in FALSE
 
 
 def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
@@ -204,4 +218,4 @@ def test_bad_arguments_are_typed_errors(tmp_path, kwargs, error):
 
 def test_negative_queue_delay_is_refused(tmp_path):
     with pytest.raises(LimitsError, match="max_queue_delay_us"):
-        tensorrt_llm_model_config(tmp_path, EngineLimits(), "FP16", tmp_path, -1, True)
+        tensorrt_llm_model_config(tmp_path, EngineLimits(), "FP16", tmp_path, tmp_path / "info.json", -1, True)

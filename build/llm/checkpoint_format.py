@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "Qwen3VLForCausalLM"
 CONFIG_FILE = "config.json"
+# The checkpoint tokenizer's xgrammar tokenizer info (guided_decoding.write_tokenizer_info), which the tensorrtllm
+# backend's xgrammar_tokenizer_info_path and the reference runtime read for guided decoding.
+TOKENIZER_INFO_FILE = "xgrammar_tokenizer_info.json"
 # ExpertScaleNormalizationMode.RENORMALIZE (tensorrt_llm/layers/moe.py): softmax over the top-k
 # logits, which equals transformers' Qwen3-VL-MoE routing (softmax, top-k, divide by their sum).
 MOE_RENORMALIZE = 1

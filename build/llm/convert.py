@@ -19,14 +19,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, ModelInfo
+from ..checkpoint import Checkpoint, ModelInfo, generation_end_ids
 from ..dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from ..errors import CheckpointError, UnsupportedModelError
 from ..fsutil import atomic_output_dir
+from ..guided_decoding import write_tokenizer_info
 from ..safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
 from ..torch_dtypes import TORCH_DTYPES
 from .checkpoint_format import (
     CONFIG_FILE,
+    TOKENIZER_INFO_FILE,
     LLMConfig,
     ParallelLayout,
     Param,
@@ -501,6 +503,10 @@ def convert_llm(
         )
     with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(options.cfg, indent=4) + "\n")
+        end_ids = generation_end_ids(ckpt.path)
+        if not end_ids:
+            raise CheckpointError(f"{ckpt.path}/generation_config.json names no eos_token_id; serving needs one")
+        write_tokenizer_info(ckpt.path, config.vocab_size, end_ids, tmp / TOKENIZER_INFO_FILE)
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
         ) as bar:

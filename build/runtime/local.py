@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint import generation_end_ids
 from ..contracts import BuildLayout
-from ..errors import CheckpointError
-from ..fsutil import read_json
 from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
 from ..preprocess import Preprocessor
 from ..vision.onnx_runner import VisionEncoder, VisionSidecar
@@ -67,18 +66,6 @@ class StreamingDetokenizer:
         del self.tokens[: self.shown]
         self.context, self.shown = 0, len(self.tokens)
         return text[len(shown) :]
-
-
-def generation_end_ids(model_dir: Path) -> tuple[int, ...]:
-    """The eos ids of generation_config.json (none if the file is absent)."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return ()
-    eos = read_json(path, "").get("eos_token_id", [])
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,16 @@ def _lost_in_crash(url: str, model: str) -> ServerUnavailableError:
 class Answer:
     text: str
     token_ids: list[int]  # generated tokens (end ids excluded): `text` decodes from them
+    log_probs: tuple[float, ...] = ()  # one per token id, when the request asked for them (return_log_probs)
+
+    @staticmethod
+    def joined(answers: Sequence[Answer]) -> Answer:
+        """Consecutive pieces as one."""
+        return Answer(
+            "".join(a.text for a in answers),
+            [t for a in answers for t in a.token_ids],
+            tuple(p for a in answers for p in a.log_probs),
+        )
 
 
 def _server_error(url: str, error: Any) -> InferenceError:
@@ -93,7 +103,12 @@ def _answer(result: Any) -> Answer | None:
     if text is None:
         return None
     ids = result.as_numpy(interface.OUTPUT_IDS_OUT.name).reshape(-1)
-    return Answer(b"".join(text.reshape(-1)).decode(), [int(t) for t in ids])
+    log_probs = result.as_numpy(interface.LOG_PROBS_OUT.name)
+    return Answer(
+        b"".join(text.reshape(-1)).decode(),
+        [int(t) for t in ids],
+        () if log_probs is None else tuple(float(p) for p in log_probs.reshape(-1)),
+    )
 
 
 _CANCELLED = object()
@@ -169,14 +184,11 @@ class Generation:
         return was_open
 
 
-_NUMPY_TYPES = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": bool, "STRING": object}
-
-
 def _input(tensor: interface.Tensor, values: Sequence[Any]) -> Any:
     # tritonclient.grpc.aio re-exports this same InferInput class, so both clients send these inputs.
     import tritonclient.grpc as grpcclient
 
-    array = np.array([list(values)], dtype=_NUMPY_TYPES[tensor.data_type])
+    array = np.array([list(values)], dtype=interface.NUMPY_DTYPES[tensor.data_type])
     spec = grpcclient.InferInput(
         tensor.name, list(array.shape), "BYTES" if tensor.data_type == "STRING" else tensor.data_type
     )
@@ -201,9 +213,18 @@ def request_inputs(
     raw_prompt: bool = False,
     exclude_input_in_output: bool = True,
     videos: Sequence[bytes] = (),
+    tools: list[dict[str, Any]] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    return_log_probs: bool = False,
+    guide: tuple[str, str] | None = None,
 ) -> list[Any]:
     """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that). Videos are
-    encoded files (MP4, WebM, ...), placed after the images, or by the messages' video parts."""
+    encoded files (MP4, WebM, ...), placed after the images, or by the messages' video parts. tools: the function
+    definitions the chat template renders. logit_bias: added to those tokens' logits. guide: (guide type, guide)
+    as the tensorrt_llm backend takes guided decoding (qwen3vl_trt.guided_decoding.Guide)."""
     values: list[tuple[interface.Tensor, Sequence[Any]]] = [
         (interface.TEXT_INPUT, [prompt.encode()]),
         (interface.STREAM, [stream]),
@@ -218,6 +239,13 @@ def request_inputs(
         interface.MIN_TOKENS_IN: min_tokens,
         interface.MESSAGES: None if messages is None else json.dumps(messages).encode(),
         interface.RAW_PROMPT: raw_prompt or None,
+        interface.TOOLS: json.dumps(tools).encode() if tools else None,
+        interface.PRESENCE_PENALTY: presence_penalty,
+        interface.FREQUENCY_PENALTY: frequency_penalty,
+        interface.REPETITION_PENALTY: repetition_penalty,
+        interface.RETURN_LOG_PROBS: return_log_probs or None,
+        interface.GUIDE_TYPE: guide[0].encode() if guide else None,
+        interface.GUIDE: guide[1].encode() if guide else None,
     }
     values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
     for tensor, items in (
@@ -228,6 +256,9 @@ def request_inputs(
     ):
         if items:
             values.append((tensor, [i if isinstance(i, bytes) else str(i).encode() for i in items]))
+    if logit_bias:
+        values.append((interface.LOGIT_BIAS_IDS, list(logit_bias)))
+        values.append((interface.LOGIT_BIAS_WEIGHTS, list(logit_bias.values())))
     return [_input(tensor, items) for tensor, items in values]
 
 
@@ -293,14 +324,12 @@ class Client:
         **options: Any,
     ) -> Answer:
         """One request; raises InferenceError with the server's message when it fails."""
-        pieces: list[str] = []
-        token_ids: list[int] = []
+        pieces: list[Answer] = []
         for piece in self.stream(prompt, images, max_tokens, **options):
-            pieces.append(piece.text)
-            token_ids.extend(piece.token_ids)
+            pieces.append(piece)
             if on_text is not None and piece.text:
                 on_text(piece.text)
-        return Answer("".join(pieces), token_ids)
+        return Answer.joined(pieces)
 
     def stop(self, request_id: str, timeout_s: float = 5.0) -> None:
         """Tells the llm to end the request with this id (see stop_inputs)."""

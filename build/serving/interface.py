@@ -50,7 +50,11 @@ CALLED_BY = {VISION_ENCODER: (PREPROCESSING,)}
 
 # Triton's DataType names (without TYPE_) of the contracts' dtypes; "model" is the LLM checkpoint's dtype.
 TRITON_DATA_TYPES = {"float32": "FP32", "int32": "INT32", "int64": "INT64", "uint64": "UINT64", "model": "MODEL"}
-NUMPY_DTYPES = {triton: np.dtype(name) for name, triton in TRITON_DATA_TYPES.items() if name != "model"}
+NUMPY_DTYPES = {
+    **{triton: np.dtype(name) for name, triton in TRITON_DATA_TYPES.items() if name != "model"},
+    "BOOL": np.dtype(bool),
+    "STRING": np.dtype(object),  # bytes elements
+}
 
 # Contract tensors that a backend declares with a type of its own, by name. TensorRT-LLM 1.2.1's engine takes
 # mrope_position_deltas as int32 (contracts), but the tensorrtllm backend's tensorrt_llm model declares it
@@ -104,6 +108,27 @@ IMAGES = Tensor("images", "STRING", (-1,), optional=True)
 VIDEOS = Tensor("videos", "STRING", (-1,), optional=True)
 MESSAGES = _scalar("messages", "STRING")
 RAW_PROMPT = _scalar("raw_prompt", "BOOL")
+TOOLS = _scalar("tools", "STRING")  # the JSON list of tool definitions the chat template renders
+# OpenAI's logit_bias (token id -> bias); preprocessing writes it as the llm's embedding_bias.
+LOGIT_BIAS_IDS = Tensor("logit_bias_ids", "INT32", (-1,), optional=True)
+LOGIT_BIAS_WEIGHTS = Tensor("logit_bias_weights", "FP32", (-1,), optional=True)
+
+# -- sampling and output options the tensorrt_llm model takes under these names, which the ensemble takes too --
+PRESENCE_PENALTY = _scalar("presence_penalty", "FP32")
+FREQUENCY_PENALTY = _scalar("frequency_penalty", "FP32")
+REPETITION_PENALTY = _scalar("repetition_penalty", "FP32")
+RETURN_LOG_PROBS = _scalar("return_log_probs", "BOOL")
+# Declared [1] without reshape by the tensorrt_llm model, unlike its other per-request values.
+GUIDE_TYPE = Tensor("guided_decoding_guide_type", "STRING", (1,), optional=True)
+GUIDE = Tensor("guided_decoding_guide", "STRING", (1,), optional=True)
+ENGINE_OPTIONS: tuple[Tensor, ...] = (
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
+    REPETITION_PENALTY,
+    RETURN_LOG_PROBS,
+    GUIDE_TYPE,
+    GUIDE,
+)
 
 REQUEST_INPUTS: tuple[Tensor, ...] = (
     TEXT_INPUT,
@@ -123,11 +148,16 @@ REQUEST_INPUTS: tuple[Tensor, ...] = (
     VIDEOS,
     MESSAGES,
     RAW_PROMPT,
+    TOOLS,
+    LOGIT_BIAS_IDS,
+    LOGIT_BIAS_WEIGHTS,
+    *ENGINE_OPTIONS,
 )
 
 TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
-REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT)
+LOG_PROBS_OUT = Tensor("output_log_probs", "FP32", (-1,))  # one per id of output_ids, when asked for
+REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT, LOG_PROBS_OUT)
 
 # -- preprocessing -> vision_encoder (BLS, one request per image the visual cache did not hold) ----------
 VISION_PIXELS = _implementing(PIXEL_VALUES)
@@ -166,6 +196,7 @@ STREAMING = _scalar("streaming", "BOOL")
 EXCLUDE_INPUT = _scalar("exclude_input_in_output", "BOOL")
 STOP_WORDS_LIST = Tensor("stop_words_list", "INT32", (2, -1), optional=True)
 BAD_WORDS_LIST = Tensor("bad_words_list", "INT32", (2, -1), optional=True)
+EMBEDDING_BIAS = Tensor("embedding_bias", "FP32", (-1,), optional=True)  # [vocab_size], added to the logits
 MROPE_COS_SIN = _implementing(MROPE_ROTARY_COS_SIN, optional=True)
 MROPE_DELTAS = _implementing(MROPE_POSITION_DELTAS, optional=True)
 EXTRA_IDS = _implementing(PROMPT_TABLE_EXTRA_IDS, optional=True)
@@ -184,6 +215,8 @@ LLM_REQUEST: tuple[Tensor, ...] = (
     EXCLUDE_INPUT,
     STOP_WORDS_LIST,
     BAD_WORDS_LIST,
+    EMBEDDING_BIAS,
+    *ENGINE_OPTIONS,
     MROPE_COS_SIN,
     MROPE_DELTAS,
     EXTRA_IDS,
@@ -197,7 +230,9 @@ LLM_INPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE, STOP)
 # -- llm -> postprocessing ----------------------------------------------------------------------
 LLM_OUTPUT_IDS = Tensor("output_ids", "INT32", (-1, -1))  # [beams, tokens]
 SEQUENCE_LENGTH = Tensor("sequence_length", "INT32", (-1,))  # per beam
-LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH)
+# [beams, tokens]: the log probability of each token a response carries, when the request asked (return_log_probs)
+OUTPUT_LOG_PROBS = Tensor("output_log_probs", "FP32", (-1, -1), optional=True)
+LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH, OUTPUT_LOG_PROBS)
 # Triton ensembles let a step after a decoupled model read only what that model produced, so
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
 

@@ -253,7 +253,7 @@ class Fleet:
         while True:
             tried.append(replica)
             answered = False
-            held: list[int] = []  # token ids of pieces without text, before the first text
+            held: list[Answer] = []  # pieces without text, before the first text
             replica.in_flight += 1
             if self.metrics is not None:
                 self.metrics.replica_requests.labels(replica.address).inc()
@@ -261,14 +261,14 @@ class Fleet:
             try:
                 async for answer in pieces:
                     if not answered and not answer.text:
-                        held += answer.token_ids
+                        held.append(answer)
                         continue
                     if held:
-                        answer, held = Answer(answer.text, [*held, *answer.token_ids]), []
+                        answer, held = Answer.joined([*held, answer]), []
                     answered = True
                     yield answer
                 if held:
-                    yield Answer("", held)
+                    yield Answer.joined(held)
                 return
             except RETRIED_ERRORS as error:
                 if answered or len(tried) > 1:

@@ -9,8 +9,10 @@ belongs to (read at NVIDIA/TensorRT-LLM commit 0c8de69a, tensorrt_llm/version.py
   xgrammar_tokenizer_info_path and guided_decoding_backend (getGuidedDecodingConfigFromParams)
   outside any try: without them the model does not load. gpt_model_path falls back to "", which
   then fails the "Both encoder and decoder model paths are empty" check for a decoder-only engine.
-- Guided decoding is off when guided_decoding_backend or xgrammar_tokenizer_info_path is empty;
+- Guided decoding is off when guided_decoding_backend or xgrammar_tokenizer_info_path is empty; it is on, with
+  xgrammar over the converted checkpoint's tokenizer info (guided_decoding.py says what reads it and how).
   tokenizer_dir is only logged as unused by the C++ flow, so it carries the checkpoint directory.
+- normalize_log_probs: read with GetParameter<bool>, default true (model_instance_state.cc).
 - Booleans parse from true/false/1/0 (GetParameter<bool>); enable_kv_cache_reuse defaults to true,
   enable_chunked_context to false (getKvCacheConfigFromParams, getExecutorConfigFromParams). Both are
   written from the engine's build_config.plugin_config.use_paged_context_fmha (gpu_memory.LLMEngineBuild),
@@ -79,6 +81,9 @@ _RAGGED = frozenset(
         interface.BAD_WORDS_LIST,
         interface.PROMPT_TABLE,
         interface.EXTRA_IDS,
+        interface.EMBEDDING_BIAS,
+        interface.GUIDE_TYPE,
+        interface.GUIDE,
     )
 )
 
@@ -95,6 +100,7 @@ def tensorrt_llm_model_config(
     limits: EngineLimits,
     model_data_type: str,
     tokenizer_dir: Path,
+    tokenizer_info: Path,
     max_queue_delay_us: int,
     paged_context_fmha: bool,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
@@ -104,7 +110,8 @@ def tensorrt_llm_model_config(
     """The `llm` model for the tensorrtllm backend. model_data_type: the LLM's Triton dtype (FP16,
     BF16, FP32), the prompt table's. instance_gpus: the devices of the engine's ranks (gpu_device_ids);
     empty lets the backend choose. paged_context_fmha: the engine's (gpu_memory.LLMEngineBuild), which
-    KV-cache reuse and chunked context need. Paths are written absolute: the backend resolves them
+    KV-cache reuse and chunked context need. tokenizer_info: the xgrammar tokenizer info file guided decoding
+    reads (llm.checkpoint_format.TOKENIZER_INFO_FILE). Paths are written absolute: the backend resolves them
     against tritonserver's working directory."""
     if model_data_type not in MODEL_DATA_TYPES.values():
         raise UnsupportedModelError(
@@ -134,8 +141,12 @@ def tensorrt_llm_model_config(
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": engine_dir.absolute(),
         "tokenizer_dir": tokenizer_dir.absolute(),
-        "guided_decoding_backend": "",  # empty: guided decoding off
-        "xgrammar_tokenizer_info_path": "",
+        "guided_decoding_backend": "xgrammar",
+        "xgrammar_tokenizer_info_path": tokenizer_info.absolute(),
+        # Each token's log probability over the whole vocabulary (after the penalties and the temperature), as the
+        # reference runtime and OpenAI's logprobs give it; the backend's default renormalizes over the top-k
+        # candidates, which makes every greedy token's 0 (tensorrtllm_backend#276; samplingTopKKernels.cu).
+        "normalize_log_probs": False,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
         "enable_kv_cache_reuse": paged_context_fmha,
         "enable_chunked_context": paged_context_fmha,

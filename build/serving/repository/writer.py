@@ -26,7 +26,7 @@ from ...contracts import VISION_ENGINE_FILE, BuildLayout
 from ...errors import CheckpointError, LimitsError
 from ...fsutil import atomic_output_dir
 from ...limits import EngineLimits
-from ...llm.checkpoint_format import LLMConfig, read_trtllm_config
+from ...llm.checkpoint_format import TOKENIZER_INFO_FILE, LLMConfig, read_trtllm_config
 from ...manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
@@ -264,6 +264,7 @@ def _llm(m: _Models) -> mc.ModelConfig:
             limits=m.limits,
             model_data_type=m.model_type,
             tokenizer_dir=m.model_dir,
+            tokenizer_info=m.build.llm_checkpoint / TOKENIZER_INFO_FILE,
             max_queue_delay_us=m.settings.max_queue_delay_us,
             kv_cache_free_gpu_mem_fraction=m.memory.kv_cache_fraction() if fraction is None else fraction,
             paged_context_fmha=m.memory.llm_paged_context_fmha,

@@ -6,6 +6,17 @@ run together) and drops finished and cancelled ones, so requests arriving while 
 at the next step, as the TensorRT-LLM executor schedules them. Tokens go out through each request's
 stream: one response per token when streaming, else one response at the end, after the prompt's
 ids unless exclude_input_in_output. End ids are not sent (the engine leaves them out too).
+
+output_log_probs comes with return_log_probs only, as the tensorrtllm backend answers
+(triton_backend/inflight_batcher_llm/src/model_instance_state.cc fillTritonResponse): the log probs of all the
+request's generated tokens so far, [1, k], in streaming responses too (batch_manager/llmRequest.cpp createResult
+puts the whole getLogProbs() in every result; the LLM API's result.py accumulates them as "a streamwise
+monotonically growing list"). A request is one sequence: 1.2.1's backend cannot ask the executor for several
+(its num_return_sequences lands in another sampling field, TensorRT-LLM PR #13633), so the gateway sends n.
+
+Guided decoding (guided_decoding_guide_type json, json_schema, regex or ebnf_grammar, as utils.cc
+getGuidedDecodingParamsFromTensors maps them; any other type means no guide) needs the tokenizer info that
+xgrammar_tokenizer_info_path names for the tensorrtllm backend: without one a guided request fails.
 """
 
 from __future__ import annotations
@@ -15,16 +26,18 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ...errors import Qwen3VLTrtError
-from ...runtime.reference_llm import DecodeBatch, LLMRequest, ReferenceLLM
-from ...runtime.sampling import SamplingParams
+from ...errors import InputError, Qwen3VLTrtError
+from ...guided_decoding import load_tokenizer_info
+from ...runtime.guided import GUIDE_TYPES, GrammarCache
+from ...runtime.reference_llm import DecodeBatch, GenerationResult, LLMRequest, ReferenceLLM
+from ...runtime.sampling import LogitsGuide, SamplingParams
 from .. import interface
 from .preprocessing import split_word_list
 
@@ -39,9 +52,10 @@ the step itself once many requests decode together."""
 
 
 class TokenStream(Protocol):
-    """Where one request's tokens go."""
+    """Where one request's tokens go. log_probs: the generated tokens' log probs so far, sent with return_log_probs
+    only."""
 
-    def send(self, tokens: list[int], final: bool) -> None: ...
+    def send(self, tokens: list[int], final: bool, log_probs: list[float] | None = None) -> None: ...
     def finish(self) -> None: ...  # the end of a stream whose tokens were all sent
     def fail(self, error: Exception) -> None: ...
     def cancelled(self) -> bool: ...
@@ -55,6 +69,8 @@ class _Job:
     end_ids: frozenset[int]
     request_id: str
     tokens: list[int] = field(default_factory=list)  # the prompt's ids first when it is echoed
+    log_probs: list[float] = field(default_factory=list)
+    result: GenerationResult | None = None
 
 
 def _value(inputs: Mapping[str, Any], tensor: interface.Tensor, default: Any) -> Any:
@@ -62,11 +78,29 @@ def _value(inputs: Mapping[str, Any], tensor: interface.Tensor, default: Any) ->
     return default if value is None else np.asarray(value).reshape(-1)[0].item()
 
 
+def _text(inputs: Mapping[str, Any], tensor: interface.Tensor) -> str | None:
+    value = inputs.get(tensor.name)
+    if value is None or np.asarray(value).size == 0:
+        return None
+    item = np.asarray(value, dtype=object).reshape(-1)[0]
+    return item.decode() if isinstance(item, bytes) else str(item)
+
+
 class InflightLLM:
-    def __init__(self, checkpoint_dir: str | Path, end_ids: Sequence[int], max_batch_size: int):
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        end_ids: Sequence[int],
+        max_batch_size: int,
+        tokenizer_info_path: Path | None = None,
+    ):
+        """tokenizer_info_path: the xgrammar tokenizer info guided decoding needs (None: guided requests fail)."""
         self.llm = ReferenceLLM.from_checkpoint(checkpoint_dir)
         self.end_ids = tuple(end_ids)
         self.max_batch_size = max_batch_size
+        self.tokenizer_info_path = tokenizer_info_path
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
         self._waiting: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: close
         self._stops: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids a stop request named
         self._closing = threading.Event()
@@ -81,26 +115,73 @@ class InflightLLM:
         table = inputs.get(interface.PROMPT_TABLE.name)
         if int(ids.max(initial=0)) < self.llm.vocab_size:
             table = None  # text only: the table's placeholder row is never addressed
-        end_id = int(_value(inputs, interface.END_ID, self.end_ids[0]))
-        greedy = int(_value(inputs, interface.RUNTIME_TOP_K, 0)) == 1
-        sampling = SamplingParams(
-            max_new_tokens=int(_value(inputs, interface.REQUEST_OUTPUT_LEN, 0)),
-            temperature=0.0 if greedy else float(_value(inputs, interface.TEMPERATURE, 1.0)),
-            top_k=0 if greedy else int(_value(inputs, interface.RUNTIME_TOP_K, 0)),
-            top_p=1.0 if greedy else float(_value(inputs, interface.RUNTIME_TOP_P, 1.0)),
-            seed=int(_value(inputs, interface.SEED, 0)),
-            end_ids=tuple(dict.fromkeys((end_id, *self.end_ids))),
-            min_new_tokens=int(_value(inputs, interface.MIN_TOKENS, 0)),
-            stop_sequences=split_word_list(inputs.get(interface.STOP_WORDS_LIST.name)),
-            bad_sequences=split_word_list(inputs.get(interface.BAD_WORDS_LIST.name)),
-        )
         return LLMRequest(
             input_ids=ids.astype(np.int32),
             prompt_embedding_table=None if table is None else torch.as_tensor(table),
             mrope_rotary_cos_sin=inputs.get(interface.MROPE_COS_SIN.name),
             mrope_position_deltas=int(_value(inputs, interface.MROPE_DELTAS, 0)),
-            sampling=sampling,
+            sampling=replace(self._sampling(inputs), guide=self._guide(inputs)),
         )
+
+    def _sampling(self, inputs: Mapping[str, Any]) -> SamplingParams:
+        end_id = int(_value(inputs, interface.END_ID, self.end_ids[0]))
+        # utils.cc getSamplingConfigFromTensors drops a top_p <= 0; the sampling layers then make top_k 0 with no
+        # top_p greedy (top_k 1) and give a top_k without top_p the top_p 1 (samplingTopKKernels.h
+        # regularizeTopKTopP). Top-k 1 is greedy at any temperature, which still scales its log probs.
+        top_k = int(_value(inputs, interface.RUNTIME_TOP_K, 0))
+        top_p = float(_value(inputs, interface.RUNTIME_TOP_P, 0.0))
+        if top_p <= 0:
+            top_k, top_p = top_k or 1, 1.0
+        bias = inputs.get(interface.EMBEDDING_BIAS.name)
+        embedding_bias = None
+        if bias is not None:
+            embedding_bias = torch.as_tensor(np.asarray(bias, dtype=np.float32)).reshape(-1)
+            if embedding_bias.numel() == 0:  # utils.cc: an embedding_bias of shape [0] is no bias
+                embedding_bias = None
+        return SamplingParams(
+            max_new_tokens=int(_value(inputs, interface.REQUEST_OUTPUT_LEN, 0)),
+            temperature=float(_value(inputs, interface.TEMPERATURE, 1.0)),
+            top_k=top_k,
+            top_p=top_p,
+            seed=int(_value(inputs, interface.SEED, 0)),
+            end_ids=tuple(dict.fromkeys((end_id, *self.end_ids))),
+            min_new_tokens=int(_value(inputs, interface.MIN_TOKENS, 0)),
+            stop_sequences=split_word_list(inputs.get(interface.STOP_WORDS_LIST.name)),
+            bad_sequences=split_word_list(inputs.get(interface.BAD_WORDS_LIST.name)),
+            repetition_penalty=float(_value(inputs, interface.REPETITION_PENALTY, 1.0)),
+            presence_penalty=float(_value(inputs, interface.PRESENCE_PENALTY, 0.0)),
+            frequency_penalty=float(_value(inputs, interface.FREQUENCY_PENALTY, 0.0)),
+            embedding_bias=embedding_bias,
+            return_log_probs=bool(_value(inputs, interface.RETURN_LOG_PROBS, False)),
+        )
+
+    def _guide(self, inputs: Mapping[str, Any]) -> LogitsGuide | None:
+        """The request's grammar matcher when it is guided."""
+        guide_type = _text(inputs, interface.GUIDE_TYPE)
+        if guide_type not in GUIDE_TYPES:
+            return None
+        guide = _text(inputs, interface.GUIDE)
+        # The guide text may be left out only for "json" (executor GuidedDecodingParams: required unless kJSON).
+        if guide is None and guide_type != "json":
+            raise InputError(f"guided_decoding_guide must be sent with guided_decoding_guide_type {guide_type}")
+        grammars = self._grammar_cache()
+        try:
+            return grammars.matcher(guide_type, guide or "")
+        except Qwen3VLTrtError:
+            raise
+        except Exception as e:  # the grammar library's own errors: a bad guide fails its request only
+            raise InputError(f"the {guide_type} guide cannot be used: {e}") from e
+
+    def _grammar_cache(self) -> GrammarCache:
+        if self.tokenizer_info_path is None:
+            raise InputError(
+                "guided decoding is not enabled on this deployment: the llm has no xgrammar tokenizer info "
+                "(tokenizer_info_path)"
+            )
+        with self._grammars_lock:
+            if self._grammars is None:  # made at the first guided request: loading the tokenizer info takes a second
+                self._grammars = GrammarCache(load_tokenizer_info(self.tokenizer_info_path, self.llm.vocab_size))
+            return self._grammars
 
     def warm_up(self) -> None:
         """A short generation, so the first request does not pay for first-use initialization."""
@@ -133,7 +214,7 @@ class InflightLLM:
     def _run(self) -> None:
         jobs: dict[int, _Job] = {}
         stopping: dict[str, float] = {}  # stop requests' ids -> when they came (a stop may overtake its request)
-        batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
+        batch = self._batch(jobs)
         next_index = 0
         next_cancel_check = 0.0
         while not self._closing.is_set():
@@ -161,8 +242,11 @@ class InflightLLM:
                 for job in jobs.values():
                     job.stream.fail(e)
                 jobs.clear()
-                batch = DecodeBatch(self.llm, on_token=lambda index, token: self._token(jobs[index], token))
+                batch = self._batch(jobs)
             self._finish(batch, jobs)
+
+    def _batch(self, jobs: dict[int, _Job]) -> DecodeBatch:
+        return DecodeBatch(self.llm, on_step=lambda index, token, log_prob: self._token(jobs[index], token, log_prob))
 
     def _cancelled(self, jobs: dict[int, _Job], stopping: dict[str, float], ask_triton: bool) -> list[int]:
         """The jobs to drop: named by a stop request, or (when ask_triton) cancelled by Triton."""
@@ -184,28 +268,38 @@ class InflightLLM:
             return
         jobs.update(joining)
         try:
-            batch.add_many([job.request for job in joining.values()], joining)
+            results = batch.add_many([job.request for job in joining.values()], joining)
+            for job, result in zip(joining.values(), results, strict=True):
+                job.result = result
         except Qwen3VLTrtError:
             # One bad request: the others join one by one and only the bad ones are answered with errors.
             for index, job in joining.items():
                 try:
-                    batch.add(job.request, index)
+                    job.result = batch.add(job.request, index)
                 except Qwen3VLTrtError as e:
                     job.stream.fail(e)
                     del jobs[index]
 
-    def _token(self, job: _Job, token: int) -> None:
+    def _token(self, job: _Job, token: int, log_prob: float | None) -> None:
         if token in job.end_ids:
             return
         job.tokens.append(token)
+        if log_prob is not None:
+            job.log_probs.append(log_prob)
         if job.streaming:
-            job.stream.send([token], final=False)
+            self._send(job, [token], final=False)
+
+    def _send(self, job: _Job, tokens: list[int], final: bool) -> None:
+        log_probs = list(job.log_probs) if job.request.sampling.return_log_probs else None
+        job.stream.send(tokens, final=final, log_probs=log_probs)
 
     def _finish(self, batch: DecodeBatch, jobs: dict[int, _Job]) -> None:
         running = {seq.index for seq in batch.sequences}
         for index in [i for i in jobs if i not in running]:
             job = jobs.pop(index)
-            if job.streaming:
+            if job.result is not None and job.result.error is not None:  # its guide failed
+                job.stream.fail(job.result.error)
+            elif job.streaming:
                 job.stream.finish()
             else:
-                job.stream.send(job.tokens, final=True)
+                self._send(job, job.tokens, final=True)

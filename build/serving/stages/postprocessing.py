@@ -7,7 +7,9 @@ the request id the ensemble gives every step (core: src/ensemble_scheduler/ensem
 InitStep: `irequest->SetId(request_id_)`): each response gets only its new text. States are
 dropped least recently used beyond `max_streams` (a few tokens each). A request sent without an id
 has its responses decoded one by one. End ids are never shown; prompt ids (when the llm echoes the
-prompt) are shown with the image placeholder for the visual fake ids.
+prompt) are shown with the image placeholder for the visual fake ids. Log probabilities, when the llm
+sends them (those of every token generated so far, as the tensorrtllm backend streams them), are passed on for
+the response's tokens shown.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from ...checkpoint import parse_config, read_config
-from ...runtime.local import StreamingDetokenizer, generation_end_ids
+from ...checkpoint import generation_end_ids, parse_config, read_config
+from ...runtime.local import StreamingDetokenizer
 from .. import interface
 
 
@@ -42,7 +44,8 @@ class Detokenizing:
         length = int(np.asarray(inputs[interface.SEQUENCE_LENGTH.name]).reshape(-1)[0])
         received = ids[0, : min(length, ids.shape[1])].astype(np.int64)
         received[received >= self.vocab_size] = self.image_token_id
-        tokens = [int(t) for t in received if int(t) not in self.end_ids]
+        shown = np.array([int(t) not in self.end_ids for t in received], dtype=bool)
+        tokens = [int(t) for t in received[shown]]
         detokenizer = self.streams.pop(request_id, None) if request_id else None
         detokenizer = detokenizer or StreamingDetokenizer(self.tokenizer)
         text = "".join(detokenizer.push(t) for t in tokens)
@@ -52,7 +55,15 @@ class Detokenizing:
                 self.streams.popitem(last=False)
         else:
             text += detokenizer.finish()
-        return {
+        outputs = {
             interface.TEXT_OUTPUT.name: np.array([text.encode()], dtype=object),
             interface.OUTPUT_IDS_OUT.name: np.array(tokens, dtype=np.int32),
         }
+        log_probs = inputs.get(interface.OUTPUT_LOG_PROBS.name)
+        if log_probs is not None:
+            # The last ones are this response's: its tokens, which end the ids (an echoed prompt comes first).
+            generated = np.atleast_2d(np.asarray(log_probs, np.float32))[0]
+            count = min(generated.size, received.size)
+            mine = generated[generated.size - count :]
+            outputs[interface.LOG_PROBS_OUT.name] = mine[shown[received.size - count :]]
+        return outputs

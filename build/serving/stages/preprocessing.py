@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...checkpoint import generation_end_ids
 from ...errors import MessageError, PromptTooLongError, RequestError, StageError
 from ...limits import EngineLimits
 from ...preprocess import Preprocessor
 from ...preprocess.preprocessor import Request, VisualInput, VisualKind
-from ...runtime.local import generation_end_ids
 from ...vision.metadata import vision_metadata
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
@@ -50,6 +50,18 @@ def _strings(inputs: Arrays, tensor: interface.Tensor) -> list[bytes]:
     if value is None:
         return []
     return [bytes(v) if not isinstance(v, str) else v.encode() for v in np.asarray(value, dtype=object).reshape(-1)]
+
+
+def _json_list(text: str | None, tensor: interface.Tensor) -> list[Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MessageError(f"{tensor.name} is not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise MessageError(f"{tensor.name} must be a JSON list")
+    return value
 
 
 def word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
@@ -330,6 +342,9 @@ class Preprocessing:
             call: dict[str, Any] = {"prompt": text, "images": images, "videos": videos}
         else:
             call = {"messages": self._messages(text, {"image": images, "video": videos}, messages_json)}
+            tools = _json_list(_scalar(inputs, interface.TOOLS, None), interface.TOOLS)
+            if tools:
+                call["tools"] = tools
         max_tokens = int(_scalar(inputs, interface.MAX_TOKENS, 0))
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -361,8 +376,40 @@ class Preprocessing:
             interface.EXCLUDE_INPUT.name: np.array([bool(_scalar(inputs, interface.EXCLUDE_INPUT_IN, False))], bool),
             interface.STOP_WORDS_LIST.name: word_list(stop_words),
             interface.BAD_WORDS_LIST.name: word_list(self._encode(_strings(inputs, interface.BAD_WORDS))),
+            **self._engine_options(inputs),
         }
         return _Parsed(call, outputs)
+
+    def _engine_options(self, inputs: Arrays) -> dict[str, np.ndarray]:
+        """The penalties, log-prob and guided-decoding inputs sent, passed on to the llm as its tensorrt_llm inputs
+        (the engine's defaults apply to those not sent), and logit_bias as its embedding_bias: a bias per vocabulary
+        entry, as long as the model's vocabulary (TensorRT-LLM's decoder refuses any other length)."""
+        passed = {}
+        for tensor in interface.ENGINE_OPTIONS:
+            value = _scalar(inputs, tensor, None)
+            if value is not None:
+                value = value.encode() if isinstance(value, str) else value
+                passed[tensor.name] = np.array([value], dtype=interface.NUMPY_DTYPES[tensor.data_type])
+        repetition = passed.get(interface.REPETITION_PENALTY.name)
+        if repetition is not None and not float(repetition[0]) > 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {float(repetition[0])}")
+        if (interface.GUIDE_TYPE.name in passed) != (interface.GUIDE.name in passed):
+            raise RequestError(f"send {interface.GUIDE_TYPE.name} and {interface.GUIDE.name} together")
+        ids = inputs.get(interface.LOGIT_BIAS_IDS.name)
+        weights = inputs.get(interface.LOGIT_BIAS_WEIGHTS.name)
+        if ids is None and weights is None:
+            return passed
+        ids = np.asarray(ids if ids is not None else [], np.int64).reshape(-1)
+        weights = np.asarray(weights if weights is not None else [], np.float32).reshape(-1)
+        vocab_size = self.pre.info.text.vocab_size
+        if ids.size != weights.size or ids.size == 0:
+            raise RequestError(f"logit bias needs as many weights as ids, got {weights.size} and {ids.size}")
+        if ids.min() < 0 or ids.max() >= vocab_size or not np.isfinite(weights).all():
+            raise RequestError(f"logit bias takes token ids in [0, {vocab_size}) and finite weights")
+        bias = np.zeros(vocab_size, np.float32)
+        np.add.at(bias, ids, weights)
+        passed[interface.EMBEDDING_BIAS.name] = bias
+        return passed
 
     def _encode(self, words: list[bytes]) -> list[list[int]]:
         return [self.tokenizer.encode(w.decode(errors="replace"), add_special_tokens=False).ids for w in words]

@@ -400,11 +400,15 @@ class _ResponseStream:
         # (python_backend src/metric.cc SendMessage), too dear for every streamed token.
         self.generated = 0
 
-    def send(self, tokens: list[int], final: bool) -> None:
+    def send(self, tokens: list[int], final: bool, log_probs: list[float] | None = None) -> None:
         outputs = {
             interface.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
             interface.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
         }
+        # As the tensorrtllm backend (model_instance_state.cc fillTritonResponse): output_log_probs [1, beams, k]
+        # only with return_log_probs.
+        if log_probs is not None:
+            outputs[interface.OUTPUT_LOG_PROBS.name] = np.array([log_probs], dtype=np.float32)
         self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         self.generated += len(tokens) - self.echoed
         self.echoed = 0  # only a request's one response when not streaming holds the prompt
@@ -434,7 +438,8 @@ class LLMModel(_Model):
     metrics_published = stage_metrics.LLM
 
     def load(self) -> None:
-        from ...runtime.local import generation_end_ids
+        from ...checkpoint import generation_end_ids
+        from ...llm.checkpoint_format import TOKENIZER_INFO_FILE
         from .cpu_llm import InflightLLM
 
         params = LLMParameters.from_stub_config(self.config)
@@ -442,6 +447,7 @@ class LLMModel(_Model):
             params.checkpoint_dir,
             generation_end_ids(params.model_dir),
             params.limits.max_batch_size,
+            tokenizer_info_path=params.checkpoint_dir / TOKENIZER_INFO_FILE,
         )
         self.engine.warm_up()
         self.engine.start()
