@@ -307,6 +307,29 @@ def test_gateway_targets_the_headless_service(fleet):
     assert volume == triton_volume
 
 
+def test_gateway_requires_api_keys_from_a_secret_file(fleet):
+    """The gateway requires API keys, read from a file of a Secret volume (not --api-key: a command line is visible to
+    everyone on the node); the Secret is not part of the manifests (no key committed), and the volume is not optional
+    (no open API while it is missing). The PodMonitor scrapes /metrics without credentials: it is left open."""
+    _, objects, _ = fleet
+    gateway = _one(objects, "Deployment", "qwen3vl-gateway")
+    container = _container(gateway, "gateway")
+    openai = _cli(container)
+    assert openai.api_key == [] and len(openai.api_key_file) == 1
+    for deployment in _objects(objects, "Deployment"):
+        for c in _containers(deployment):
+            assert not any(a.startswith("--api-key") and a != "--api-key-file" for a in c.get("args", [])), c["name"]
+    key_file = openai.api_key_file[0]
+    (mount,) = [m for m in container["volumeMounts"] if key_file.parent == Path(m["mountPath"])]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in _pod(gateway)["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "qwen3vl-gateway-api-keys"
+    assert not volume["secret"].get("optional", False)
+    assert not _objects(objects, "Secret")
+    monitor = _one(objects, "PodMonitor", "qwen3vl-gateway")
+    assert openai.open_metrics or all("authorization" in e for e in monitor["spec"]["podMetricsEndpoints"])
+
+
 def test_hpa_scales_replicas_on_adapter_metrics(fleet, rendered):
     overlay, objects, replicas = fleet
     rules = _adapter_rules(rendered)

@@ -4,7 +4,8 @@ launcher, the gateway and the command line share (no module here imports another
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,13 @@ class GatewayOptions:
     max_concurrent_requests: chat requests served at once. max_queued_requests: more that wait for a slot,
     each at most max_queue_wait_s; beyond, requests are refused at once (429 with Retry-After).
     max_request_bytes: a larger request body is refused (413) before it is read. request_timeout_s: a
-    request still generating after it ends with an error and is cancelled on the server."""
+    request still generating after it ends with an error and is cancelled on the server. reasoning_parser
+    (REASONING_PARSERS): whether answers are split into reasoning_content and content; auto: when the checkpoint's
+    template opens a reasoning block (the Thinking checkpoints').
+
+    Who may call it (gateway.auth): api_keys and the keys of api_key_files (one a line), which /v1/* and, unless
+    open_metrics, /metrics require as `Authorization: Bearer <key>`; none: the API is open. Keys never appear in
+    the options' repr."""
 
     served_model_name: str | None = None
     allow_remote_media: bool = False
@@ -32,7 +39,15 @@ class GatewayOptions:
     max_queue_wait_s: float | None = None
     max_request_bytes: int | None = None
     request_timeout_s: float | None = None
+    reasoning_parser: str = "auto"
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_files: tuple[Path, ...] = ()
+    open_metrics: bool = False
 
+
+# Splitting a Thinking checkpoint's <think>...</think> into reasoning_content: auto (from the chat template), qwen3
+# (always: vLLM's parser of that name), none (the text as generated).
+REASONING_PARSERS = ("auto", "qwen3", "none")
 
 # How often the gateway resolves the names of a fleet's replicas again (scaled out or in).
 DEFAULT_TRITON_REFRESH_S = 10.0

@@ -16,6 +16,7 @@ from ..client import Client, ServerUnavailableError
 from ..parameters import PreprocessingParameters
 from ..ports import DEFAULT_TRITON_REFRESH_S, NO_GATEWAY_OPTIONS, GatewayOptions
 from ..repository import model_config as serving_config
+from .auth import NO_API_KEYS, APIKeys
 from .fleet import FleetTarget
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -49,6 +50,9 @@ class GatewaySettings:
     max_queue_wait_s: float
     max_request_bytes: int
     triton_refresh_s: float
+    api_keys: APIKeys = NO_API_KEYS  # its repr: key ids only
+    open_metrics: bool = False
+    reasoning_parser: str = "auto"
 
     @classmethod
     def resolve(
@@ -76,6 +80,9 @@ class GatewaySettings:
                 min(images.max_images * base64_image + BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES),
             ),
             triton_refresh_s=DEFAULT_TRITON_REFRESH_S,
+            api_keys=APIKeys.load(options.api_keys, options.api_key_files),
+            open_metrics=options.open_metrics,
+            reasoning_parser=options.reasoning_parser,
         )
 
     @classmethod
@@ -92,6 +99,7 @@ class GatewaySettings:
     ) -> GatewaySettings:
         """Asks a replica for its preprocessing model's configuration (once, before serving), waiting up to
         wait_s for one to answer (replicas load their engines for minutes)."""
+        APIKeys.load(options.api_keys, options.api_key_files)  # a bad key file fails now, not after the wait
         target = FleetTarget.parse(triton_url)
         deadline = time.monotonic() + wait_s
         waiting = False

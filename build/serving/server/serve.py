@@ -526,11 +526,14 @@ def serve(args: ServeOptions) -> int:
         ports = server.ports
         if args.openai_port is not None:
             from ..gateway.app import GatewayServer
+            from ..gateway.auth import access_note
             from ..gateway.settings import GatewaySettings
 
             settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
             gateway = GatewayServer(settings, args.address, args.openai_port)
             gateway.start()
+            if note := access_note(settings.api_keys, settings.open_metrics, args.address, gateway.url):
+                print(note, file=sys.stderr, flush=True)
         print(
             f"ready: gRPC {host_port(args.address, ports.grpc)}, HTTP {host_port(args.address, ports.http)}, "
             f"metrics {host_port(args.address, ports.metrics)}" + (f", OpenAI {gateway.url}/v1" if gateway else ""),
