@@ -11,8 +11,16 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from . import __version__
+from .chat_templates import RELEASED_TEMPLATES
 from .errors import Qwen3VLTrtError
-from .serving.ports import DEFAULT_OPENAI_PORT, DEFAULT_TRITON_REFRESH_S, LOCAL_TRITON_URL, GatewayOptions, ServerPorts
+from .serving.ports import (
+    DEFAULT_OPENAI_PORT,
+    DEFAULT_TRITON_REFRESH_S,
+    LOCAL_TRITON_URL,
+    REASONING_PARSERS,
+    GatewayOptions,
+    ServerPorts,
+)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -42,8 +50,10 @@ def _media_parts(args: argparse.Namespace) -> list[dict]:
 def _make_tiny(args: argparse.Namespace) -> None:
     from .testing.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(args.output, moe=args.moe, seed=args.seed, preset=args.preset, force=args.force)
-    print(f"wrote {'MoE' if args.moe else 'dense'} {args.preset} checkpoint to {path}")
+    path = make_tiny_checkpoint(
+        args.output, moe=args.moe, seed=args.seed, preset=args.preset, force=args.force, template=args.template
+    )
+    print(f"wrote {'MoE' if args.moe else 'dense'} {args.preset} {args.template} checkpoint to {path}")
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -245,6 +255,10 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         max_queue_wait_s=args.max_queue_wait,
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,
+        reasoning_parser=args.reasoning_parser,
+        api_keys=tuple(args.api_key),
+        api_key_files=tuple(args.api_key_file),
+        open_metrics=args.open_metrics,
     )
 
 
@@ -354,6 +368,13 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="fetch http(s) image and video URLs in messages (default: only data: URLs are accepted)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="split <think>...</think> into reasoning_content: auto (default: when the chat template opens a "
+        "reasoning block, as the Thinking checkpoints' does), qwen3 (always), none (the text as generated)",
+    )
+    parser.add_argument(
         "--max-concurrent-requests",
         type=_positive_int,
         help=f"chat requests served at once (default: {GATEWAY_IN_FLIGHT_BATCHES} x the engine's max_batch_size)",
@@ -381,6 +402,29 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         help="seconds a request may take; then it ends with an error and is cancelled on the server "
         f"(default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+    # No type= on --api-key: argparse would repeat a refused value in its error message.
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1/* and /metrics (repeat for several keys); a command line is "
+        "visible to every local user: prefer --api-key-file",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        type=pathlib.Path,
+        metavar="PATH",
+        help="a file of API keys, one a line (blank lines and # comments skipped), required as with --api-key "
+        "(repeat for several files)",
+    )
+    parser.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve GET /metrics without a key even when keys are required (for scrapers without credentials)",
     )
 
 
@@ -588,6 +632,12 @@ def _add_make_tiny_parser(sub: _Subparsers) -> None:
         default="tiny",
         choices=["tiny", "2b-vision", "8b-vision"],
         help="tiny (default), or a real released vision tower shape with a tiny LLM",
+    )
+    s.add_argument(
+        "--template",
+        default="instruct",
+        choices=RELEASED_TEMPLATES,
+        help="the released chat template it carries: the Instruct (default) or the Thinking checkpoints'",
     )
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_make_tiny)

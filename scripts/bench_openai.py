@@ -11,8 +11,14 @@ which the bundled tritonserver's python stub cannot load. At each concurrency le
 --output-tokens tokens (min_tokens holds the tiny model's random output to that length), streamed.
 AIPerf's own table is printed per level, then one summary table.
 
+With --guided it measures what guided decoding costs instead: at each concurrency level (default 1 and 16) the
+official openai client sends --requests text requests twice, plain (--output-tokens tokens, held to that length by
+min_tokens) and with a JSON schema (GUIDED_SCHEMA: a fixed-size array of bounded integers, about as many tokens),
+and the table gives completion tokens per second of each, their ratio, and the grammar's time per token.
+
     .venv/bin/python scripts/bench_openai.py [--url http://HOST:PORT --model DIR] [--concurrency 1 4 16]
         [--requests 48] [--input-tokens 64] [--output-tokens 32] [--image-size 256x256] [--json]
+    .venv/bin/python scripts/bench_openai.py --guided [--concurrency 1 16] [--requests 48] [--json]
 """
 
 from __future__ import annotations
@@ -128,18 +134,82 @@ def profile(aiperf: Path, url: str, model_dir: Path, concurrency: int, artifacts
     return result
 
 
+# An answer of 12 integers of one digit: about 3 tokens each, so about as long as the plain answers.
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "values": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 12,
+            "maxItems": 12,
+        }
+    },
+    "required": ["values"],
+    "additionalProperties": False,
+}
+
+
+def guided_cost(url: str, concurrency: int, args) -> dict:
+    """Completion tokens per second of plain and of JSON-schema requests at one concurrency level."""
+    import asyncio
+
+    import openai
+
+    model = served_model(url)
+    messages = [{"role": "user", "content": "Give me numbers. " * max(1, args.input_tokens // 4)}]
+    schema = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": GUIDED_SCHEMA, "strict": True}}
+    kinds = {
+        "plain": dict(max_tokens=args.output_tokens, extra_body={"min_tokens": args.output_tokens}),
+        "json_schema": dict(max_tokens=4 * args.output_tokens, response_format=schema),
+    }
+
+    async def level(kind: str) -> tuple[float, int]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+            slots = asyncio.Semaphore(concurrency)
+
+            async def one(k: int) -> int:
+                async with slots:
+                    answer = await client.chat.completions.create(model=model, messages=messages, seed=k,
+                                                                  temperature=1.0, **kinds[kind])  # fmt: skip
+                if kind == "json_schema":
+                    assert answer.choices[0].finish_reason == "stop", answer
+                    json.loads(answer.choices[0].message.content)
+                return answer.usage.completion_tokens
+
+            await asyncio.gather(*(one(k) for k in range(concurrency)))  # warm-up
+            start = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(k) for k in range(args.requests))))
+            return time.perf_counter() - start, tokens
+
+    row = {}
+    for kind in kinds:
+        _log(f"{kind} at concurrency {concurrency}: {args.requests} requests")
+        seconds, tokens = asyncio.run(level(kind))
+        row[f"{kind} tok/s"] = tokens / seconds
+        row[f"{kind} ms/tok"] = 1000 * seconds / tokens
+    row["ratio"] = row["json_schema tok/s"] / row["plain tok/s"]
+    row["grammar ms/tok"] = row["json_schema ms/tok"] - row["plain ms/tok"]
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running gateway, http://HOST:PORT (default: build and serve here)")
     p.add_argument("--model", type=Path, help="checkpoint (default: a tiny random one); with --url, the served one")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", help="levels (default 1 4 16; --guided: 1 16)")
     p.add_argument("--requests", type=int, default=48, help="requests per concurrency level")
     p.add_argument("--input-tokens", type=int, default=64, help="text tokens per prompt (the image adds its own)")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--image-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=(256, 256))
     p.add_argument("--aiperf-venv", type=Path, default=ROOT / ".venv-aiperf")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.add_argument("--guided", action="store_true", help="measure guided decoding's cost (JSON schema vs plain)")
     args = p.parse_args()
+    args.concurrency = args.concurrency or ([1, 16] if args.guided else [1, 4, 16])
+    if args.guided:
+        guided_main(args)
+        return
     if args.url and not args.model:
         p.error("--url needs --model: the served checkpoint's tokenizer, for AIPerf's token counts")
     aiperf = aiperf_binary(args.aiperf_venv)
@@ -165,6 +235,26 @@ def main() -> None:
     print(" | ".join(["concurrency", *(column for _, _, column in METRICS)]))
     for c, row in summary.items():
         print(" | ".join([str(c), *(f"{v:.1f}" for v in row.values())]))
+
+
+def guided_main(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
+        own = None if args.url else OwnGateway(args.model, Path(tmp))
+        url = args.url or own.url
+        try:
+            rows = {c: guided_cost(url, c, args) for c in args.concurrency}
+        finally:
+            if own is not None:
+                own.stop()
+    if args.json:
+        print(json.dumps({"url": url, "guided": rows}, indent=2))
+        return
+    print(f"guided decoding's cost: {args.requests} text requests a level, plain ({args.output_tokens} tokens) vs a "
+          "JSON schema (12 bounded integers), completion tokens per second")  # fmt: skip
+    columns = list(next(iter(rows.values())))
+    print(" | ".join(["concurrency", *columns]))
+    for c, row in rows.items():
+        print(" | ".join([str(c), *(f"{row[k]:.2f}" for k in columns)]))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,25 @@
 """The deployments the server tests run: the CPU target of a tiny checkpoint (small limits keep the
 too-long-prompt cases cheap; the serving settings are the defaults: requests arriving together still meet in
 one batch, as they queue while the model executes the first), and a `qwen3vl` ensemble over one python model
-that echoes the text (the launcher's end of a real repository, loaded in seconds)."""
+that echoes the text (the launcher's end of a real repository, loaded in seconds); and the OpenAI gateway's
+process (Gateway) with the request and error helpers its tests share."""
 
 from __future__ import annotations
 
+import base64
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import openai
 import psutil
+import pytest
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_INPUT, TEXT_OUTPUT
@@ -117,3 +126,63 @@ def repository_processes(repo: Path) -> list[psutil.Process]:
             if any(str(repo) in arg for arg in argv):
                 found.append(process)
     return found
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qwen3vl_trt.cli", *args], **kwargs)
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+class Gateway:
+    """A command's process serving the OpenAI API, with its output in a log file."""
+
+    def __init__(self, args: list[str], port: int, log: Path, ready_status: int = 200, timeout_s: float = 300):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.process = cli(*args, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while http_status(f"{self.url}/health") != ready_status:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{' '.join(args[:1])} did not come up; its output:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(image).decode()
+
+
+def user(text: str, *images: bytes, videos: tuple[bytes, ...] = ()) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    parts += [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(v).decode()}}
+        for v in videos
+    ]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def error_body(error: openai.APIStatusError) -> dict:
+    """The error object of an OpenAI error response (the client hands over the body or its "error")."""
+    body = error.body
+    assert isinstance(body, dict), body
+    return body.get("error", body)

@@ -4,22 +4,17 @@ transformers' processor counts the prompt, OpenAI error bodies, and cancellation
 
 from __future__ import annotations
 
-import base64
 import io
 import json
-import signal
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
-from deployment import LIMITS, build_cpu_repository
+from deployment import LIMITS, Gateway, build_cpu_repository, cli, error_body, http_status, user
 from images import jpeg
 from PIL import Image
 from qwen3vl_trt.serving.ports import free_ports
@@ -32,46 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
 
 PHOTO = jpeg(64, 96, seed=1)
 PROMPT = "Describe this picture."
-
-
-def _cli(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "qwen3vl_trt.cli", *args], **kwargs)
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
-class Gateway:
-    """A command's process serving the OpenAI API, with its output in a log file."""
-
-    def __init__(self, args: list[str], port: int, log: Path, ready_status: int = 200, timeout_s: float = 300):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        self.process = _cli(*args, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while _status(f"{self.url}/health") != ready_status:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"{' '.join(args[:1])} did not come up; its output:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -91,26 +46,6 @@ def served(checkpoints, tmp_path_factory):
     gateway.stop()
 
 
-def _data_url(image: bytes) -> str:
-    return "data:image/jpeg;base64," + base64.b64encode(image).decode()
-
-
-def _user(text: str, *images: bytes, videos: tuple[bytes, ...] = ()) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": _data_url(i)}} for i in images]
-    parts += [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(v).decode()}}
-        for v in videos
-    ]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _error_body(error: openai.APIStatusError) -> dict:
-    """The error object of an OpenAI error response (the client hands over the body or its "error")."""
-    body = error.body
-    assert isinstance(body, dict), body
-    return body.get("error", body)
-
-
 def _infer_json(served, tmp_path, prompt: str, images: list[bytes], max_tokens: int, videos=()) -> dict:
     args = ["infer", "--url", served.grpc_url, "--prompt", prompt, "--max-tokens", str(max_tokens), "--json"]
     for k, image in enumerate(images):
@@ -121,7 +56,7 @@ def _infer_json(served, tmp_path, prompt: str, images: list[bytes], max_tokens: 
         path = tmp_path / f"video{k}.mp4"
         path.write_bytes(video)
         args += ["--video", str(path)]
-    process = _cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
     return json.loads(out)
@@ -140,7 +75,7 @@ def _hf_prompt_tokens(model_dir: Path, prompt: str, images: list[bytes]) -> int:
 def test_openai_client_gets_what_infer_returns_and_usage_counts_the_tokens(served, tmp_path):
     expected = _infer_json(served, tmp_path, PROMPT, [PHOTO], 16)
     client = served.client()
-    reply = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16)
+    reply = client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=16)
     assert reply.choices[0].message.content == expected["text"] and expected["text"]
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage.prompt_tokens == _hf_prompt_tokens(served.model_dir, PROMPT, [PHOTO])
@@ -151,7 +86,7 @@ def test_openai_client_gets_what_infer_returns_and_usage_counts_the_tokens(serve
     chunks = list(
         client.chat.completions.create(
             model="dense",
-            messages=_user(PROMPT, PHOTO),
+            messages=user(PROMPT, PHOTO),
             max_completion_tokens=16,
             stream=True,
             stream_options={"include_usage": True},
@@ -171,7 +106,7 @@ def test_a_video_streamed_through_the_gateway_equals_infer(served, tmp_path):
     chunks = list(
         client.chat.completions.create(
             model="dense",
-            messages=_user(PROMPT, PHOTO, videos=(video,)),
+            messages=user(PROMPT, PHOTO, videos=(video,)),
             max_tokens=16,
             stream=True,
             stream_options={"include_usage": True},
@@ -180,7 +115,7 @@ def test_a_video_streamed_through_the_gateway_equals_infer(served, tmp_path):
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) > 1 and "".join(deltas) == expected["text"]
     assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
-    whole = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO, videos=(video,)), max_tokens=16)
+    whole = client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO, videos=(video,)), max_tokens=16)
     assert whole.choices[0].message.content == expected["text"]
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 36  # the video's 36 visual tokens included
 
@@ -188,13 +123,13 @@ def test_a_video_streamed_through_the_gateway_equals_infer(served, tmp_path):
 def test_text_only_and_sampling_options(served, tmp_path):
     expected = _infer_json(served, tmp_path, "Hello!", [], 12)
     client = served.client()
-    reply = client.chat.completions.create(model="dense", messages=_user("Hello!"), max_tokens=12, temperature=0)
+    reply = client.chat.completions.create(model="dense", messages=user("Hello!"), max_tokens=12, temperature=0)
     assert reply.choices[0].message.content == expected["text"]
 
     def sample(seed):
         return (
             client.chat.completions.create(
-                model="dense", messages=_user("Hello!"), max_tokens=12, temperature=1.0, top_p=0.9, seed=seed
+                model="dense", messages=user("Hello!"), max_tokens=12, temperature=1.0, top_p=0.9, seed=seed
             )
             .choices[0]
             .message.content
@@ -205,38 +140,38 @@ def test_text_only_and_sampling_options(served, tmp_path):
 
 def test_stop_strings_end_the_text_before_them(served):
     client = served.client()
-    whole = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16)
+    whole = client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=16)
     text = whole.choices[0].message.content
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"pick another stop string from {text!r}"
     cut = text[: text.index(stop)]
-    stopped = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16, stop=[stop])
+    stopped = client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=16, stop=[stop])
     assert stopped.choices[0].message.content == cut and stopped.choices[0].finish_reason == "stop"
     streamed = client.chat.completions.create(
-        model="dense", messages=_user(PROMPT, PHOTO), max_tokens=16, stop=stop, stream=True
+        model="dense", messages=user(PROMPT, PHOTO), max_tokens=16, stop=stop, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
 
-    short = client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=3)
+    short = client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=3)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
 
 
 BAD_REQUESTS = {
-    "broken image": (dict(messages=_user("Look.", PHOTO[: len(PHOTO) // 3])), 400, "image", None),
+    "broken image": (dict(messages=user("Look.", PHOTO[: len(PHOTO) // 3])), 400, "image", None),
     "too many images": (
-        dict(messages=_user("Many.", *[jpeg(32, 32, seed=s) for s in range(17)])),
+        dict(messages=user("Many.", *[jpeg(32, 32, seed=s) for s in range(17)])),
         400,
         "17 images",
         "too_many_images",
     ),
     "prompt over the limit": (
-        dict(messages=_user("word " * 1500)),
+        dict(messages=user("word " * 1500)),
         400,
         f"limit is {LIMITS.max_input_len}",
         "context_length_exceeded",
     ),
     "completion over the context": (
-        dict(messages=_user("Hi."), max_tokens=LIMITS.max_seq_len),
+        dict(messages=user("Hi."), max_tokens=LIMITS.max_seq_len),
         400,
         f"maximum context length is {LIMITS.max_seq_len}",
         "context_length_exceeded",
@@ -247,46 +182,57 @@ BAD_REQUESTS = {
         "only data: URLs",
         None,
     ),
-    "n > 1": (dict(messages=_user("Hi."), n=2), 400, "n = 2", None),
+    "n over 16": (dict(messages=user("Hi."), n=17), 400, "n", None),
     "audio-only video": (
-        dict(messages=_user("Watch.", videos=(audio_only(),))),
+        dict(messages=user("Watch.", videos=(audio_only(),))),
         400,
         "no video stream",
         "invalid_video",
     ),
     "truncated video": (
-        dict(messages=_user("Watch.", videos=(clip("h264 3 s 10 fps")[:5000],))),
+        dict(messages=user("Watch.", videos=(clip("h264 3 s 10 fps")[:5000],))),
         400,
         "not a readable video container",
         "invalid_video",
     ),
-    "unsupported video codec": (dict(messages=_user("Watch.", videos=(ffv1_mkv(),))), 400, "'ffv1'", "invalid_video"),
+    "unsupported video codec": (dict(messages=user("Watch.", videos=(ffv1_mkv(),))), 400, "'ffv1'", "invalid_video"),
     "corrupt video frames": (
         dict(
-            messages=_user(
-                "Watch.", videos=(corrupt_middle(clip("h264 portrait 30 fps, keyframe every 12, B-frames")),)
-            )
+            messages=user("Watch.", videos=(corrupt_middle(clip("h264 portrait 30 fps, keyframe every 12, B-frames")),))
         ),
         400,
         "video 0",
         None,
     ),
-    "zero-length video": (dict(messages=_user("Watch.", videos=(b"",))), 400, "empty", "invalid_video"),
+    "zero-length video": (dict(messages=user("Watch.", videos=(b"",))), 400, "empty", "invalid_video"),
     "remote video URL": (
         dict(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/a.mp4"}}]}]),
         400,
         "only data: URLs",
         None,
     ),
-    "tools": (
-        dict(messages=_user("Hi."), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "top_logprobs": (
+        dict(messages=user("Hi."), logprobs=True, top_logprobs=3),
         400,
-        "tools",
+        "top_logprobs",
         "unsupported_parameter",
     ),
-    "temperature out of range": (dict(messages=_user("Hi."), temperature=5.0), 400, "temperature", None),
+    "tool_choice without tools": (dict(messages=user("Hi."), tool_choice="required"), 400, "needs tools", None),
+    "a tool result without its call id": (
+        dict(messages=[*user("Hi."), {"role": "tool", "content": "21"}]),
+        400,
+        "tool_call_id",
+        None,
+    ),
+    "functions": (
+        dict(messages=user("Hi."), extra_body={"functions": [{"name": "f"}]}),
+        400,
+        "functions",
+        "unsupported_parameter",
+    ),
+    "temperature out of range": (dict(messages=user("Hi."), temperature=5.0), 400, "temperature", None),
     "no messages": (dict(messages=[]), 400, "messages", None),
-    "unknown model": (dict(messages=_user("Hi."), model="gpt-4o"), 404, "'gpt-4o' does not exist", "model_not_found"),
+    "unknown model": (dict(messages=user("Hi."), model="gpt-4o"), 404, "'gpt-4o' does not exist", "model_not_found"),
 }
 
 
@@ -298,23 +244,23 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_ready(served, case)
         with pytest.raises(openai.APIStatusError) as raised:
             client.chat.completions.create(**{"model": "dense", "max_tokens": 8, "stream": stream, **request})
         assert raised.value.status_code == status
-        error = _error_body(raised.value)
+        error = error_body(raised.value)
         assert fragment in error["message"] and error["type"] == "invalid_request_error"
         assert error["code"] == code
-    assert _status(f"{served.url}/health") == 200
-    assert client.chat.completions.create(model="dense", messages=_user("Still here?"), max_tokens=4).choices
+    assert http_status(f"{served.url}/health") == 200
+    assert client.chat.completions.create(model="dense", messages=user("Still here?"), max_tokens=4).choices
 
 
 def test_models_and_health(served):
     assert [m.id for m in served.client().models.list()] == ["dense"]
-    assert _status(f"{served.url}/health") == 200
+    assert http_status(f"{served.url}/health") == 200
 
 
 def test_a_client_leaving_mid_stream_cancels_its_request_on_the_server(served):
     client = served.client()
     # min_tokens keeps the request generating far longer than the test waits.
     stream = client.chat.completions.create(
-        model="dense", messages=_user("Go on."), max_tokens=1900, stream=True, extra_body={"min_tokens": 1800}
+        model="dense", messages=user("Go on."), max_tokens=1900, stream=True, extra_body={"min_tokens": 1800}
     )
     chunks = [next(stream), next(stream), next(stream)]
     stream.close()
@@ -326,7 +272,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request_on_the_server(served):
 
 
 def test_load_8_clients_20_requests_through_the_gateway(served):
-    requests = [_user("Describe.", jpeg(64, 64, seed=30)), _user("Hi!"), _user("Two.", *[jpeg(32, 64, seed=31)] * 2)]
+    requests = [user("Describe.", jpeg(64, 64, seed=30)), user("Hi!"), user("Two.", *[jpeg(32, 64, seed=31)] * 2)]
 
     def ask(client, messages):
         return client.chat.completions.create(model="dense", messages=messages, max_tokens=4).choices[0].message.content
@@ -349,9 +295,9 @@ def test_triton_unreachable_is_503(served, tmp_path):
     gateway = Gateway(args, port, tmp_path / "openai.log", ready_status=503, timeout_s=120)
     try:
         with pytest.raises(openai.APIStatusError) as raised:
-            gateway.client().chat.completions.create(model="dense", messages=_user("Hi."), max_tokens=4)
+            gateway.client().chat.completions.create(model="dense", messages=user("Hi."), max_tokens=4)
         assert raised.value.status_code == 503
-        error = _error_body(raised.value)
+        error = error_body(raised.value)
         assert error["type"] == "server_error" and dead in error["message"]
     finally:
         gateway.stop()
@@ -362,8 +308,8 @@ def test_the_gateway_alone_reads_the_deployment_from_the_server(served):
     args = ["openai", "--triton-url", served.grpc_url, "--port", str(port), "--served-model-name", "qwen3-vl"]
     gateway = Gateway(args, port, served.log.parent / "openai-alone.log", timeout_s=120)
     try:
-        alone = gateway.client().chat.completions.create(model="qwen3-vl", messages=_user(PROMPT, PHOTO), max_tokens=8)
-        beside = served.client().chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=8)
+        alone = gateway.client().chat.completions.create(model="qwen3-vl", messages=user(PROMPT, PHOTO), max_tokens=8)
+        beside = served.client().chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=8)
         assert alone.choices[0].message.content == beside.choices[0].message.content
         assert alone.usage == beside.usage
     finally:

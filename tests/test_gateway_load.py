@@ -17,11 +17,12 @@ import openai
 import psutil
 import pytest
 import test_gateway
+from deployment import Gateway, http_status, user
 from prometheus_client.parser import text_string_to_metric_families
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.testing.ports import free_port
-from test_gateway import PHOTO, PROMPT, Gateway, _status, _user
+from test_gateway import PHOTO, PROMPT
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.gpu_image]
@@ -79,7 +80,7 @@ async def _stream_or_refusal(client: openai.AsyncOpenAI, messages: list[dict]) -
 
 
 def test_overload_gets_answers_or_quick_refusals_and_memory_stays_flat(limited, served):
-    messages = _user("Hi!")
+    messages = user("Hi!")
     expected = served.client().chat.completions.create(model="dense", messages=messages, max_tokens=8)
     expected_text = expected.choices[0].message.content
 
@@ -110,7 +111,7 @@ def test_overload_gets_answers_or_quick_refusals_and_memory_stays_flat(limited, 
     assert refused == len(refusals)
     assert _sample(after, "qwen3vl_gateway_requests_in_flight") == 0
     assert _sample(after, "qwen3vl_gateway_requests_queued") == 0
-    assert _status(f"{limited.url}/health") == 200
+    assert http_status(f"{limited.url}/health") == 200
     assert limited.client().chat.completions.create(model="dense", messages=messages, max_tokens=8).choices
 
 
@@ -157,14 +158,14 @@ def test_oversized_bodies_and_deep_json_are_refused_before_parsing(limited):
     nested = b'{"model": "dense", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, seconds = _raw_post(limited.host_port, head + b"Content-Length: %d\r\n\r\n" % len(nested), [nested])
     assert status.startswith(b"HTTP/1.1 400") and seconds < 2.0, (status, seconds)
-    assert _status(f"{limited.url}/v1/models") == 200
+    assert http_status(f"{limited.url}/v1/models") == 200
 
     # Text far over what the prompt limit can hold is refused without tokenizing it (which would take
     # seconds and hundreds of MB here).
     rss_before = _rss(limited)
     started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as raised:
-        limited.client().chat.completions.create(model="dense", messages=_user("word " * 700_000), max_tokens=2)
+        limited.client().chat.completions.create(model="dense", messages=user("word " * 700_000), max_tokens=2)
     assert time.monotonic() - started < 2.0 and raised.value.code == "context_length_exceeded"
     assert _rss(limited) - rss_before < 64 * 2**20
 
@@ -176,7 +177,7 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_is_cancelled(limited
     with pytest.raises(openai.APIStatusError) as raised:
         # min_tokens keeps it generating for several times the deadline.
         limited.client().chat.completions.create(
-            model="dense", messages=_user("Go on."), max_tokens=1900, extra_body={"min_tokens": 1800}
+            model="dense", messages=user("Go on."), max_tokens=1900, extra_body={"min_tokens": 1800}
         )
     assert raised.value.status_code == 504 and time.monotonic() - started < REQUEST_TIMEOUT_S + 10
     error = raised.value.body
@@ -194,7 +195,7 @@ def test_sigterm_stops_the_gateway_with_a_stream_in_flight(served, tmp_path):
     gateway = Gateway(args, port, tmp_path / "openai-sigterm.log", timeout_s=120)
     try:
         stream = gateway.client().chat.completions.create(
-            model="dense", messages=_user("Go on."), max_tokens=1900, stream=True, extra_body={"min_tokens": 1800}
+            model="dense", messages=user("Go on."), max_tokens=1900, stream=True, extra_body={"min_tokens": 1800}
         )
         next(stream)
         gateway.process.send_signal(signal.SIGTERM)
@@ -227,13 +228,13 @@ def test_metrics_count_requests_tokens_and_stream_latencies(served):
     _llm_idle(served)
     before, triton_before = _metrics(served.url), _metrics(served.triton_metrics_url)
     replies = [
-        client.chat.completions.create(model="dense", messages=_user(PROMPT, PHOTO), max_tokens=k) for k in (3, 5)
+        client.chat.completions.create(model="dense", messages=user(PROMPT, PHOTO), max_tokens=k) for k in (3, 5)
     ]
     streams = [
         list(
             client.chat.completions.create(
                 model="dense",
-                messages=_user("Hi!"),
+                messages=user("Hi!"),
                 max_tokens=k,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -242,7 +243,7 @@ def test_metrics_count_requests_tokens_and_stream_latencies(served):
         for k in (2, 4, 6)
     ]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4o", messages=_user("Hi!"), max_tokens=2)
+        client.chat.completions.create(model="gpt-4o", messages=user("Hi!"), max_tokens=2)
     after, triton_after = _metrics(served.url), _metrics(served.triton_metrics_url)
 
     def delta(name: str, **labels: str) -> float:

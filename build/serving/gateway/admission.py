@@ -19,6 +19,8 @@ from .metrics import GatewayMetrics, RequestRecord
 from .protocol import APIError, overloaded
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 # A chat request nests about 5 deep (body, messages, message, content, part, image_url); nothing needs 32.
 MAX_JSON_DEPTH = 32
 RETRY_AFTER_S = 1  # a refusal under load: the next slot frees within about a request's time
@@ -43,16 +45,38 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def take(self, count: int) -> None:
+        """count more slots for a request that holds one already (each of its n choices is a request on the
+        deployment), taken as any request's; give them back with give_back."""
+        if count >= self.max_in_flight:
+            raise APIError(400, f"n = {count + 1} is more than the {self.max_in_flight} requests this gateway runs at "
+                           "once", param="n")  # fmt: skip
+        taken = 0
+        try:
+            for _ in range(count):
+                await self._acquire()
+                taken += 1
+        except BaseException:
+            self.give_back(taken)
+            raise
+
+    def give_back(self, count: int) -> None:
+        for _ in range(count):
+            self._release()
+
+    async def _acquire(self) -> None:
         if self.in_flight < self.max_in_flight and not self._waiting:
             self.in_flight += 1
         elif len(self._waiting) >= self.max_queued:
             raise Overloaded(f"{self.in_flight} requests in flight and {self.queued} waiting, the most it takes")
         else:
             await self._wait()
-        try:
-            yield
-        finally:
-            self._release()
 
     async def _wait(self) -> None:
         """Returns holding a slot that a finishing request passed on (_release), or raises Overloaded."""
@@ -113,15 +137,16 @@ RECORD = "qwen3vl_trt.request"  # the scope key of a chat request's RequestRecor
 
 
 class ChatRequestGuard:
-    """ASGI middleware in front of the chat endpoint: counts the request's outcome, admits it (Admission),
-    then reads its body up to max_request_bytes (refused 413 from Content-Length at once, or as soon as
-    the body read so far passes the limit) and checks its JSON depth, all before the app parses it."""
+    """ASGI middleware in front of the generation endpoints (GENERATION_PATHS): counts the request's outcome, admits
+    it (Admission), then reads its body up to max_request_bytes (refused 413 from Content-Length at once, or as soon
+    as the body read so far passes the limit) and checks its JSON depth, all before the app parses it. Slots the app
+    took for the request's further choices (RequestRecord.extra_slots) are given back when it is answered."""
 
     def __init__(self, app: ASGIApp, max_request_bytes: int, admission: Admission, metrics: GatewayMetrics):
         self.app, self.max_request_bytes, self.admission, self.metrics = app, max_request_bytes, admission, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != CHAT_PATH or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         record = RequestRecord(started=time.monotonic())
@@ -135,6 +160,7 @@ class ChatRequestGuard:
         try:
             await self._guarded(scope, receive, recording_send, record)
         finally:
+            self.admission.give_back(record.extra_slots)
             self.metrics.finish(record, time.monotonic())
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord) -> None:

@@ -1,11 +1,12 @@
-"""The OpenAI-compatible gateway's app and its lifecycle: `POST /v1/chat/completions` over the deployment's gRPC
-client API.
+"""The OpenAI-compatible gateway's app and its lifecycle: `POST /v1/chat/completions` and `/v1/completions` over the
+deployment's gRPC client API.
 
     qwen3vl-trt serve --repo DIR --openai-port 9000           # beside tritonserver
     qwen3vl-trt openai --triton-url HOST:8001 --port 9000     # in front of a running deployment
 
 Each request passes admission and its body's bounds (admission.ChatRequestGuard), is checked and planned with the
-deployment's own preprocessing code (planning.Planner), then generated here. Stop strings are matched in the
+deployment's own preprocessing code (planning.Planner), then generated here, each of its n choices a request of its
+own, and made into the answer (answers.py: reasoning, tool calls, log probabilities). Stop strings are matched in the
 decoded text, as the OpenAI API defines them (the server also gets them as stop words, so it usually stops by
 itself); a match, a client that goes away mid-stream, or the request's deadline cancels the request on the server.
 
@@ -16,8 +17,10 @@ probe shares. GET /metrics serves Prometheus metrics (metrics.GatewayMetrics).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -31,18 +34,34 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ...errors import ServingError
 from ..client import Answer, InferenceError, RequestRejectedError, ServerBusyError, ServerUnavailableError
 from ..ports import DEFAULT_OPENAI_PORT, DEFAULT_TRITON_REFRESH_S, GatewayOptions, host_port
-from .admission import CHAT_PATH, RECORD, RETRY_AFTER_S, Admission, ChatRequestGuard, error_response
+from .admission import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    RECORD,
+    RETRY_AFTER_S,
+    Admission,
+    ChatRequestGuard,
+    Overloaded,
+    error_response,
+)
+from .answers import ChatDeltas, TokenTexts, chat_choice, completion_choice, completion_logprobs
+from .auth import APIKeyGuard, access_note
 from .fleet import Fleet, FleetTarget
 from .metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
-from .planning import Plan, Planner
+from .planning import ChoiceRun, Plan, Planner
 from .protocol import (
     APIError,
-    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
     Delta,
+    FinishReason,
     Model,
     ModelList,
     overloaded,
@@ -57,12 +76,17 @@ CONNECTION_HEADROOM = 1024
 GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, streams still open after this are cut (uvicorn's timeout_graceful_shutdown)
 
 
+# A streamed chunk as sent, and whether it carries generated text (for the latency metrics).
+Event = tuple[str, bool]
+
+
 class Gateway:
     """The deployment's answers to planned requests: whole, or streamed as server-sent events."""
 
-    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics):
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, tokens: TokenTexts):
         self.settings = settings
         self.metrics = metrics
+        self.tokens = tokens
         self._client: Fleet | None = None
 
     @property
@@ -87,20 +111,11 @@ class Gateway:
 
     # -- generation -------------------------------------------------------------------------------
 
-    async def _pieces(self, plan: Plan) -> AsyncGenerator[Answer, None]:
-        """The deployment's responses for one request, until its deadline; leaving early (stop string,
+    async def _pieces(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Answer, None]:
+        """The deployment's responses for one choice, until the request's deadline; leaving early (stop string,
         disconnect, deadline) cancels it on the server."""
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
-        responses = self.client.stream(
-            "",
-            plan.images,
-            plan.max_tokens,
-            request_id=plan.id,
-            stream=plan.piecewise,
-            messages=plan.chat,
-            videos=plan.videos,
-            **plan.options,
-        )
+        responses = self.client.stream(**plan.request(run))
         try:
             while True:
                 try:
@@ -134,68 +149,105 @@ class Gateway:
                             retry_after_s=RETRY_UNAVAILABLE_S)  # fmt: skip
         return APIError(500, str(error), type="server_error")
 
-    async def _texts(self, plan: Plan) -> AsyncGenerator[str, None]:
-        """The completion's text in deltas, stop strings applied; counts its tokens into plan."""
-        pieces = self._pieces(plan)
+    async def _texts(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Answer, None]:
+        """One choice's pieces, their text cut at the first stop string (and held back where one may start); counts
+        its tokens into `run`."""
+        pieces = self._pieces(plan, run)
         try:
             async for piece in pieces:
-                plan.completion_tokens += len(piece.token_ids)
-                text = plan.stop_finder.feed(piece.text)
-                if text:
-                    yield text
-                if plan.stop_finder.stopped:
+                run.completion_tokens += len(piece.token_ids)
+                text = run.stop_finder.feed(piece.text)
+                if text or piece.token_ids:
+                    yield Answer(text, piece.token_ids, piece.log_probs)
+                if run.stop_finder.stopped:
                     return
-            tail = plan.stop_finder.flush()
+            tail = run.stop_finder.flush()
             if tail:
-                yield tail
-            if plan.completion_tokens >= plan.max_tokens:
-                plan.finish_reason = "length"
+                yield Answer(tail, [])
+            if run.completion_tokens >= plan.max_tokens:
+                run.finish_reason = "length"
         finally:
             with anyio.CancelScope(shield=True):  # also when the client went away and this task is cancelled
                 await pieces.aclose()
-            self.metrics.completion_tokens.inc(plan.completion_tokens)
+            self.metrics.completion_tokens.inc(run.completion_tokens)
 
-    async def complete(self, plan: Plan) -> ChatCompletion:
-        text = "".join([t async for t in self._texts(plan)])
-        return ChatCompletion(
-            id=plan.id,
-            created=plan.created,
-            model=plan.model,
-            choices=[Choice(message=AssistantMessage(content=text), finish_reason=plan.finish_reason)],
-            usage=plan.usage(),
-        )
+    async def _whole(self, plan: Plan, run: ChoiceRun) -> Answer:
+        return Answer.joined([piece async for piece in self._texts(plan, run)])
+
+    async def complete(self, plan: Plan) -> ChatCompletion | Completion:
+        """The answer whole: the n choices generated at once, a failure of one ending the others."""
+        if plan.n == 1:
+            answers = [await self._whole(plan, plan.choices[0])]
+        else:
+            tasks = [asyncio.ensure_future(self._whole(plan, run)) for run in plan.choices]
+            try:
+                answers = list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        runs = zip(plan.choices, answers, strict=True)
+        if plan.kind == "completion":
+            completions = [completion_choice(plan, run, answer, self.tokens) for run, answer in runs]
+            return Completion(id=plan.id, created=plan.created, model=plan.model, choices=completions,
+                              usage=plan.usage())  # fmt: skip
+        choices = [chat_choice(plan, run, answer, self.tokens) for run, answer in runs]
+        return ChatCompletion(id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=plan.usage())
+
+    async def _choice_events(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Event, None]:
+        """One choice's streamed chunks, from its first piece on (so that a request the deployment refuses is
+        refused before any chunk), its finish chunk last. Log probabilities go with the chunk after their tokens."""
+        texts = self._texts(plan, run)
+        kind = _ChatChunks if plan.kind == "chat" else _CompletionChunks
+        chunks = kind(plan, run, self.tokens)
+        try:
+            async for piece in texts:
+                for chunk in chunks.feed(piece):
+                    yield chunk
+            for chunk in chunks.finish():
+                yield chunk
+        finally:
+            with anyio.CancelScope(shield=True):
+                await texts.aclose()
 
     async def stream(self, plan: Plan, record: RequestRecord) -> StreamingResponse:
-        texts = self._texts(plan)
-        # The first delta comes before the response starts, so a request the deployment refuses still
-        # gets its HTTP error status.
+        events = _merged([self._choice_events(plan, run) for run in plan.choices])
+        # The first chunk comes before the response starts, so a request the deployment refuses still gets its
+        # HTTP error status.
         try:
-            first: str | None = await texts.__anext__()
+            first: Event | None = await events.__anext__()
         except StopAsyncIteration:
             first = None
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await texts.aclose()
+                await events.aclose()
             raise
         metrics = self.metrics
 
-        async def events() -> AsyncIterator[str]:
-            last = time.monotonic()
+        async def body() -> AsyncIterator[str]:
+            last: float | None = None  # when the last chunk with generated text went out
             record.outcome = "cancelled"  # until it ends otherwise
-            try:
-                yield plan.chunk(Delta(role="assistant", content=""))
-                if first is not None:
-                    metrics.time_to_first_token.observe(last - record.started)
-                    yield plan.chunk(Delta(content=first))
-                    async for text in texts:
-                        now = time.monotonic()
+
+            def sent(event: Event) -> str:
+                nonlocal last
+                chunk, generated = event
+                if generated:
+                    now = time.monotonic()
+                    if last is None:
+                        metrics.time_to_first_token.observe(now - record.started)
+                    else:
                         metrics.inter_token_latency.observe(now - last)
-                        last = now
-                        yield plan.chunk(Delta(content=text))
-                yield plan.chunk(Delta(), plan.finish_reason)
+                    last = now
+                return chunk
+
+            try:
+                if first is not None:
+                    yield sent(first)
+                    async for event in events:
+                        yield sent(event)
                 if plan.include_usage:
-                    usage = ChatCompletionChunk(id=plan.id, created=plan.created, model=plan.model, choices=[],
-                                                usage=plan.usage())  # fmt: skip
+                    kind = Completion if plan.kind == "completion" else ChatCompletionChunk
+                    usage = kind(id=plan.id, created=plan.created, model=plan.model, choices=[], usage=plan.usage())
                     yield sse_event(usage.model_dump_json())
                 record.outcome = "completed"
             except APIError as e:
@@ -203,16 +255,105 @@ class Gateway:
                 yield sse_event(e.response().model_dump_json())
             finally:
                 with anyio.CancelScope(shield=True):
-                    await texts.aclose()
+                    await events.aclose()
             yield sse_event("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _ChatChunks:
+    """A streamed chat choice's chunks: the role first, then its deltas, then the finish."""
+
+    def __init__(self, plan: Plan, run: ChoiceRun, tokens: TokenTexts):
+        self.plan, self.run, self.tokens = plan, run, tokens
+        self.deltas = ChatDeltas(plan)
+        self.started = False
+        self.pending: list[Answer] = []  # pieces whose log probabilities no chunk has carried yet
+
+    def feed(self, piece: Answer) -> list[Event]:
+        out = self._start()
+        self.pending.append(piece)
+        return out + [(self._chunk(delta), True) for delta in self.deltas.feed(piece.text)]
+
+    def finish(self) -> list[Event]:
+        out = self._start() + [(self._chunk(delta), True) for delta in self.deltas.finish()]
+        return [*out, (self._chunk(Delta(), "tool_calls" if self.deltas.called else self.run.finish_reason), False)]
+
+    def _start(self) -> list[Event]:
+        if self.started:
+            return []
+        self.started = True
+        return [(self._chunk(Delta(role="assistant", content="")), False)]
+
+    def _chunk(self, delta: Delta, finish_reason: FinishReason | None = None) -> str:
+        plan = self.plan
+        logprobs = None
+        if plan.logprobs and self.pending:
+            logprobs = ChoiceLogprobs(content=self.tokens.entries(Answer.joined(self.pending)))
+            self.pending = []
+        choice = ChunkChoice(index=self.run.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        chunk = ChatCompletionChunk(id=plan.id, created=plan.created, model=plan.model, choices=[choice])
+        return sse_event(chunk.model_dump_json(exclude=None if plan.include_usage else {"usage"}, exclude_none=False))
+
+
+class _CompletionChunks:
+    """A streamed text completion's chunks: its text (the echoed prompt first), then the finish."""
+
+    def __init__(self, plan: Plan, run: ChoiceRun, tokens: TokenTexts):
+        self.plan, self.run, self.tokens = plan, run, tokens
+        self.offset = 0  # characters of the choice's text sent so far
+
+    def feed(self, piece: Answer) -> list[Event]:
+        text = piece.text
+        if self.offset == 0 and self.plan.echo:
+            text = self.plan.echo + text
+            self.offset = len(self.plan.echo)
+        logprobs = completion_logprobs(piece, self.tokens, self.offset) if self.plan.logprobs else None
+        self.offset += len(piece.text)
+        return [(self._chunk(text, logprobs), bool(piece.text))] if text or logprobs else []
+
+    def finish(self) -> list[Event]:
+        text = self.plan.echo if self.offset == 0 else ""
+        return [(self._chunk(text, None, self.run.finish_reason), False)]
+
+    def _chunk(self, text: str, logprobs: CompletionLogprobs | None, finish_reason: FinishReason | None = None) -> str:
+        plan = self.plan
+        choice = CompletionChoice(index=self.run.index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        completion = Completion(id=plan.id, created=plan.created, model=plan.model, choices=[choice])
+        return sse_event(completion.model_dump_json(exclude=None if plan.include_usage else {"usage"}))
+
+
+async def _merged(streams: list[AsyncGenerator[Event, None]]) -> AsyncGenerator[Event, None]:
+    """The items of several async generators as each comes (one generator: itself). Each is advanced by a task of
+    its own, one step at a time; closing this closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    steps = {asyncio.ensure_future(stream.__anext__()): stream for stream in streams}
+    try:
+        while steps:
+            done, _ = await asyncio.wait(steps, return_when=asyncio.FIRST_COMPLETED)
+            for step in done:
+                stream = steps.pop(step)
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    continue
+                steps[asyncio.ensure_future(stream.__anext__())] = stream
+                yield item
+    finally:
+        for step in steps:
+            step.cancel()
+        await asyncio.gather(*steps, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
     planner = Planner(settings)
-    gateway = Gateway(settings, metrics)
+    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer))
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 
@@ -230,6 +371,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(
         ChatRequestGuard, max_request_bytes=settings.max_request_bytes, admission=admission, metrics=metrics
     )
+    # Added last, so outermost: a request without a valid key takes no admission slot and sends no body.
+    app.add_middleware(APIKeyGuard, keys=settings.api_keys, open_metrics=settings.open_metrics, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
@@ -253,18 +396,40 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    served = Model(id=settings.served_model_name, owned_by="qwen3vl-trt")
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[Model(id=settings.served_model_name, owned_by="qwen3vl-trt")])
+        return ModelList(data=[served])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Model:
+        if model_id != served.id:
+            raise APIError(404, f"the model {model_id!r} does not exist; this deployment serves {served.id!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return served
+
+    async def answer(plan: Plan, record: RequestRecord, stream: bool) -> Response:
+        if plan.n > 1:
+            try:
+                await admission.take(plan.n - 1)
+            except Overloaded as e:
+                raise overloaded(f"the gateway is at capacity for {plan.n} choices: {e}", RETRY_AFTER_S) from None
+            record.extra_slots = plan.n - 1  # ChatRequestGuard gives them back
+        if stream:
+            return await gateway.stream(plan, record)
+        # Serialized by pydantic directly (FastAPI's jsonable_encoder walks the model in Python first).
+        return Response((await gateway.complete(plan)).model_dump_json(), media_type="application/json")
 
     @app.post(CHAT_PATH, response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         record: RequestRecord = request.scope[RECORD]
-        plan = await planner.plan(body, record.started)
-        if body.stream:
-            return await gateway.stream(plan, record)
-        # Serialized by pydantic directly (FastAPI's jsonable_encoder walks the model in Python first).
-        return Response((await gateway.complete(plan)).model_dump_json(), media_type="application/json")
+        return await answer(await planner.plan(body, record.started), record, body.stream)
+
+    @app.post(COMPLETIONS_PATH, response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        record: RequestRecord = request.scope[RECORD]
+        return await answer(await planner.plan_completion(body, record.started), record, body.stream)
 
     app.state.gateway = gateway
     app.state.metrics = metrics
@@ -327,5 +492,7 @@ def run_openai(
     settings = dataclasses.replace(settings, triton_refresh_s=refresh_s)
     server = GatewayServer(settings, address, port)
     print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {triton_url}", flush=True)
+    if note := access_note(settings.api_keys, settings.open_metrics, address, server.url):
+        print(note, file=sys.stderr, flush=True)
     server.run()
     return 0

@@ -28,6 +28,7 @@ class RequestRecord:
     started: float  # time.monotonic() at arrival
     status: int = 0
     outcome: Outcome | None = None
+    extra_slots: int = 0  # admission slots taken for the request's choices after the first
 
     def final_outcome(self) -> Outcome:
         if self.outcome is not None:

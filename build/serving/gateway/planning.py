@@ -1,8 +1,10 @@
-"""Chat planning: an OpenAI chat request turned into the deployment's request (a Plan), checked first with the
-deployment's own preprocessing code from the image and video headers alone (no pixel is decoded), so that bad
-messages or media, too many of them and prompts over the limit are answered 400 before Triton sees them, and
-the prompt's token count that `usage` reports is the one the server runs. Remote image and video URLs are
-fetched here when the gateway allows them."""
+"""Request planning: an OpenAI chat or text completion request turned into the deployment's requests (a Plan, one
+request per choice), checked first with the deployment's own preprocessing code from the image and video headers
+alone (no pixel is decoded), so that bad messages or media, too many of them and prompts over the limit are
+answered 400 before Triton sees them, and the prompt's token count that `usage` reports is the one the server runs.
+Tools are rendered by the checkpoint's own chat template; a required or named tool choice and a JSON response
+format become the guided-decoding grammar the engine applies (qwen3vl_trt.guided_decoding). Remote image and video
+URLs are fetched here when the gateway allows them."""
 
 from __future__ import annotations
 
@@ -10,39 +12,56 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 
 from ...errors import PromptTooLongError, RequestError
+from ...guided_decoding import Guide, GuideError, json_object_guide, json_schema_guide, tool_call_guide
 from ...preprocess import Preprocessor
 from ...preprocess.prompts import normalize_messages
 from .protocol import (
     APIError,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChunkChoice,
-    Delta,
+    CompletionRequest,
     FinishReason,
+    NamedToolChoice,
+    SamplingRequest,
     StopFinder,
     Usage,
+    logit_bias_ids,
     refuse_unsupported,
     request_error,
-    sse_event,
     stop_strings,
 )
+from .reasoning import CLOSE as THINK_END
 from .settings import GatewaySettings
 
 
 @dataclass
+class ChoiceRun:
+    """One of a request's n choices as it is generated: its own request on the deployment."""
+
+    index: int
+    stop_finder: StopFinder
+    completion_tokens: int = 0
+    finish_reason: FinishReason = "stop"
+
+
+@dataclass
 class Plan:
-    """One validated request: what goes to the deployment and what the response reports."""
+    """One validated request: what goes to the deployment and what the response reports. kind: a chat or a text
+    completion. messages (chat) or prompt (a completion's text, sent as the raw prompt). tool_names: the functions
+    whose calls the answer is parsed for (none: no parsing). reasoning: split a Thinking checkpoint's reasoning
+    from the answer. echo: the text a completion's answer starts with (its prompt, when asked to echo it)."""
 
     id: str
     created: int
     model: str
-    chat: list[dict[str, Any]]
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
     images: list[bytes]
     videos: list[Any]  # encoded bytes (the gateway takes no DecodedVideo)
     prompt_tokens: int
@@ -55,94 +74,231 @@ class Plan:
     # the text as it comes, so the request is cancelled at the match); else one response, which spares a
     # postprocessing request per token (about 1.5 ms each on the CPU target).
     piecewise: bool = True
-    completion_tokens: int = 0
-    finish_reason: FinishReason = "stop"
-    stop_finder: StopFinder = field(init=False)
+    n: int = 1
+    seed: int | None = None
+    logprobs: bool = False
+    tool_names: tuple[str, ...] = ()
+    reasoning: bool = False
+    opens_reasoning: bool = False
+    echo: str = ""
+    choices: list[ChoiceRun] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stop_finder = StopFinder(self.stops)
+        self.choices = [ChoiceRun(i, StopFinder(self.stops)) for i in range(self.n)]
+
+    def request(self, choice: ChoiceRun) -> dict[str, Any]:
+        """The deployment's request for one choice (AsyncClient.stream's arguments). The n choices are n requests
+        seeded as TensorRT-LLM seeds the n sequences of one (the request's seed, 0 if none, plus the sequence's
+        index: batch_manager/llmRequest.cpp createChildRequest); 1.2.1's backend cannot ask for n sequences itself
+        (its num_return_sequences input lands in another sampling field: TensorRT-LLM PR #13633)."""
+        seed = self.seed if self.n == 1 else ((self.seed or 0) + choice.index) % 2**64  # the executor's uint64
+        content = {"messages": self.messages} if self.messages is not None else {"raw_prompt": True}
+        return {
+            "prompt": self.prompt or "",
+            "images": self.images,
+            "max_tokens": self.max_tokens,
+            "request_id": self.id if self.n == 1 else f"{self.id}-{choice.index}",
+            "stream": self.piecewise,
+            "videos": self.videos,
+            "seed": seed,
+            "return_log_probs": self.logprobs,
+            **content,
+            **self.options,
+        }
 
     def usage(self) -> Usage:
-        total = self.prompt_tokens + self.completion_tokens
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
-
-    def chunk(self, delta: Delta, finish_reason: FinishReason | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)],
-        )
-        return sse_event(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}, exclude_none=False))
+        completion = sum(c.completion_tokens for c in self.choices)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.prompt_tokens + completion)  # fmt: skip
 
 
 class Planner:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.preprocessor = Preprocessor.from_pretrained(settings.model_dir, limits=settings.limits.request_limits())
+        prompts = self.preprocessor.prompts
+        self.tokenizer = prompts.tokenizer
         # A byte-level BPE token covers at most its longest vocabulary entry's bytes, so text longer than
         # this cannot fit the prompt limit: refused before tokenizing it (the tokenizer's memory grows with
         # the text, gigabytes for tens of megabytes).
-        vocabulary = self.preprocessor.prompts.tokenizer.get_vocab()
+        vocabulary = self.tokenizer.get_vocab()
         self.max_prompt_chars = settings.limits.max_input_len * max(map(len, vocabulary))
+        self.vocab_size = self.preprocessor.info.text.vocab_size
+        # A Thinking template's generation prompt opens the reasoning, so guided output starts after it ends.
+        self.opens_reasoning = prompts.opens_reasoning
+        self.reasoning = settings.reasoning_parser == "qwen3" or (
+            settings.reasoning_parser == "auto" and prompts.opens_reasoning
+        )
 
-    async def plan(self, body: ChatCompletionRequest, started: float) -> Plan:
-        settings = self.settings
-        if body.model != settings.served_model_name:
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.served_model_name:
             raise APIError(
                 404,
-                f"the model {body.model!r} does not exist; this deployment serves {settings.served_model_name!r}",
+                f"the model {model!r} does not exist; this deployment serves {self.settings.served_model_name!r}",
                 param="model",
                 code="model_not_found",
             )
+
+    async def plan(self, body: ChatCompletionRequest, started: float) -> Plan:
+        settings = self.settings
+        self._check_model(body.model)
         refuse_unsupported(body)
         stops = stop_strings(body.stop)
-        messages = await self._fetch_remote_media(body.messages)
+        tools, tool_names, guide = await self._tools_and_guide(body)
+        if guide is not None and body.min_tokens:
+            raise APIError(400, "min_tokens cannot go with a JSON response_format or a required tool call: the grammar "
+                           "decides where the answer ends", param="min_tokens")  # fmt: skip
+        messages = await self._fetch_remote_media(_checked_tool_turns(body.messages))
         try:
             limits = settings.limits.request_limits()
             chat = normalize_messages(messages, limits.max_image_bytes, limits.max_video_bytes)
-            if _text_chars(chat.messages) > self.max_prompt_chars:
-                raise PromptTooLongError(
-                    f"the messages hold over {self.max_prompt_chars:,} characters of text, more than a prompt of "
-                    f"{settings.limits.max_input_len} tokens can; the limit is {settings.limits.max_input_len} tokens"
-                )
+            if _text_chars(chat.messages) + _text_chars(tools) > self.max_prompt_chars:
+                raise self._too_many_chars()
+            kwargs: dict[str, Any] = {"tools": tools} if tools else {}
             # On a worker thread: tens of milliseconds for a long prompt would stall every stream on the loop.
-            prompt_tokens = await anyio.to_thread.run_sync(self.preprocessor.count_tokens, chat)
+            prompt_tokens = await anyio.to_thread.run_sync(lambda: self.preprocessor.count_tokens(chat, **kwargs))
         except RequestError as e:
             raise request_error(e) from None
-        room = settings.limits.max_seq_len - prompt_tokens
         asked = body.max_completion_tokens or body.max_tokens
-        if asked is not None and asked > room:
-            raise APIError(
-                400,
-                f"this deployment's maximum context length is {settings.limits.max_seq_len} tokens; the messages take "
-                f"{prompt_tokens} and {asked} were asked for the completion (at most {room})",
-                param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-                code="context_length_exceeded",
-            )
-        options = {
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "seed": body.seed,
-            "min_tokens": body.min_tokens,
-            "stop_words": stops,
-        }
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         return Plan(
             id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=settings.served_model_name,
-            chat=chat.messages,
+            kind="chat",
+            messages=chat.messages,
+            prompt=None,
             images=chat.images,
             videos=chat.videos,
             prompt_tokens=prompt_tokens,
-            max_tokens=asked or room,
-            options=options,
-            stops=stops,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            deadline=started + settings.request_timeout_s,
-            piecewise=body.stream or bool(stops),
+            max_tokens=self._max_tokens(prompt_tokens, asked, param),
+            options={**self._sampling(body, stops), "tools": tools, "guide": guide},
+            **self._shared(body, started, stops),
+            logprobs=body.logprobs,
+            tool_names=tool_names,
+            reasoning=self.reasoning,
+            opens_reasoning=self.opens_reasoning,
         )
+
+    async def plan_completion(self, body: CompletionRequest, started: float) -> Plan:
+        self._check_model(body.model)
+        refuse_unsupported(body)
+        stops = stop_strings(body.stop)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "prompt takes one string per request here; send the others as requests of their own",
+                           param="prompt")  # fmt: skip
+        (prompt,) = prompts
+        if len(prompt) > self.max_prompt_chars:
+            raise request_error(self._too_many_chars())
+        try:
+            prompt_tokens = await anyio.to_thread.run_sync(lambda: self.preprocessor.count_tokens(prompt=prompt))
+        except RequestError as e:
+            raise request_error(e) from None
+        return Plan(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            kind="completion",
+            messages=None,
+            prompt=prompt,
+            images=[],
+            videos=[],
+            prompt_tokens=prompt_tokens,
+            max_tokens=self._max_tokens(prompt_tokens, body.max_tokens, "max_tokens"),
+            options=self._sampling(body, stops),
+            **self._shared(body, started, stops),
+            logprobs=body.logprobs is not None,
+            echo=prompt if body.echo else "",
+        )
+
+    def _shared(self, body: SamplingRequest, started: float, stops: list[str]) -> dict[str, Any]:
+        """The Plan fields that chat and text completions fill alike."""
+        return {
+            "created": int(time.time()),
+            "model": self.settings.served_model_name,
+            "stops": stops,
+            "include_usage": bool(body.stream_options and body.stream_options.include_usage),
+            "deadline": started + self.settings.request_timeout_s,
+            "piecewise": body.stream or bool(stops),
+            "n": body.n,
+            "seed": body.seed,
+        }
+
+    def _too_many_chars(self) -> PromptTooLongError:
+        limit = self.settings.limits.max_input_len
+        return PromptTooLongError(
+            f"the request holds over {self.max_prompt_chars:,} characters of text, more than a prompt of {limit} "
+            f"tokens can; the limit is {limit} tokens"
+        )
+
+    def _max_tokens(self, prompt_tokens: int, asked: int | None, param: str) -> int:
+        limits = self.settings.limits
+        room = limits.max_seq_len - prompt_tokens
+        if asked is not None and asked > room:
+            raise APIError(
+                400,
+                f"this deployment's maximum context length is {limits.max_seq_len} tokens; the prompt takes "
+                f"{prompt_tokens} and {asked} were asked for the completion (at most {room})",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return asked or room
+
+    def _sampling(self, body: SamplingRequest, stops: list[str]) -> dict[str, Any]:
+        return {
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_tokens": body.min_tokens,
+            "stop_words": stops,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty,
+            "logit_bias": logit_bias_ids(body.logit_bias, self.vocab_size),
+        }
+
+    async def _tools_and_guide(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[dict[str, Any]] | None, tuple[str, ...], tuple[str, str] | None]:
+        """The tools the template renders, the functions whose calls are parsed, and the guided-decoding grammar
+        (a forced tool choice's or the response format's), built on a worker thread (milliseconds per schema).
+        tool_choice "none" leaves the tools out of the prompt, so the model is not asked for calls."""
+        choice = body.tool_choice or ("auto" if body.tools else "none")
+        if choice != "none" and not body.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        names = tuple(t.function.name for t in body.tools or ())
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools must have distinct function names", param="tools")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise APIError(400, f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
+        formats = body.response_format is not None and body.response_format.type != "text"
+        forced = choice == "required" or named is not None
+        if forced and formats:
+            raise APIError(400, "a required or named tool_choice and a JSON response_format cannot both shape the "
+                           "answer; send one of them", param="response_format")  # fmt: skip
+        think_end = THINK_END if self.opens_reasoning else None
+        functions = [t.function.model_dump(exclude_none=True) for t in body.tools or ()]
+
+        def build() -> Guide | None:
+            if forced:
+                return tool_call_guide(functions, named, parallel=body.parallel_tool_calls and named is None,
+                                       think_end=think_end)  # fmt: skip
+            response_format = body.response_format
+            if response_format is None or response_format.type == "text":
+                return None
+            if response_format.type == "json_object":
+                return json_object_guide(think_end=think_end)
+            if response_format.json_schema is None:
+                raise APIError(400, "response_format json_schema needs its json_schema", param="response_format")
+            schema = response_format.json_schema.schema_ or {"type": "object"}
+            return json_schema_guide(schema, think_end=think_end)
+
+        try:
+            guide = await anyio.to_thread.run_sync(build)
+        except GuideError as e:
+            raise APIError(400, str(e), param="tools" if forced else "response_format", code="invalid_schema") from None
+        if choice == "none":
+            return None, (), None if guide is None else (guide.type, guide.text)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        return tools, names, None if guide is None else (guide.type, guide.text)
 
     async def _fetch_remote_media(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages whose http(s) image and video URLs are replaced by the downloaded bytes, when the gateway
@@ -182,6 +338,14 @@ class Planner:
             raise APIError(
                 400, f"cannot fetch the {kind} at {url}: {e}", param="messages", code=f"invalid_{kind}"
             ) from e
+
+
+def _checked_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages, once every tool result names the call it answers, as OpenAI's API requires."""
+    for m, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "tool" and not message.get("tool_call_id"):
+            raise APIError(400, f"message {m} has role tool but no tool_call_id", param="messages")
+    return messages
 
 
 def _text_chars(value: Any) -> int:

@@ -1,5 +1,6 @@
-"""The part of OpenAI's chat-completions API the gateway speaks: request and response models, streamed events,
-error bodies and stop strings as the API defines them (matched in the decoded text)."""
+"""The part of OpenAI's chat-completions and completions APIs the gateway speaks: request and response models,
+streamed events, error bodies and stop strings as the API defines them (matched in the decoded text). Which
+parameters are served and which are refused, on each target, is docs/openai-api.md's table."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from ...errors import (
 )
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
-FinishReason = Literal["stop", "length"]
+MAX_CHOICES = 16  # n: each choice is a request of its own on the deployment
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API caps logit_bias
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -87,50 +90,147 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """The chat-completions fields the gateway serves; others that would change the answer are refused
-    (see refuse_unsupported), the rest (user, metadata, ...) are ignored."""
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None
 
-    model_config = ConfigDict(extra="allow")
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class SamplingRequest(BaseModel):
+    """What chat and text completions share: sampling, penalties, stop strings, choices and streaming. Extra
+    fields are kept so that those asking for something the deployment does not do are refused by name (see
+    refuse_unsupported); the rest (user, metadata, ...) are ignored."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # an extension vLLM and TensorRT-LLM's servers take too
     min_tokens: int | None = Field(None, ge=0)  # idem
+    # As OpenAI bounds them; the engine subtracts them from the logits of tokens already in the sequence.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # an extension, as vLLM takes it
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
 
 
-# Fields whose non-default values ask for something the deployment does not do.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": bool,
-    "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
-    "logprobs": bool,
-    "top_logprobs": lambda v: v is not None,
-    "logit_bias": bool,
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
-    "audio": lambda v: v is not None,
-    "modalities": lambda v: v not in (None, ["text"]),
+class ChatCompletionRequest(SamplingRequest):
+    """The chat-completions fields the gateway serves."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingRequest):
+    """The (legacy) completions fields the gateway serves: a prompt as it is, without the chat template."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+# Fields whose non-default values ask for something the deployment does not do, and why.
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "functions": (bool, "deprecated; send tools"),
+    "function_call": (
+        lambda v: v is not None,
+        "deprecated; send tool_choice",
+    ),
+    "audio": (lambda v: v is not None, "this model has no audio output"),
+    "modalities": (lambda v: v not in (None, ["text"]), "this model answers in text only"),
+    "prediction": (lambda v: v is not None, "predicted outputs are not served"),
+    "web_search_options": (lambda v: v is not None, "web search is not served"),
 }
+# TensorRT-LLM 1.2.1's tensorrt_llm backend returns the sampled token's log probability only (no output for
+# alternatives: triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt, fillTritonResponse).
+NO_ALTERNATIVES = (
+    "this deployment returns the chosen token's log probability only (TensorRT-LLM 1.2.1's backend has no "
+)
 
 
-def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.n != 1:
-        raise APIError(400, f"n = {body.n} is not supported: this deployment returns one choice per request", param="n")
+def refuse_unsupported(body: SamplingRequest) -> None:
     extra = body.model_extra or {}
-    for name, asks in _UNSUPPORTED.items():
+    for name, (asks, why) in _UNSUPPORTED.items():
         if name in extra and asks(extra[name]):
-            raise APIError(400, f"{name} is not supported by this deployment", param=name, code="unsupported_parameter")
+            raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
+        raise APIError(400, f"top_logprobs > 0: {NO_ALTERNATIVES}; send top_logprobs 0",
+                       param="top_logprobs", code="unsupported_parameter")  # fmt: skip
+    if isinstance(body, CompletionRequest):
+        if body.logprobs:
+            raise APIError(400, f"logprobs > 0: {NO_ALTERNATIVES}; send logprobs 0",
+                           param="logprobs", code="unsupported_parameter")  # fmt: skip
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs: the engine returns no log probabilities for the prompt",
+                           param="echo", code="unsupported_parameter")  # fmt: skip
+        if body.suffix:
+            raise APIError(400, "suffix: Qwen3-VL has no fill-in-the-middle mode", param="suffix",
+                           code="unsupported_parameter")  # fmt: skip
+        if body.best_of not in (None, body.n):
+            raise APIError(400, "best_of: the deployment returns every sequence it generates; send n only",
+                           param="best_of", code="unsupported_parameter")  # fmt: skip
+
+
+def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> a bias in [-100, 100]) as ids."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias takes up to {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id below {vocab_size}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias: the bias of {key} must be in [-100, 100]", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -138,6 +238,11 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     return stops
+
+
+def held_prefix(text: str, *tags: str) -> int:
+    """The length of the longest tail of `text` that is a proper start of one of the tags (it may yet become one)."""
+    return max((n for tag in tags for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
 
 
 class StopFinder:
@@ -157,7 +262,7 @@ class StopFinder:
             self.stopped = True
             out, self.pending = self.pending[: min(hits)], ""
             return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        keep = held_prefix(self.pending, *self.stops)
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out
 
@@ -175,15 +280,41 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallMessage(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """reasoning_content: a Thinking checkpoint's reasoning, split from the answer (vLLM's name for it)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[Any] = Field(default_factory=list)  # alternatives: none (refuse_unsupported)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -196,11 +327,36 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _carried(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in serialize(self).items() if value is not None}
+
+
+class ToolCallChunk(BaseModel):
+    """A streamed tool call: the first chunk of a call has its id, type and name, the next ones argument
+    fragments, as OpenAI streams them."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _carried(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in serialize(self).items() if value is not None}
+
+
 class Delta(BaseModel):
     """A chunk's new text; fields it does not carry are left out, as OpenAI sends them (the last chunk's is {})."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
     @model_serializer(mode="wrap")
     def _carried(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -210,7 +366,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -223,6 +379,31 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[Any] | None = None  # alternatives: none (refuse_unsupported)
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    """A text completion, whole or (object the same, as OpenAI streams them) one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 

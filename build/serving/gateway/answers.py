@@ -1,0 +1,136 @@
+"""A choice's generated text made into the OpenAI answer: a Thinking checkpoint's reasoning split from its answer
+(reasoning.py), tool-call blocks made into `tool_calls` (tool_calls.py), log probabilities per token, whole
+(chat message, completion choice) or as the deltas a stream sends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from ..client import Answer
+from .planning import ChoiceRun, Plan
+from .protocol import (
+    AssistantMessage,
+    Choice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    FunctionCall,
+    FunctionCallDelta,
+    TokenLogprob,
+    ToolCallChunk,
+    ToolCallMessage,
+)
+from .reasoning import ReasoningStream, split_reasoning
+from .tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
+
+
+class TokenTexts:
+    """Each token's own text, as `logprobs` reports it (a token that ends inside a UTF-8 character shows U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def entries(self, answer: Answer) -> list[TokenLogprob]:
+        return [
+            TokenLogprob(token=text, logprob=log_prob, bytes=list(text.encode()))
+            for text, log_prob in zip(self.texts(answer.token_ids), answer.log_probs, strict=False)
+        ]
+
+    def texts(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def chat_choice(plan: Plan, run: ChoiceRun, answer: Answer, tokens: TokenTexts) -> Choice:
+    reasoning, content = split_reasoning(answer.text, plan.opens_reasoning) if plan.reasoning else (None, answer.text)
+    calls = []
+    if plan.tool_names and content:
+        content, found = parse_tool_calls(content, plan.tool_names)
+        calls = [ToolCallMessage(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
+    if content is None and reasoning is None and not calls:
+        content = ""
+    return Choice(
+        index=run.index,
+        message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+        logprobs=ChoiceLogprobs(content=tokens.entries(answer)) if plan.logprobs else None,
+        finish_reason="tool_calls" if calls else run.finish_reason,
+    )
+
+
+def completion_choice(plan: Plan, run: ChoiceRun, answer: Answer, tokens: TokenTexts) -> CompletionChoice:
+    return CompletionChoice(
+        index=run.index,
+        text=plan.echo + answer.text,
+        logprobs=completion_logprobs(answer, tokens, len(plan.echo)) if plan.logprobs else None,
+        finish_reason=run.finish_reason,
+    )
+
+
+def completion_logprobs(answer: Answer, tokens: TokenTexts, offset: int) -> CompletionLogprobs:
+    texts = tokens.texts(answer.token_ids)
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(tokens=texts, token_logprobs=list(answer.log_probs), text_offset=offsets)
+
+
+@dataclass
+class ChatDeltas:
+    """One streamed chat choice: its text as it comes in, made into deltas (reasoning, content, tool calls)."""
+
+    plan: Plan
+    reasoning: ReasoningStream | None = field(init=False)
+    tools: ToolCallStream | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reasoning = ReasoningStream(self.plan.opens_reasoning) if self.plan.reasoning else None
+        self.tools = ToolCallStream(self.plan.tool_names) if self.plan.tool_names else None
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.has_calls
+
+    def feed(self, text: str) -> list[Delta]:
+        if self.reasoning is None:
+            return self._content(text, final=False)
+        return self._split(self.reasoning.feed(text), final=False)
+
+    def finish(self) -> list[Delta]:
+        if self.reasoning is None:
+            return self._content("", final=True)
+        return self._split(self.reasoning.finish(), final=True)
+
+    def _split(self, pieces: Sequence[tuple[str, str]], final: bool) -> list[Delta]:
+        out = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                out.append(Delta(reasoning_content=text))
+            else:
+                out.extend(self._content(text, final=False))
+        if final:
+            out.extend(self._content("", final=True))
+        return out
+
+    def _content(self, text: str, final: bool) -> list[Delta]:
+        if self.tools is None:
+            return [Delta(content=text)] if text else []
+        events = self.tools.feed(text) if text else []
+        if final:
+            events += self.tools.finish()
+        out = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                if event.text:
+                    out.append(Delta(content=event.text))
+            else:
+                function = FunctionCallDelta(name=event.name, arguments=event.arguments)
+                first = event.id is not None
+                call = ToolCallChunk(
+                    index=event.index, id=event.id, type="function" if first else None, function=function
+                )
+                out.append(Delta(tool_calls=[call]))
+        return out
