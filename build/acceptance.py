@@ -613,7 +613,10 @@ WEATHER_TOOL: dict[str, Any] = {
     "description": "Current weather in a city.",
     "parameters": {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
         "required": ["city"],
         "additionalProperties": False,
     },

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import xgrammar
 
 GUIDE_TYPE_EBNF = "ebnf_grammar"  # utils.cc guideTypeMapping: kEBNF_GRAMMAR
+# The guide types utils.cc getGuidedDecodingParamsFromTensors maps; with any other the request runs unguided.
+GUIDE_TYPES = ("json", "json_schema", "regex", GUIDE_TYPE_EBNF)
 
 # Qwen3-VL's chat template asks for each call as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`;
 # it renders parallel calls one per line.
@@ -115,6 +117,23 @@ def tool_call_guide(
         _ebnf(f"root ::= {_literal(TOOL_CALL_CLOSE)}"),
     )
     return _guide(_one_or_more(block, TOOL_CALL_SEPARATOR) if parallel else block, think_end)
+
+
+def check_guide(guide_type: str, text: str | None) -> None:
+    """GuideError unless the engine can compile this guide. The executor compiles a request's guide inside the
+    batch's forward step, where an exception ends every request in flight (trtGptModelInflightBatching.cpp
+    terminateActiveRequests), so preprocessing parses each guide first, as the executor would, and refuses one that
+    does not parse, or of a type the backend would silently run unguided. Only "json" goes without a text
+    (executor GuidedDecodingParams)."""
+    if guide_type not in GUIDE_TYPES:
+        raise GuideError(f"guided_decoding_guide_type {guide_type!r} is not one of {', '.join(GUIDE_TYPES)}")
+    if guide_type == "json":
+        return
+    if not text:
+        raise GuideError(f"a {guide_type} guide needs its guided_decoding_guide")
+    grammar = _xgrammar().Grammar
+    parse = {"json_schema": grammar.from_json_schema, "regex": grammar.from_regex, GUIDE_TYPE_EBNF: grammar.from_ebnf}
+    xgrammar_call(lambda: parse[guide_type](text), f"the {guide_type} guide")
 
 
 def write_tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int], path: Path) -> None:
@@ -206,8 +225,8 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # xgrammar's EBNF strings take JSON's escapes
 
 
-# Keywords xgrammar 0.1.25's JSON-schema converter ignores (or, allOf of several, only warns about): a schema with
-# them would be enforced only in part, so it is refused rather than half kept.
+# Keywords xgrammar's JSON-schema converter ignores (or, allOf of several, only warns about; read at 0.1.25): a
+# schema with them would be enforced only in part, so it is refused rather than half kept.
 _IGNORED_KEYWORDS = frozenset(
     {"not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "multipleOf", "uniqueItems"}
 )

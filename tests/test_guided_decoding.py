@@ -313,3 +313,39 @@ def test_cache_keeps_the_last_used(cache):
     for t in threads:
         t.join()
     assert len(results) == 4 and len(small._compiled) == 2
+
+
+def test_preprocessing_refuses_a_guide_the_engine_could_not_compile(tiny_dense):
+    """The executor compiles a guide inside the batch's step, where a failure ends every request in flight: each
+    guide is parsed per request first, and one that does not parse, or of a type the backend would run unguided,
+    is refused alone."""
+    import numpy as np
+    from deployment import LIMITS
+    from qwen3vl_trt.serving import interface
+    from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+
+    component = Preprocessing(tiny_dense, LIMITS, torch.float32, 64)
+
+    def request(guide_type: bytes, guide: bytes | None) -> dict:
+        sent = {
+            interface.TEXT_INPUT.name: np.array([b"Hi"], object),
+            interface.MAX_TOKENS.name: np.array([4], np.int32),
+            interface.GUIDE_TYPE.name: np.array([guide_type], object),
+        }
+        if guide is not None:
+            sent[interface.GUIDE.name] = np.array([guide], object)
+        return sent
+
+    good = gd.json_schema_guide({"type": "object", "properties": {"a": {"enum": [1, 2]}}})
+    results = component.execute(
+        [
+            request(good.type.encode(), good.text.encode()),
+            request(b"ebnf_grammar", b'root ::= "a" | undefined_rule'),
+            request(b"structural_tag", b"{}"),
+            request(b"regex", None),
+            request(b"json", None),
+        ]
+    )
+    assert not isinstance(results[0], Exception) and not isinstance(results[4], Exception)
+    for result, says in zip(results[1:4], ("cannot be enforced", "is not one of", "needs its"), strict=True):
+        assert isinstance(result, gd.GuideError) and says in str(result), result

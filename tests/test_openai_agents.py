@@ -304,6 +304,9 @@ def test_logprobs_logit_bias_penalties_seed_and_n(served):
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
     assert [c.index for c in first.choices] == [0, 1, 2] and len({c.message.content for c in first.choices}) > 1
     assert first.usage.completion_tokens == 36
+    # Choice i is the request seeded seed + i, as the engine seeds the i-th sequence of one request.
+    alone = client.chat.completions.create(**dict(sampled, n=1, seed=11 + 2)).choices[0]
+    assert alone.message.content == first.choices[2].message.content
     chunks = list(client.chat.completions.create(**dict(sampled, n=2), stream=True))
     texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
              for i in (0, 1)}  # fmt: skip

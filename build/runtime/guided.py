@@ -16,13 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InputError
-from ..guided_decoding import GUIDE_TYPE_EBNF, GuideError, xgrammar_call
+from ..guided_decoding import GUIDE_TYPE_EBNF, GUIDE_TYPES, GuideError, xgrammar_call
 
 if TYPE_CHECKING:
     import xgrammar
-
-# The guide types utils.cc getGuidedDecodingParamsFromTensors maps, compiled as GuidedDecoder::build compiles them.
-GUIDE_TYPES = ("json", "json_schema", "regex", GUIDE_TYPE_EBNF)
 
 
 class GuidedTokens:

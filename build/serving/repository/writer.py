@@ -409,6 +409,11 @@ def write_repository(
     model = Path(model_dir or manifest.model).absolute()
     read_config(model)  # the tokenizer and processor files must be there at serving time
     _, llm = read_trtllm_config(build.llm_checkpoint)
+    if not (build.llm_checkpoint / TOKENIZER_INFO_FILE).is_file():  # both llms read it for guided decoding
+        raise CheckpointError(
+            f"{build.llm_checkpoint} has no {TOKENIZER_INFO_FILE} (converted by an older version): run "
+            f"`qwen3vl-trt convert-llm` (or build) again"
+        )
     limits = manifest.limits
     memory = gpu_memory_plan(build, limits, llm, settings) if target == "gpu" else None
     if memory is not None:

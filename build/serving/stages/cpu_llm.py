@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ...errors import InputError, Qwen3VLTrtError
-from ...guided_decoding import load_tokenizer_info
-from ...runtime.guided import GUIDE_TYPES, GrammarCache
+from ...guided_decoding import GUIDE_TYPES, load_tokenizer_info
+from ...runtime.guided import GrammarCache
 from ...runtime.reference_llm import DecodeBatch, GenerationResult, LLMRequest, ReferenceLLM
 from ...runtime.sampling import LogitsGuide, SamplingParams
 from .. import interface

@@ -22,6 +22,7 @@ import torch
 
 from ...checkpoint import generation_end_ids
 from ...errors import MessageError, PromptTooLongError, RequestError, StageError
+from ...guided_decoding import check_guide
 from ...limits import EngineLimits
 from ...preprocess import Preprocessor
 from ...preprocess.preprocessor import Request, VisualInput, VisualKind
@@ -393,8 +394,11 @@ class Preprocessing:
         repetition = passed.get(interface.REPETITION_PENALTY.name)
         if repetition is not None and not float(repetition[0]) > 0:
             raise RequestError(f"repetition_penalty must be > 0, got {float(repetition[0])}")
-        if (interface.GUIDE_TYPE.name in passed) != (interface.GUIDE.name in passed):
-            raise RequestError(f"send {interface.GUIDE_TYPE.name} and {interface.GUIDE.name} together")
+        guide_type = _scalar(inputs, interface.GUIDE_TYPE, None)
+        if guide_type is not None:
+            check_guide(guide_type, _scalar(inputs, interface.GUIDE, None))
+        elif interface.GUIDE.name in passed:
+            raise RequestError(f"{interface.GUIDE.name} was sent without {interface.GUIDE_TYPE.name}")
         ids = inputs.get(interface.LOGIT_BIAS_IDS.name)
         weights = inputs.get(interface.LOGIT_BIAS_WEIGHTS.name)
         if ids is None and weights is None:
