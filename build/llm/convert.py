@@ -503,10 +503,15 @@ def convert_llm(
         )
     with atomic_output_dir(output, force=force, inputs=[ckpt.path]) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(options.cfg, indent=4) + "\n")
+        # Serving reads it for guided decoding (write-repo refuses a checkpoint without it); the engine does not.
         end_ids = generation_end_ids(ckpt.path)
-        if not end_ids:
-            raise CheckpointError(f"{ckpt.path}/generation_config.json names no eos_token_id; serving needs one")
-        write_tokenizer_info(ckpt.path, config.vocab_size, end_ids, tmp / TOKENIZER_INFO_FILE)
+        if (ckpt.path / "tokenizer.json").is_file() and end_ids:
+            write_tokenizer_info(ckpt.path, config.vocab_size, end_ids, tmp / TOKENIZER_INFO_FILE)
+        elif log is not None:
+            log(
+                f"convert-llm: {ckpt.path} has no tokenizer.json or no eos_token_id in generation_config.json: "
+                f"{TOKENIZER_INFO_FILE}, which serving needs, is not written"
+            )
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert-llm", disable=True if progress is False else None
         ) as bar:

@@ -411,8 +411,8 @@ def write_repository(
     _, llm = read_trtllm_config(build.llm_checkpoint)
     if not (build.llm_checkpoint / TOKENIZER_INFO_FILE).is_file():  # both llms read it for guided decoding
         raise CheckpointError(
-            f"{build.llm_checkpoint} has no {TOKENIZER_INFO_FILE} (converted by an older version): run "
-            f"`qwen3vl-trt convert-llm` (or build) again"
+            f"{build.llm_checkpoint} has no {TOKENIZER_INFO_FILE}, which guided decoding reads: convert the LLM again "
+            "(`qwen3vl-trt convert-llm`, or build) from a checkpoint with its tokenizer.json and generation_config.json"
         )
     limits = manifest.limits
     memory = gpu_memory_plan(build, limits, llm, settings) if target == "gpu" else None
