@@ -126,6 +126,7 @@ class Planner:
         self.vocab_size = self.preprocessor.info.text.vocab_size
         # A Thinking template's generation prompt opens the reasoning, so guided output starts after it ends.
         self.opens_reasoning = prompts.opens_reasoning
+        json_object_guide()  # the grammar library's start (seconds) is paid here, not by the first guided request
         self.reasoning = settings.reasoning_parser == "qwen3" or (
             settings.reasoning_parser == "auto" and prompts.opens_reasoning
         )

@@ -184,8 +184,11 @@ class InflightLLM:
             return self._grammars
 
     def warm_up(self) -> None:
-        """A short generation, so the first request does not pay for first-use initialization."""
+        """A short generation, and the grammar library's start with the tokenizer info (seconds), so the first
+        request, and the first guided one, does not pay for first-use initialization."""
         self.llm.generate([LLMRequest(np.zeros(4, np.int32), sampling=SamplingParams(max_new_tokens=2))])
+        if self.tokenizer_info_path is not None and Path(self.tokenizer_info_path).is_file():
+            self._grammar_cache().matcher("json", "")
 
     def start(self) -> None:
         self._thread.start()

@@ -167,6 +167,7 @@ class Preprocessing:
         self.end_ids = generation_end_ids(Path(model_dir))
         if not self.end_ids:
             raise RequestError(f"{model_dir}/generation_config.json names no eos_token_id; the server needs one")
+        check_guide("regex", "a")  # the grammar library's start (seconds) is paid here, not by a guided request
 
     def feature_scope(self, vision_dir: Path, engine_dir: Path | None) -> FeatureScope:
         """What decides an image's features besides its bytes and grid: the vision model (its weights, graph
