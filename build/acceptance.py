@@ -293,15 +293,17 @@ class Acceptance:
         healed: list[tuple[bool, str]] = []
         cached: list[tuple[bool, str]] = []
         guided: list[tuple[bool, str]] = []
+        sampled: list[tuple[bool, str]] = []
         drained: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, hits, guides, heals, drains = _served_tokens(self._built(name), requests, log_path)
+            tokens, hits, guides, options, heals, drains = _served_tokens(self._built(name), requests, log_path)
             served.update(tokens)
             cached.append(hits)
             guided.append(guides)
+            sampled.append(options)
             healed.append(heals)
             drained.append(drains)
             answers = ", ".join(f"{k}: {len(v)} tokens" for k, v in served.items())
@@ -317,6 +319,7 @@ class Acceptance:
         caching = f"a repeated image: a visual cache hit, no decode, no vision encoder ({name})"
         draining = f"a stop lets a stream in flight finish ({name})"
         guiding = f"guided decoding on the engine: a json_schema answer and a required tool call ({name})"
+        sampling = f"logit bias, presence penalty and log probs on the engine ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
@@ -324,6 +327,7 @@ class Acceptance:
             for check, check_limit in (
                 (caching, "same tokens, 0 runs"),
                 (guiding, "both validate"),
+                (sampling, "biased, distinct, log probs <= 0"),
                 (healing, "back, answers"),
                 (draining, "all tokens, exit 0, shm named and gone"),
             ):
@@ -348,6 +352,7 @@ class Acceptance:
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(guiding, "both validate", needs, lambda: guided[0])
+        self.row(sampling, "biased, distinct, log probs <= 0", needs, lambda: sampled[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
         self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
 
@@ -567,11 +572,14 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
 
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]], log_path: Path
-) -> tuple[dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str]]:
+) -> tuple[
+    dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str]
+]:
     """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
-    decoding holds (see _guided), whether the deployment heals (see _heals), and whether its stop lets a stream in
-    flight finish (see _drains), each with its figure."""
+    decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
+    deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
+    figure."""
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.ports import free_ports
@@ -589,11 +597,12 @@ def _served_tokens(
                 for kind, (prompt, images, videos) in requests.items()
             }
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
-            guided = _guided(client)
+            guided = _checked(_guided_answers, client)
+            options = _checked(_sampling_options, client)
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, hits, guided, heals, _drains(server)
+        return tokens, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
 
@@ -623,18 +632,18 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 
-def _guided(client: Any) -> tuple[bool, str]:
-    """The engine's guided decoding (the tensorrtllm backend's xgrammar over the build's tokenizer info) on the
-    grammars the gateway sends: a json_schema answer that parses and validates, and a required tool call whose
-    arguments validate against the function's parameters (the tiny model's weights are random: only the grammar
-    makes either valid)."""
+def _checked(check: Callable[[Any], tuple[bool, str]], client: Any) -> tuple[bool, str]:
     try:
-        return _guided_answers(client)
+        return check(client)
     except Exception as e:  # an answer that does not parse or validate, or a request the server refused
         return False, f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def _guided_answers(client: Any) -> tuple[bool, str]:
+    """The engine's guided decoding (the tensorrtllm backend's xgrammar over the build's tokenizer info) on the
+    grammars the gateway sends: a json_schema answer that parses and validates, and a required tool call whose
+    arguments validate against the function's parameters (the tiny model's weights are random: only the grammar
+    makes either valid)."""
     import jsonschema
 
     from .guided_decoding import json_schema_guide, tool_call_guide
@@ -653,6 +662,31 @@ def _guided_answers(client: Any) -> tuple[bool, str]:
         return False, f"the required call is not one valid call: {text[:200]!r}"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_TOOL["parameters"])
     return True, f"json_schema answer {answer[:80]!r} validates; call {calls[0].name}({calls[0].arguments[:60]})"
+
+
+BIASED_TOKEN = 1234  # any id of the vocabulary
+
+
+def _sampling_options(client: Any) -> tuple[bool, str]:
+    """The sampling and output inputs the gateway passes on reach the engine as the reference runtime defines them:
+    a +100 logit bias makes every greedy token that one (the llm's embedding_bias), a huge presence penalty
+    keeps greedy tokens from repeating (prompt and output tokens count), and the log probs come one per token,
+    none above 0 and not all 0 (normalize_log_probs off: the backend's default gives 0 for every greedy token)."""
+    messages = [{"role": "user", "content": "Count slowly."}]
+    biased = client.generate("", [], max_tokens=8, messages=messages, logit_bias={BIASED_TOKEN: 100.0}).token_ids
+    if set(biased) != {BIASED_TOKEN}:
+        return False, f"a +100 logit bias on {BIASED_TOKEN} gave {biased}"
+    shy = client.generate("", [], max_tokens=16, messages=messages, presence_penalty=1e4).token_ids
+    if len(set(shy)) != len(shy):
+        return False, f"a presence penalty of 1e4 still repeated tokens: {shy}"
+    answer = client.generate("", [], max_tokens=16, messages=messages, return_log_probs=True)
+    log_probs = answer.log_probs
+    if len(log_probs) != len(answer.token_ids) or max(log_probs, default=1.0) > 0 or not any(log_probs):
+        return False, f"log probs {log_probs} for {len(answer.token_ids)} tokens"
+    return (
+        True,
+        f"bias {len(biased)}/8 tokens, {len(shy)} distinct, log probs {min(log_probs):.2f}..{max(log_probs):.2f}",
+    )
 
 
 def _drains(server: Any) -> tuple[bool, str]:

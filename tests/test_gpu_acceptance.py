@@ -31,6 +31,7 @@ CHECKS = [
             "served tokens vs transformers greedy, an H.264 video",
             "a repeated image: a visual cache hit, no decode, no vision encoder",
             "guided decoding on the engine: a json_schema answer and a required tool call",
+            "logit bias, presence penalty and log probs on the engine",
             "metrics published; a killed vision_encoder stub comes back",
             "a stop lets a stream in flight finish",
         )
