@@ -126,8 +126,16 @@ def _build_vision_engine(args: argparse.Namespace) -> None:
 
 
 def _build(args: argparse.Namespace) -> None:
+    from .build_cache.store import CacheSettings
     from .pipeline import build
 
+    if args.cache is None and args.checkpoint_id is not None:
+        raise Qwen3VLTrtError("--checkpoint-id names the checkpoint in a build cache key: give --cache too")
+    cache = None
+    if args.cache is not None:
+        cache = CacheSettings(
+            args.cache, args.cache_pull, args.verify, args.checkpoint_id, args.cache_lease_s, args.cache_wait_s
+        )
     build(
         args.model,
         args.output,
@@ -142,7 +150,56 @@ def _build(args: argparse.Namespace) -> None:
         settings=_repository_settings(args),
         force=args.force,
         vision_engine_dtype=args.vision_engine_dtype,
+        cache=cache,
     )
+
+
+def _build_key(args: argparse.Namespace) -> None:
+    from .build_cache.store import BuildCache
+    from .checkpoint import Checkpoint
+    from .llm.convert import check_llm_options
+    from .pipeline import build_key
+
+    ckpt = Checkpoint(args.model)
+    options = _quantization_options(args)
+    llm = check_llm_options(
+        ckpt, args.llm_dtype, args.llm_quant, args.tp, args.pp, options["kv_cache_dtype"], options["gpu_arch"]
+    )
+    remembered = None if args.cache is None else BuildCache(args.cache).open().remembered
+    log = (lambda _line: None) if args.json else print
+    key = build_key(
+        ckpt, args.dtype, args.vision_engine_dtype, llm, options["kv_cache_dtype"], options["gpu_arch"], args.tp,
+        args.pp, options["calibration_data"], _engine_limits(args), args.checkpoint_id, remembered, log,
+    )  # fmt: skip
+    print(json.dumps({"key": key.key, "parts": dict(key.parts)}, indent=2) if args.json else key.describe())
+
+
+def _cache(args: argparse.Namespace) -> None:
+    import time
+
+    from .build_cache.store import BuildCache
+
+    cache = BuildCache(args.cache).open()
+    if args.action == "list":
+        entries = cache.listing()
+        if args.json:
+            print(json.dumps([asdict(e) for e in entries], indent=2))
+            return
+        for e in entries:
+            days = (time.time() - e.last_used) / 86400
+            what = f"{e.parts.get('checkpoint', '?')[:23]} gpu={e.parts.get('gpu', '?')} tp={e.parts.get('tp', '?')}"
+            print(f"{e.key}  {e.bytes / 2**30:8.2f} GiB  pulled {days:5.1f} days ago  {what}")
+        print(f"{len(entries)} entries, {sum(e.bytes for e in entries) / 2**30:.2f} GiB in {cache.root}")
+        return
+    if args.older_than_days is None and args.max_gib is None:
+        raise Qwen3VLTrtError("cache prune needs --older-than-days or --max-gib (or both)")
+    removed = cache.prune(
+        None if args.older_than_days is None else args.older_than_days * 86400,
+        None if args.max_gib is None else int(args.max_gib * 2**30),
+        args.dry_run,
+    )
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(removed)} entries" + "".join(f"\n  {key}" for key in removed))
 
 
 def _repository_settings(args: argparse.Namespace):
@@ -742,10 +799,9 @@ def _add_llm_quant(s: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_build_parser(sub: _Subparsers) -> None:
-    s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
+def _add_artifact_options(s: argparse.ArgumentParser) -> None:
+    """What `build` makes its artifacts from: the checkpoint and the options that change them (the build key's)."""
     s.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    s.add_argument("--output", required=True, help="build directory to create")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="vision export dtype")
     s.add_argument(
         "--vision-engine-dtype", default="bf16", choices=["fp16", "bf16"], help="vision TensorRT engine (GPU hosts)"
@@ -755,9 +811,80 @@ def _add_build_parser(sub: _Subparsers) -> None:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the LLM")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of the LLM")
     _add_limits(s)
+
+
+def _add_cache_options(s: argparse.ArgumentParser) -> None:
+    from .build_cache.store import DEFAULT_LEASE_S, DEFAULT_WAIT_S
+
+    g = s.add_argument_group("build cache (docs/build-cache.md)")
+    g.add_argument(
+        "--cache",
+        type=pathlib.Path,
+        help="shared build cache directory (POSIX storage every replica mounts: NFS, EFS, Filestore, CephFS): "
+        "artifacts built once per build key, pulled by every later build",
+    )
+    g.add_argument(
+        "--checkpoint-id",
+        help="a revision you vouch for (e.g. the hub commit) in place of the checkpoint's digest (no hashing)",
+    )
+    g.add_argument(
+        "--cache-pull",
+        choices=["link", "copy"],
+        default="link",
+        help="use a cache entry where it lies, read-only (link) or copy it into the build (default: %(default)s)",
+    )
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="hash every file of a cache entry at the pull (default: sizes, and the hashes of files up to 64 MiB)",
+    )
+    g.add_argument(
+        "--cache-lease-s",
+        type=_positive_float,
+        default=DEFAULT_LEASE_S,
+        help="a builder whose lease heartbeat is still this long is taken for dead (default: %(default)g)",
+    )
+    g.add_argument(
+        "--cache-wait-s",
+        type=_positive_float,
+        default=DEFAULT_WAIT_S,
+        help="longest wait for another builder of the same key (default: %(default)g)",
+    )
+
+
+def _add_build_parser(sub: _Subparsers) -> None:
+    s = sub.add_parser("build", help="run every stage this machine can run; write a manifest")
+    _add_artifact_options(s)
+    s.add_argument("--output", required=True, help="build directory to create")
     _add_repository_options(s)
+    _add_cache_options(s)
     s.add_argument("--force", action="store_true", help="replace an existing build directory")
     s.set_defaults(func=_build)
+
+
+def _add_build_key_parser(sub: _Subparsers) -> None:
+    s = sub.add_parser("build-key", help="print the build key of a checkpoint and build options, and its parts")
+    _add_artifact_options(s)
+    s.add_argument("--cache", type=pathlib.Path, help="remember the checkpoint's file hashes in this build cache")
+    s.add_argument("--checkpoint-id", help="a revision you vouch for in place of the checkpoint's digest")
+    s.add_argument("--json", action="store_true", help="print {key, parts} as JSON")
+    s.set_defaults(func=_build_key)
+
+
+def _add_cache_parser(sub: _Subparsers) -> None:
+    s = sub.add_parser("cache", help="list or prune the entries of a build cache")
+    actions = s.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="every entry: key, size, last pull, model and GPU")
+    listing.add_argument("--cache", type=pathlib.Path, required=True, help="build cache directory")
+    listing.add_argument("--json", action="store_true", help="print the entries as JSON")
+    prune = actions.add_parser(
+        "prune", help="remove entries not pulled for a while, or the least recently pulled beyond a size"
+    )
+    prune.add_argument("--cache", type=pathlib.Path, required=True, help="build cache directory")
+    prune.add_argument("--older-than-days", type=_positive_float, help="entries not pulled for this many days")
+    prune.add_argument("--max-gib", type=_positive_float, help="then the least recently pulled until the rest fit")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    s.set_defaults(func=_cache)
 
 
 def _add_write_repo_parser(sub: _Subparsers) -> None:
@@ -887,6 +1014,8 @@ def parser() -> argparse.ArgumentParser:
         _add_build_vision_engine_parser,
         _add_preprocess_parser,
         _add_build_parser,
+        _add_build_key_parser,
+        _add_cache_parser,
         _add_write_repo_parser,
         _add_serve_parser,
         _add_openai_parser,

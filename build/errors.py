@@ -85,3 +85,7 @@ class ServingError(Qwen3VLTrtError):
     """No usable Triton server: not installed, not runnable from this environment, or not ready in time."""
 
     exit_code = 3
+
+
+class BuildCacheError(Qwen3VLTrtError):
+    """The build cache cannot be used: not a cache directory, storage without what it needs, or a wait that timed out."""

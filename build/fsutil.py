@@ -49,7 +49,7 @@ def check_output_dir(output: Path, force: bool) -> None:
         )
 
 
-def _fsync(path: str, directory: bool = False) -> None:
+def fsync(path: str | os.PathLike[str], directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
@@ -69,16 +69,16 @@ def _finalize_tree(root: Path) -> None:
             if os.path.islink(path):
                 continue
             os.chmod(path, 0o666 & ~umask)
-            _fsync(path)
+            fsync(path)
         os.chmod(dirpath, 0o777 & ~umask)
-        _fsync(dirpath, directory=True)
+        fsync(dirpath, directory=True)
 
 
 def _replace(tmp: Path, output: Path) -> None:
     """Swaps tmp in for output; on failure the previous output is put back."""
     if not output.exists():
         tmp.rename(output)
-        _fsync(str(output.parent), directory=True)
+        fsync(str(output.parent), directory=True)
         return
     old = output.with_name(f".{output.name}.old-{uuid.uuid4().hex[:8]}")
     output.rename(old)  # readers see no directory between these two renames
@@ -87,7 +87,7 @@ def _replace(tmp: Path, output: Path) -> None:
     except BaseException:
         old.rename(output)
         raise
-    _fsync(str(output.parent), directory=True)
+    fsync(str(output.parent), directory=True)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -32,7 +32,12 @@ STAGES = (VISION_STAGE, LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_ST
 
 _REBUILD = "rebuild it with `qwen3vl-trt build --force`"
 # The layout of manifest.json this version writes and reads; bump it with any change its readers depend on.
-MANIFEST_SCHEMA = 2
+MANIFEST_SCHEMA = 3
+# How a build's artifacts (everything but its Triton repository) were obtained: built here without a cache,
+# built here and published to the cache (a miss), or pulled from the cache (a hit, after waiting for another
+# builder where one held the key's lease).
+ArtifactSource = Literal["local", "built", "pulled"]
+PullMode = Literal["link", "copy"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,45 @@ _STAGE_FIELDS: dict[str, Callable[[object], bool]] = {
 
 
 @dataclass(frozen=True)
+class CacheRecord:
+    """What the build cache did for a build (`build --cache`): the key and its parts (build_cache.key), whether
+    the artifacts were built here and published ("built") or pulled ("pulled"); seconds spent waiting for another
+    builder of the key, pulling (checking and linking or copying), bytes pulled, the entry's path, how it was
+    pulled, and why an entry found for the key was refused (corrupt or foreign) and rebuilt."""
+
+    key: str
+    parts: Mapping[str, str]
+    source: ArtifactSource
+    entry: str
+    mode: PullMode
+    wait_s: float = 0.0
+    pull_s: float = 0.0
+    pull_bytes: int = 0
+    build_s: float | None = None
+    refused: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return {**asdict(self), "parts": dict(self.parts)}
+
+    @classmethod
+    def from_json(cls, raw: object, where: Path) -> CacheRecord:
+        names = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not {"key", "parts", "source", "entry", "mode"} <= raw.keys() <= names:
+            raise CheckpointError(f"{where}: 'cache' is not a build-cache record, got {raw!r}; {_REBUILD}")
+        parts = raw["parts"]
+        valid = (
+            isinstance(raw["key"], str)
+            and isinstance(parts, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in parts.items())
+            and raw["source"] in get_args(ArtifactSource)
+            and raw["mode"] in get_args(PullMode)
+        )
+        if not valid:
+            raise CheckpointError(f"{where}: 'cache' is not a build-cache record, got {raw!r}; {_REBUILD}")
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
 class BuildManifest:
     """manifest.json of a build: `model` is the checkpoint it was built from (absolute), `qwen3vl_trt` the
     version that built it."""
@@ -126,6 +170,12 @@ class BuildManifest:
     model_type: str | None = None
     size: str | None = None
     qwen3vl_trt: str | None = __version__
+    cache: CacheRecord | None = None
+
+    @property
+    def source(self) -> ArtifactSource:
+        """How the artifacts were obtained: "local" for a build without --cache."""
+        return "local" if self.cache is None else self.cache.source
 
     def stage(self, name: str) -> StageRecord | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -143,6 +193,7 @@ class BuildManifest:
             "limits": asdict(self.limits),
             "target": self.target,
             "stages": [s.as_json() for s in self.stages],
+            "cache": None if self.cache is None else self.cache.as_json(),
         }
 
     def write(self, build_dir: str | os.PathLike[str]) -> Path:
@@ -182,7 +233,17 @@ class BuildManifest:
             model_type=_optional(raw, "model_type", None, path),
             size=_optional(raw, "size", None, path),
             qwen3vl_trt=_optional(raw, "qwen3vl_trt", None, path),
+            cache=None if raw.get("cache") is None else CacheRecord.from_json(raw["cache"], path),
         )
+
+    @classmethod
+    def of_repository(cls, repo: str | os.PathLike[str]) -> BuildManifest | None:
+        """The manifest of the build whose Triton repository `repo` is (its parent directory's), None for a
+        repository that `write-repo` wrote elsewhere."""
+        repo = Path(repo)
+        if repo.name != BuildLayout.TRITON_REPO or not BuildLayout(repo.parent).manifest.is_file():
+            return None
+        return cls.read(repo.parent)
 
 
 def _optional(raw: Mapping[str, Any], key: str, choices: tuple[str, ...] | None, path: Path) -> str | None:

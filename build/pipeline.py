@@ -6,6 +6,9 @@ import os
 import time
 from pathlib import Path
 
+from .build_cache.digest import Remembered, checkpoint_digest, file_sha256
+from .build_cache.key import ArtifactOptions, BuildKey, Platform
+from .build_cache.store import BuildCache, CacheSettings
 from .calibration import convert_calibrated
 from .checkpoint import Checkpoint
 from .contracts import PLUGIN, BuildLayout
@@ -13,8 +16,9 @@ from .errors import GpuStackMissingError
 from .fsutil import atomic_output_dir
 from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
-from .llm.convert import check_llm_options
+from .llm.convert import LLMOptions, check_llm_options
 from .llm.engine_build import build_llm_engine, gpu_stack_problem
+from .llm.precision import visible_gpu_arch
 from .manifest import (
     LLM_CHECKPOINT_STAGE,
     LLM_ENGINE_STAGE,
@@ -47,11 +51,14 @@ def build(
     settings: RepositorySettings | None = None,
     force: bool = False,
     vision_engine_dtype: str = "bf16",
+    cache: CacheSettings | None = None,
     log=print,
 ) -> BuildManifest:
     """Runs the stages; the Triton repository (last) is written for `target` (default: gpu where the
     GPU stack is present, else cpu). A gpu target needs the LLM engine, so it fails early elsewhere.
-    The vision engine (TensorRT and a GPU) is built from a plugin-variant export in vision_engine_dtype."""
+    The vision engine (TensorRT and a GPU) is built from a plugin-variant export in vision_engine_dtype. With
+    `cache`, the artifacts come from the shared build cache (built and published there on a miss) and only the
+    repository is written here."""
     limits = limits or EngineLimits()
     problem = gpu_stack_problem()
     target = target or ("gpu" if problem is None else "cpu")
@@ -63,38 +70,32 @@ def build(
     ckpt.verify_shards()
     llm_options = check_llm_options(ckpt, llm_dtype, llm_quant, tp, pp, kv_cache_dtype, gpu_arch)
     log(f"language model engine: --llm-quant {llm_options.quant} ({llm_options.why})")
-    stages: list[StageRecord] = []
+    key = store = None
+    if cache is not None:
+        store = BuildCache(cache.root, cache.lease_s, cache.wait_s, log).open()
+        key = build_key(
+            ckpt, dtype, vision_engine_dtype, llm_options, kv_cache_dtype, gpu_arch, tp, pp, calibration_data, limits,
+            cache.checkpoint_id, store.remembered, log,
+        )  # fmt: skip
+        log(key.describe())
     out = BuildLayout(Path(output_dir))
-    with atomic_output_dir(output_dir, force=force, inputs=[ckpt.path]) as tmp_root:
+    final = BuildLayout(out.root.absolute())  # what the repository and the stages' commands name
+
+    def artifacts(root: Path) -> tuple[StageRecord, ...]:
+        return _artifacts(
+            ckpt, BuildLayout(root), final, dtype, llm_dtype, tp, pp, llm_options.quant, kv_cache_dtype, gpu_arch,
+            calibration_data, limits, vision_engine_dtype, problem, log,
+        )  # fmt: skip
+
+    inputs = [ckpt.path] if cache is None else [ckpt.path, cache.root]
+    with atomic_output_dir(output_dir, force=force, inputs=inputs) as tmp_root:
         tmp = BuildLayout(tmp_root)
-        start = time.perf_counter()
-        # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
-        result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
-        stages.append(
-            StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error)
-        )
-        start = time.perf_counter()
-        convert_calibrated(
-            ckpt,
-            tmp.llm_checkpoint,
-            dtype=llm_dtype,
-            tp=tp,
-            pp=pp,
-            quant=llm_options.quant,
-            kv_cache_dtype=kv_cache_dtype,
-            gpu_arch=gpu_arch,
-            calibration_data=calibration_data,
-            log=log,
-        )
-        stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
-        if problem is None:
-            start = time.perf_counter()
-            build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
-            stages.append(StageRecord.done(LLM_ENGINE_STAGE, BuildLayout.LLM_ENGINE, start))
+        record = None
+        if cache is None or store is None or key is None:
+            stages = list(artifacts(tmp_root))
         else:
-            rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out.llm_checkpoint} --output {out.llm_engine}"
-            stages.append(StageRecord.skipped(LLM_ENGINE_STAGE, problem, rerun))
-        stages.append(_vision_engine_stage(ckpt, tmp, out, limits, vision_engine_dtype, log))
+            pulled = store.obtain(key, artifacts, tmp_root, final.root, cache.mode, cache.verify)
+            stages, record = list(pulled.stages), pulled.record
         start = time.perf_counter()
         _, llm = read_trtllm_config(tmp.llm_checkpoint)
         model = Path(model_dir).absolute()
@@ -103,7 +104,7 @@ def build(
         if memory is not None:
             log(memory.describe())
         # The repository records the build's final paths, where its models will find the files.
-        configs = model_configs(BuildLayout(out.root.absolute()), model, target, limits, llm, settings, memory)
+        configs = model_configs(final, model, target, limits, llm, settings, memory)
         write_model_files(tmp.triton_repo, configs)
         stages.append(StageRecord.done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start, target=target))
         manifest = BuildManifest(
@@ -113,6 +114,7 @@ def build(
             target=target,
             model_type=ckpt.info.model_type,
             size=ckpt.info.size_name,
+            cache=record,
         )
         manifest.write(tmp.root)
     for stage in stages:
@@ -121,6 +123,96 @@ def build(
         else:
             log(f"stage {stage.stage}: {stage.status} ({stage.seconds}s) -> {out.root / str(stage.output)}")
     return manifest
+
+
+def _artifacts(
+    ckpt: Checkpoint,
+    tmp: BuildLayout,
+    out: BuildLayout,
+    dtype: str,
+    llm_dtype: str | None,
+    tp: int,
+    pp: int,
+    llm_quant: str,
+    kv_cache_dtype: str,
+    gpu_arch: int | None,
+    calibration_data: str | os.PathLike[str] | None,
+    limits: EngineLimits,
+    vision_engine_dtype: str,
+    problem: str | None,
+    log,
+) -> tuple[StageRecord, ...]:
+    """Every stage but the repository, into `tmp` (the build's temporary directory or a cache entry being built);
+    skipped stages' commands name the build's output `out`."""
+    stages: list[StageRecord] = []
+    start = time.perf_counter()
+    # Parity against transformers runs in fp32 only; other dtypes are checked structurally.
+    result = export_vision(ckpt, tmp.vision, dtype=dtype, verify=dtype == "fp32", log=log)
+    stages.append(StageRecord.done(VISION_STAGE, BuildLayout.VISION, start, verification=result.sidecar.max_rel_error))
+    start = time.perf_counter()
+    convert_calibrated(
+        ckpt,
+        tmp.llm_checkpoint,
+        dtype=llm_dtype,
+        tp=tp,
+        pp=pp,
+        quant=llm_quant,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_arch=gpu_arch,
+        calibration_data=calibration_data,
+        log=log,
+    )
+    stages.append(StageRecord.done(LLM_CHECKPOINT_STAGE, BuildLayout.LLM_CHECKPOINT, start))
+    if problem is None:
+        start = time.perf_counter()
+        build_llm_engine(tmp.llm_checkpoint, tmp.llm_engine, limits)
+        stages.append(StageRecord.done(LLM_ENGINE_STAGE, BuildLayout.LLM_ENGINE, start))
+    else:
+        rerun = f"qwen3vl-trt build-llm-engine --checkpoint {out.llm_checkpoint} --output {out.llm_engine}"
+        stages.append(StageRecord.skipped(LLM_ENGINE_STAGE, problem, rerun))
+    stages.append(_vision_engine_stage(ckpt, tmp, out, limits, vision_engine_dtype, log))
+    return tuple(stages)
+
+
+def build_key(
+    ckpt: Checkpoint,
+    dtype: str,
+    vision_engine_dtype: str,
+    llm_options: LLMOptions,
+    kv_cache_dtype: str,
+    gpu_arch: int | None,
+    tp: int,
+    pp: int,
+    calibration_data: str | os.PathLike[str] | None,
+    limits: EngineLimits,
+    checkpoint_id: str | None = None,
+    remembered: Remembered | None = None,
+    log=print,
+) -> BuildKey:
+    """The build key of these options on this machine (build_cache.key): checkpoint_id (a revision the user vouches
+    for) stands in for the checkpoint's digest, which is otherwise computed (file hashes looked up in and added to
+    `remembered`)."""
+    if checkpoint_id is not None:
+        checkpoint = f"id:{checkpoint_id}"
+    else:
+        digest = checkpoint_digest(ckpt.path, remembered, log)
+        log(digest.describe())
+        checkpoint = digest.value
+    platform = Platform.detect()
+    arch = gpu_arch if gpu_arch is not None else visible_gpu_arch()
+    options = ArtifactOptions(
+        vision_dtype=dtype,
+        vision_engine_dtype=vision_engine_dtype,
+        llm_dtype=llm_options.dtype,
+        llm_quant=llm_options.quant,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_arch="none" if arch is None else f"sm{arch}",
+        tp=tp,
+        pp=pp,
+        calibration="builtin" if calibration_data is None else f"sha256:{file_sha256(Path(calibration_data))}",
+        limits=limits,
+    )
+    return BuildKey.of(checkpoint, platform, options)
 
 
 def _vision_engine_stage(

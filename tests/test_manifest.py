@@ -56,6 +56,19 @@ WRITTEN = {
         },
         {"stage": "triton-repo", "status": "done", "output": "triton_repo", "seconds": 0.1, "target": "cpu"},
     ],
+    # Pulled from the build cache (build --cache) after waiting for the replica that built it.
+    "cache": {
+        "key": "c7aa68d4248192f8af11bfe0719ab56b",
+        "parts": {"checkpoint": "id:rev1", "gpu": "none", "tp": "1"},
+        "source": "pulled",
+        "entry": "/cache/entries/c7aa68d4248192f8af11bfe0719ab56b",
+        "mode": "link",
+        "wait_s": 41.0,
+        "pull_s": 0.21,
+        "pull_bytes": 62914560,
+        "build_s": None,
+        "refused": None,
+    },
 }
 
 
@@ -76,8 +89,16 @@ def test_reads_a_manifest_as_written(tmp_path):
     assert vision is not None and vision.verification == 3.1e-06 and vision.output == BuildLayout.VISION
     engine = manifest.stage(LLM_ENGINE_STAGE)
     assert engine is not None and engine.status == "skipped" and "build-llm-engine" in str(engine.rerun_on_gpu_host)
+    assert manifest.source == "pulled" and manifest.cache is not None and manifest.cache.wait_s == 41.0
     # Written again, it is the same file.
     assert manifest.as_json() == WRITTEN
+
+
+@pytest.mark.parametrize("cache", [{"key": "k"}, {**WRITTEN["cache"], "source": "borrowed"}, "pulled"])  # type: ignore[dict-item]
+def test_refuses_a_cache_record_it_cannot_read(tmp_path, cache):
+    build = _write(tmp_path / "b", {**WRITTEN, "cache": cache})
+    with pytest.raises(CheckpointError, match="'cache' is not a build-cache record"):
+        BuildManifest.read(build)
 
 
 @pytest.mark.parametrize("schema", [None, 1, MANIFEST_SCHEMA + 1])

@@ -1,0 +1,323 @@
+"""The shared build cache (`build --cache`): a second build of the same key pulls the first's artifacts, byte for
+byte, and writes its own repository; anything that changes artifacts is another key; builders started together
+build once; a builder that dies hands over when its lease lapses; a damaged entry is rebuilt, never served."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from qwen3vl_trt.build_cache import store as store_module
+from qwen3vl_trt.build_cache.digest import Remembered, checkpoint_digest, file_sha256
+from qwen3vl_trt.build_cache.key import Platform
+from qwen3vl_trt.build_cache.store import ENTRY_FILE, BuildCache, CacheSettings, EntryProblem
+from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.llm.convert import check_llm_options
+from qwen3vl_trt.manifest import BuildManifest
+from qwen3vl_trt.pipeline import build, build_key
+from qwen3vl_trt.runtime.local import LocalPipeline
+from qwen3vl_trt.runtime.sampling import SamplingParams
+from qwen3vl_trt.serving.repository.writer import RepositorySettings
+
+from tests.deployment import cli, user
+
+# The cache's behaviour does not depend on the transformers version (the builds only use it to export).
+pytestmark = [pytest.mark.once, pytest.mark.slow]
+
+FAST = {"dtype": "fp16"}  # an export without the fp32 parity run: these tests are about the cache
+
+
+def _quiet(*_args) -> None:
+    pass
+
+
+def _artifact_hashes(build_dir: Path) -> dict[str, str]:
+    """sha256 of every artifact file of a build (through its links into the cache), by relative path."""
+    hashes = {}
+    for name in store_module.ARTIFACTS:
+        top = build_dir / name
+        if top.exists():
+            for path in sorted(p for p in top.rglob("*") if p.is_file()):
+                hashes[str(path.relative_to(build_dir))] = file_sha256(path)
+    return hashes
+
+
+def _key(ckpt_dir: Path, **options):
+    ckpt = Checkpoint(ckpt_dir)
+    llm = check_llm_options(ckpt, options.get("llm_dtype"), None, 1, 1)
+    from qwen3vl_trt.limits import EngineLimits
+
+    limits = options.get("limits", EngineLimits())
+    return build_key(ckpt, options.get("dtype", "fp32"), "bf16", llm, "auto", None, 1, 1, None, limits, log=_quiet)
+
+
+def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(tiny_dense, tmp_path):
+    """A hit copies (or links) exactly what the miss built; a repository setting changes only the repository."""
+    cache = tmp_path / "cache"
+    lines: list[str] = []
+    first = build(tiny_dense, tmp_path / "b1", cache=CacheSettings(cache), log=lines.append, **FAST)
+    assert first.cache is not None and first.cache.source == "built" and first.cache.build_s is not None
+    assert any("miss for key" in line for line in lines)
+    assert (tmp_path / "b1" / BuildLayout.VISION).is_symlink()  # link mode: served where it lies in the cache
+
+    lines.clear()
+    settings = RepositorySettings(max_queue_delay_us=500)
+    second = build(
+        tiny_dense,
+        tmp_path / "b2",
+        cache=CacheSettings(cache, mode="copy"),
+        settings=settings,
+        log=lines.append,
+        **FAST,
+    )
+    assert second.cache is not None and second.cache.source == "pulled" and second.cache.key == first.cache.key
+    assert second.cache.pull_bytes > 0 and any("hit for key" in line for line in lines)
+    assert not (tmp_path / "b2" / BuildLayout.VISION).is_symlink()
+    assert _artifact_hashes(tmp_path / "b1") == _artifact_hashes(tmp_path / "b2")
+    # The manifest read back says how the artifacts were obtained.
+    assert BuildManifest.read(tmp_path / "b2").source == "pulled"
+    assert BuildManifest.of_repository(tmp_path / "b2" / BuildLayout.TRITON_REPO) == BuildManifest.read(tmp_path / "b2")
+
+    # Its own repository: its paths and the changed setting.
+    config = (tmp_path / "b2" / BuildLayout.TRITON_REPO / "llm" / "config.pbtxt").read_text()
+    assert str(tmp_path / "b2" / BuildLayout.LLM_CHECKPOINT) in config and "max_queue_delay_microseconds: 500" in config
+    assert (
+        "max_queue_delay_microseconds: 500"
+        not in (tmp_path / "b1" / BuildLayout.TRITON_REPO / "llm" / "config.pbtxt").read_text()
+    )
+
+    # Both builds answer alike.
+    messages = user("Describe the picture.", _png())
+    answers = [
+        LocalPipeline(tiny_dense, tmp_path / b).generate(messages, SamplingParams(max_new_tokens=6)).token_ids
+        for b in ("b1", "b2")
+    ]
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 90)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _flip_weight_byte(ckpt_dir: Path) -> str:
+    """Changes one byte of tensor data in the first shard (its header untouched); the shard's name."""
+    shard = sorted(ckpt_dir.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    data[8 + header_len + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard.name
+
+
+def test_what_changes_artifacts_changes_the_key(tiny_dense, tmp_path, monkeypatch):
+    """A weight changed in one shard, an artifact option, another GPU: another key. A repository setting is not
+    part of the key (the hit above)."""
+    base = _key(tiny_dense)
+    assert _key(tiny_dense) == base  # deterministic
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_dense, changed)
+    assert _key(changed).key == base.key  # the digest is of the content, not the path
+    _flip_weight_byte(changed)
+    assert _key(changed).parts["checkpoint"] != base.parts["checkpoint"]
+    assert _key(changed).key != base.key
+    assert _key(tiny_dense, dtype="bf16").key != base.key
+    from qwen3vl_trt.limits import EngineLimits
+
+    assert _key(tiny_dense, limits=EngineLimits(max_batch_size=4)).key != base.key
+    h200 = Platform("NVIDIA H200", "9.0", "10.14.1.48", "1.2.1", "13.0")
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: h200))
+    on_h200 = _key(tiny_dense)
+    h100 = dataclasses.replace(h200, gpu="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: h100))
+    assert len({base.key, on_h200.key, _key(tiny_dense).key}) == 3
+    assert on_h200.parts["gpu"] == "NVIDIA H200" and on_h200.parts["compute_capability"] == "9.0"
+
+
+def test_checkpoint_digest_reads_the_hubs_hashes_and_remembers_its_own(tmp_path):
+    """The hub's blob names and download metadata give a file's sha256 without reading it (while the file is not
+    newer than the metadata); other files are hashed once and remembered by path, size and mtime."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    weights = os.urandom(1 << 16)
+    (plain / "model.safetensors").write_bytes(weights)
+    (plain / "config.json").write_text("{}")
+    sha = hashlib.sha256(weights).hexdigest()
+    expected = checkpoint_digest(plain, log=_quiet)
+    assert expected.sources == {"hashed": 2}
+
+    # hf_hub_download into the hub cache: the snapshot links to blobs/<sha256>.
+    hub = tmp_path / "models--org--name"
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "blobs" / sha).write_bytes(weights)
+    snapshot = hub / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(hub / "blobs" / sha)
+    (snapshot / "config.json").write_text("{}")
+    found = checkpoint_digest(snapshot, log=_quiet)
+    assert found.value == expected.value and found.sources == {"hub": 1, "hashed": 1}
+
+    # A local_dir download's metadata (commit, etag, timestamp); a file modified after it is hashed again.
+    local = tmp_path / "local"
+    shutil.copytree(plain, local)
+    metadata = local / ".cache" / "huggingface" / "download"
+    metadata.mkdir(parents=True)
+    (metadata / "model.safetensors.metadata").write_text(f"0123abc\n{sha}\n{time.time() + 5}\n")
+    found = checkpoint_digest(local, log=_quiet)
+    assert found.value == expected.value and found.sources == {"download-metadata": 1, "hashed": 1}
+    (metadata / "model.safetensors.metadata").write_text(f"0123abc\n{'0' * 64}\n{time.time() - 100}\n")
+    assert checkpoint_digest(local, log=_quiet).value == expected.value  # the stale metadata's etag is not used
+
+    remembered = Remembered(tmp_path / "digests")
+    assert checkpoint_digest(plain, remembered, _quiet).sources == {"hashed": 2}
+    again = checkpoint_digest(plain, remembered, _quiet)
+    assert again.value == expected.value and again.sources == {"remembered": 2} and again.hashed_bytes == 0
+    (plain / "model.safetensors").write_bytes(os.urandom(1 << 16))
+    changed = checkpoint_digest(plain, remembered, _quiet)
+    assert changed.value != expected.value and changed.sources == {"hashed": 1, "remembered": 1}
+
+
+def _build_command(ckpt: Path, output: Path, cache: Path, *extra: str) -> list[str]:
+    return ["build", "--model", str(ckpt), "--output", str(output), "--cache", str(cache), "--dtype", "fp16", *extra]
+
+
+def test_builders_started_together_build_once(tiny_dense, tmp_path):
+    """Three replicas starting at once for one key: one builds, two wait (reported) and pull the same artifacts."""
+    cache = tmp_path / "cache"
+    procs = [
+        cli(*_build_command(tiny_dense, tmp_path / f"r{i}", cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for i in range(3)
+    ]
+    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], logs
+    sources = sorted(BuildManifest.read(tmp_path / f"r{i}").source for i in range(3))
+    assert sources == ["built", "pulled", "pulled"], logs
+    assert sum("miss for key" in log for log in logs) == 1
+    hashes = [_artifact_hashes(tmp_path / f"r{i}") for i in range(3)]
+    assert hashes[0] == hashes[1] == hashes[2] and hashes[0]
+    waited = [BuildManifest.read(tmp_path / f"r{i}").cache for i in range(3)]
+    assert all(r is not None for r in waited)
+    assert len(BuildCache(cache).listing()) == 1
+
+
+def test_a_dead_builders_lease_lapses_and_another_builds(tiny_dense, tmp_path):
+    """A builder killed mid-build: the next one waits for its lease to lapse (its heartbeat stops), takes it,
+    builds and publishes; the dead builder's work is cleared."""
+    cache = tmp_path / "cache"
+    lease = ("--cache-lease-s", "3")
+    victim = cli(*_build_command(tiny_dense, tmp_path / "dead", cache, *lease), stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any((cache / "building").glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any((cache / "building").glob("*")), "the builder did not start building"
+    time.sleep(1.0)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
+    heir = subprocess.run(
+        [sys.executable, "-m", "qwen3vl_trt.cli", *_build_command(tiny_dense, tmp_path / "heir", cache, *lease)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert heir.returncode == 0, heir.stdout + heir.stderr
+    assert "lease-000002.json" in heir.stdout  # the dead builder held generation 1
+    manifest = BuildManifest.read(tmp_path / "heir")
+    assert manifest.source == "built"
+    assert [p.name for p in (cache / "building").iterdir()] == []
+    assert not (tmp_path / "dead").exists()  # nothing half-written where the dead builder was to publish
+
+
+def test_a_damaged_entry_is_rebuilt_never_served(tiny_dense, tmp_path, monkeypatch):
+    """Truncated: found by size at every pull. Altered in place at the same size: by hash, at every pull for small
+    files and with verify for large ones. Foreign (another key's entry.json): refused too."""
+    cache = tmp_path / "cache"
+    first = build(tiny_dense, tmp_path / "b1", cache=CacheSettings(cache), log=_quiet, **FAST)
+    assert first.cache is not None
+    entry = Path(first.cache.entry)
+    store = BuildCache(cache, log=_quiet)
+    key = _cache_key(first)
+
+    small = entry / BuildLayout.LLM_CHECKPOINT / "config.json"
+    _rewrite(small, lambda data: data[:-1] + bytes([data[-1] ^ 1]))  # same size
+    with pytest.raises(EntryProblem, match="sha256 differs"):
+        store.check(key, verify=False)
+    _rewrite(small, lambda data: data[:-1] + bytes([data[-1] ^ 1]))  # restored
+    assert store.check(key, verify=False) is not None
+
+    large = max((p for p in entry.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    _rewrite(large, lambda data: bytes([data[0] ^ 1]) + data[1:])
+    monkeypatch.setattr(store_module, "ALWAYS_HASH_BYTES", 1024)  # as a large file of a full-size model
+    assert store.check(key, verify=False) is not None  # sizes only: a same-size alteration passes ...
+    with pytest.raises(EntryProblem, match="sha256 differs"):
+        store.check(key, verify=True)  # ... --verify finds it
+    monkeypatch.undo()
+
+    # Truncated: the next build refuses the entry, moves it aside and builds again; the result is whole.
+    _rewrite(large, lambda data: data[: len(data) // 2])
+    lines: list[str] = []
+    rebuilt = build(tiny_dense, tmp_path / "b2", cache=CacheSettings(cache), log=lines.append, **FAST)
+    assert rebuilt.cache is not None and rebuilt.cache.source == "built"
+    assert rebuilt.cache.refused is not None and "truncated" in rebuilt.cache.refused
+    assert any("refused" in line for line in lines)
+    assert store.check(key, verify=True) is not None
+    assert any((cache / "refused").iterdir())
+
+    # Foreign: an entry.json written for another key.
+    manifest = json.loads((entry / ENTRY_FILE).read_text())
+    _rewrite(entry / ENTRY_FILE, lambda _: json.dumps({**manifest, "key": "0" * 32}).encode())
+    with pytest.raises(EntryProblem, match="foreign"):
+        store.check(key, verify=False)
+
+    # Pruning clears what was refused and, by size, the entries.
+    assert store.prune(max_bytes=0) == [key.key]
+    assert store.listing() == [] and not any((cache / "refused").iterdir())
+
+
+def _cache_key(manifest: BuildManifest):
+    from qwen3vl_trt.build_cache.key import BuildKey
+
+    assert manifest.cache is not None
+    return BuildKey(manifest.cache.key, manifest.cache.parts)
+
+
+def _rewrite(path: Path, change) -> None:
+    data = path.read_bytes()
+    path.chmod(0o644)
+    path.write_bytes(change(data))
+    path.chmod(0o444)
+
+
+def test_build_key_command_prints_the_key_and_its_parts(tiny_dense, capsys):
+    from qwen3vl_trt.cli import main
+
+    assert main(["build-key", "--model", str(tiny_dense), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["key"] == _key(tiny_dense).key and printed["parts"]["gpu"] == "none"
+    assert main(["build-key", "--model", str(tiny_dense), "--checkpoint-id", "rev1"]) == 0
+    out = capsys.readouterr().out
+    assert "id:rev1" in out and "hashed" not in out and printed["key"] not in out
+
+
+def test_cache_refuses_a_directory_that_is_not_one(tmp_path):
+    (tmp_path / "data.txt").write_text("mine")
+    from qwen3vl_trt.errors import BuildCacheError
+
+    with pytest.raises(BuildCacheError, match="not a qwen3vl-trt build cache"):
+        BuildCache(tmp_path).open()
