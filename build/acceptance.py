@@ -23,6 +23,7 @@ import contextlib
 import json
 import platform
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -267,6 +268,43 @@ class Acceptance:
             run,
         )
 
+    def build_cache_row(self, name: str, model: Path) -> None:
+        """build --cache twice in a fresh cache: a miss that builds the engines, then a hit that links them; the
+        served rows then serve the hit's repository (its engines read through the links)."""
+
+        def run() -> tuple[bool, str]:
+            from .build_cache.key import NO_GPU
+            from .build_cache.store import CacheSettings
+            from .contracts import BuildLayout
+            from .pipeline import build
+
+            cache = self.work / "build-cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            seconds, records = [], []
+            for run_name in ("miss", "hit"):
+                output = self.work / f"build-{name.replace(' ', '-')}-cache-{run_name}"
+                start = time.perf_counter()
+                manifest = build(model, output, target="gpu", force=True, cache=CacheSettings(cache), log=self.log)
+                seconds.append(time.perf_counter() - start)
+                records.append(manifest.cache)
+            miss, hit = records
+            assert miss is not None and hit is not None
+            parts = hit.parts
+            stack = [parts[p] for p in ("gpu", "compute_capability", "tensorrt", "tensorrt_llm")]
+            engines = all((output / d).is_dir() for d in (BuildLayout.VISION_ENGINE, BuildLayout.LLM_ENGINE))
+            ok = (miss.source, hit.source) == ("built", "pulled") and NO_GPU not in stack and engines
+            self._builds[name] = output
+            versions = f"TensorRT {parts['tensorrt']}, TensorRT-LLM {parts['tensorrt_llm']}"
+            key = f"key for {parts['gpu']} (sm {parts['compute_capability']}), {versions}"
+            return ok, f"hit {seconds[1]:.1f} s vs miss {seconds[0]:.1f} s; {key}"
+
+        self.row(
+            f"build --cache: a miss builds the engines, a hit links them and is served ({name})",
+            "miss then hit, GPU in the key",
+            [_cuda, _tensorrt, _tensorrt_llm],
+            run,
+        )
+
     def vision_engine_row(self, name: str, model: Path) -> None:
         def run() -> tuple[bool, str]:
             error = _vision_engine_against_transformers(model, self._built(name))
@@ -407,6 +445,8 @@ def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
     for name, model in models.items():
         acceptance.build_row(name, model)
         acceptance.vision_engine_row(name, model)
+        if name == "dense":
+            acceptance.build_cache_row(name, model)
         acceptance.served_rows(name, model)
     fp8, twin = _block_fp8_checkpoint(work)
     for llm_quant in QUANT_LOGIT_GAPS:

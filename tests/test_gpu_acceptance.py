@@ -25,6 +25,7 @@ CHECKS = [
         for check in (
             "qwen3vl-trt build, every stage",
             "vision engine (plugin, bf16) vs transformers tower fp32",
+            *(["build --cache: a miss builds the engines, a hit links them and is served"] if name == "dense" else []),
             "serve the GPU repository",
             "served tokens vs transformers greedy, text only",
             "served tokens vs transformers greedy, one JPEG",
