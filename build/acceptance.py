@@ -291,9 +291,11 @@ class Acceptance:
             assert miss is not None and hit is not None
             parts = hit.parts
             stack = [parts[p] for p in ("gpu", "compute_capability", "tensorrt", "tensorrt_llm")]
-            engines = all((output / d).is_dir() for d in (BuildLayout.VISION_ENGINE, BuildLayout.LLM_ENGINE))
-            ok = (miss.source, hit.source) == ("built", "pulled") and NO_GPU not in stack and engines
-            self._builds[name] = output
+            engines = [output / d for d in (BuildLayout.VISION_ENGINE, BuildLayout.LLM_ENGINE)]
+            linked = all(d.is_symlink() and d.is_dir() for d in engines)
+            ok = (miss.source, hit.source) == ("built", "pulled") and NO_GPU not in stack and linked
+            if ok:
+                self._builds[name] = output
             versions = f"TensorRT {parts['tensorrt']}, TensorRT-LLM {parts['tensorrt_llm']}"
             key = f"key for {parts['gpu']} (sm {parts['compute_capability']}), {versions}"
             return ok, f"hit {seconds[1]:.1f} s vs miss {seconds[0]:.1f} s; {key}"

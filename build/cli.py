@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -136,22 +138,32 @@ def _build(args: argparse.Namespace) -> None:
         cache = CacheSettings(
             args.cache, args.cache_pull, args.verify, args.checkpoint_id, args.cache_lease_s, args.cache_wait_s
         )
-    build(
-        args.model,
-        args.output,
-        dtype=args.dtype,
-        llm_dtype=args.llm_dtype,
-        llm_quant=args.llm_quant,
-        **_quantization_options(args),
-        tp=args.tp,
-        pp=args.pp,
-        limits=_engine_limits(args),
-        target=args.target,
-        settings=_repository_settings(args),
-        force=args.force,
-        vision_engine_dtype=args.vision_engine_dtype,
-        cache=cache,
-    )
+    # A pod deleted mid-build gets SIGTERM: end as an interrupt does, so the build's lease on a cache key is
+    # released and its partial work removed now rather than after the lease lapses.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        build(
+            args.model,
+            args.output,
+            dtype=args.dtype,
+            llm_dtype=args.llm_dtype,
+            llm_quant=args.llm_quant,
+            **_quantization_options(args),
+            tp=args.tp,
+            pp=args.pp,
+            limits=_engine_limits(args),
+            target=args.target,
+            settings=_repository_settings(args),
+            force=args.force,
+            vision_engine_dtype=args.vision_engine_dtype,
+            cache=cache,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _build_key(args: argparse.Namespace) -> None:
@@ -167,10 +179,12 @@ def _build_key(args: argparse.Namespace) -> None:
     )
     remembered = None if args.cache is None else BuildCache(args.cache).open().remembered
     log = (lambda _line: None) if args.json else print
-    key = build_key(
-        ckpt, args.dtype, args.vision_engine_dtype, llm, options["kv_cache_dtype"], options["gpu_arch"], args.tp,
-        args.pp, options["calibration_data"], _engine_limits(args), args.checkpoint_id, remembered, log,
-    )  # fmt: skip
+    # stdout is the key's alone with --json: TensorRT-LLM prints a banner when imported.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        key = build_key(
+            ckpt, args.dtype, args.vision_engine_dtype, llm, options["kv_cache_dtype"], options["gpu_arch"], args.tp,
+            args.pp, options["calibration_data"], _engine_limits(args), args.checkpoint_id, remembered, log,
+        )  # fmt: skip
     print(json.dumps({"key": key.key, "parts": dict(key.parts)}, indent=2) if args.json else key.describe())
 
 
@@ -179,7 +193,7 @@ def _cache(args: argparse.Namespace) -> None:
 
     from .build_cache.store import BuildCache
 
-    cache = BuildCache(args.cache).open()
+    cache = BuildCache(args.cache).open(create=False)
     if args.action == "list":
         entries = cache.listing()
         if args.json:

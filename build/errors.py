@@ -88,4 +88,4 @@ class ServingError(Qwen3VLTrtError):
 
 
 class BuildCacheError(Qwen3VLTrtError):
-    """The build cache cannot be used: not a cache directory, storage without what it needs, or a wait that timed out."""
+    """The build cache cannot be used: not a cache, storage lacking what it needs, a damaged entry, a wait ended."""

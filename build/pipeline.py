@@ -12,8 +12,8 @@ from .build_cache.store import BuildCache, CacheSettings
 from .calibration import convert_calibrated
 from .checkpoint import Checkpoint
 from .contracts import PLUGIN, BuildLayout
-from .errors import GpuStackMissingError
-from .fsutil import atomic_output_dir
+from .errors import BuildCacheError, GpuStackMissingError
+from .fsutil import atomic_output_dir, check_no_overlap, check_output_dir
 from .limits import EngineLimits
 from .llm.checkpoint_format import read_trtllm_config
 from .llm.convert import LLMOptions, check_llm_options
@@ -72,6 +72,12 @@ def build(
     log(f"language model engine: --llm-quant {llm_options.quant} ({llm_options.why})")
     key = store = None
     if cache is not None:
+        # Refused before the cache is touched or the checkpoint hashed (minutes for the largest).
+        check_no_overlap(Path(output_dir).absolute(), [ckpt.path, cache.root])
+        check_output_dir(Path(output_dir).absolute(), force)
+        root, model = cache.root.resolve(), ckpt.path.resolve()
+        if root.is_relative_to(model) or model.is_relative_to(root):
+            raise BuildCacheError(f"--cache {cache.root} and the checkpoint {ckpt.path} overlap; keep them apart")
         store = BuildCache(cache.root, cache.lease_s, cache.wait_s, log).open()
         key = build_key(
             ckpt, dtype, vision_engine_dtype, llm_options, kv_cache_dtype, gpu_arch, tp, pp, calibration_data, limits,
@@ -91,9 +97,10 @@ def build(
     with atomic_output_dir(output_dir, force=force, inputs=inputs) as tmp_root:
         tmp = BuildLayout(tmp_root)
         record = None
-        if cache is None or store is None or key is None:
+        if store is None or key is None:
             stages = list(artifacts(tmp_root))
         else:
+            assert cache is not None
             pulled = store.obtain(key, artifacts, tmp_root, final.root, cache.mode, cache.verify)
             stages, record = list(pulled.stages), pulled.record
         start = time.perf_counter()
@@ -198,7 +205,7 @@ def build_key(
         digest = checkpoint_digest(ckpt.path, remembered, log)
         log(digest.describe())
         checkpoint = digest.value
-    platform = Platform.detect()
+    platform = Platform.detect(tp * pp)
     arch = gpu_arch if gpu_arch is not None else visible_gpu_arch()
     options = ArtifactOptions(
         vision_dtype=dtype,

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from qwen3vl_trt.build_cache import store as store_module
 from qwen3vl_trt.build_cache.digest import Remembered, checkpoint_digest, file_sha256
-from qwen3vl_trt.build_cache.key import Platform
+from qwen3vl_trt.build_cache.key import BuildKey, Platform
 from qwen3vl_trt.build_cache.store import ENTRY_FILE, BuildCache, CacheSettings, EntryProblem
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.contracts import BuildLayout
 from qwen3vl_trt.llm.convert import check_llm_options
-from qwen3vl_trt.manifest import BuildManifest
+from qwen3vl_trt.manifest import VISION_STAGE, BuildManifest, StageRecord
 from qwen3vl_trt.pipeline import build, build_key
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
@@ -142,10 +142,10 @@ def test_what_changes_artifacts_changes_the_key(tiny_dense, tmp_path, monkeypatc
 
     assert _key(tiny_dense, limits=EngineLimits(max_batch_size=4)).key != base.key
     h200 = Platform("NVIDIA H200", "9.0", "10.14.1.48", "1.2.1", "13.0")
-    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: h200))
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls, ranks=1: h200))
     on_h200 = _key(tiny_dense)
     h100 = dataclasses.replace(h200, gpu="NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: h100))
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls, ranks=1: h100))
     assert len({base.key, on_h200.key, _key(tiny_dense).key}) == 3
     assert on_h200.parts["gpu"] == "NVIDIA H200" and on_h200.parts["compute_capability"] == "9.0"
 
@@ -170,6 +170,13 @@ def test_checkpoint_digest_reads_the_hubs_hashes_and_remembers_its_own(tmp_path)
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").symlink_to(hub / "blobs" / sha)
     (snapshot / "config.json").write_text("{}")
+    found = checkpoint_digest(snapshot, log=_quiet)
+    assert found.value == expected.value and found.sources == {"hub": 1, "hashed": 1}
+    # huggingface_hub 2.4 links the blob on into a store shared by repos, named by its Xet hash.
+    shared = tmp_path / "blobs" / "ab"
+    shared.mkdir(parents=True)
+    (hub / "blobs" / sha).rename(shared / ("ab" + "1" * 62))
+    (hub / "blobs" / sha).symlink_to(shared / ("ab" + "1" * 62))
     found = checkpoint_digest(snapshot, log=_quiet)
     assert found.value == expected.value and found.sources == {"hub": 1, "hashed": 1}
 
@@ -211,14 +218,15 @@ def test_builders_started_together_build_once(tiny_dense, tmp_path):
     assert sum("miss for key" in log for log in logs) == 1
     hashes = [_artifact_hashes(tmp_path / f"r{i}") for i in range(3)]
     assert hashes[0] == hashes[1] == hashes[2] and hashes[0]
-    waited = [BuildManifest.read(tmp_path / f"r{i}").cache for i in range(3)]
-    assert all(r is not None for r in waited)
+    records = [BuildManifest.read(tmp_path / f"r{i}").cache for i in range(3)]
+    pulled = [r for r in records if r is not None and r.source == "pulled"]
+    assert len(pulled) == 2 and all(r.wait_s > 0 for r in pulled), records  # they waited for the builder
     assert len(BuildCache(cache).listing()) == 1
 
 
 def test_a_dead_builders_lease_lapses_and_another_builds(tiny_dense, tmp_path):
     """A builder killed mid-build: the next one waits for its lease to lapse (its heartbeat stops), takes it,
-    builds and publishes; the dead builder's work is cleared."""
+    builds and publishes; prune clears the dead builder's work."""
     cache = tmp_path / "cache"
     lease = ("--cache-lease-s", "3")
     victim = cli(*_build_command(tiny_dense, tmp_path / "dead", cache, *lease), stdout=subprocess.DEVNULL)
@@ -226,7 +234,6 @@ def test_a_dead_builders_lease_lapses_and_another_builds(tiny_dense, tmp_path):
     while not any((cache / "building").glob("*")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert any((cache / "building").glob("*")), "the builder did not start building"
-    time.sleep(1.0)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
     assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
@@ -238,9 +245,14 @@ def test_a_dead_builders_lease_lapses_and_another_builds(tiny_dense, tmp_path):
     )
     assert heir.returncode == 0, heir.stdout + heir.stderr
     assert "lease-000002.json" in heir.stdout  # the dead builder held generation 1
+    assert "waiting for pid" in heir.stdout or BuildManifest.read(tmp_path / "heir").cache.wait_s >= 3  # type: ignore[union-attr]
     manifest = BuildManifest.read(tmp_path / "heir")
     assert manifest.source == "built"
-    assert [p.name for p in (cache / "building").iterdir()] == []
+    # The dead builder's work stays (a slow builder taken for dead may still finish it) until cache prune, which
+    # removes work whose lease is gone.
+    assert len(list((cache / "building").iterdir())) == 1
+    BuildCache(cache, log=_quiet).prune()
+    assert list((cache / "building").iterdir()) == [] and len(BuildCache(cache).listing()) == 1
     assert not (tmp_path / "dead").exists()  # nothing half-written where the dead builder was to publish
 
 
@@ -291,8 +303,6 @@ def test_a_damaged_entry_is_rebuilt_never_served(tiny_dense, tmp_path, monkeypat
 
 
 def _cache_key(manifest: BuildManifest):
-    from qwen3vl_trt.build_cache.key import BuildKey
-
     assert manifest.cache is not None
     return BuildKey(manifest.cache.key, manifest.cache.parts)
 
@@ -321,3 +331,66 @@ def test_cache_refuses_a_directory_that_is_not_one(tmp_path):
 
     with pytest.raises(BuildCacheError, match="not a qwen3vl-trt build cache"):
         BuildCache(tmp_path).open()
+
+
+def _fake_build(staging: Path) -> tuple[StageRecord, ...]:
+    (staging / BuildLayout.VISION).mkdir()
+    (staging / BuildLayout.VISION / "model.onnx").write_bytes(b"onnx" * 100)
+    return (StageRecord(VISION_STAGE, "done", BuildLayout.VISION, 0.1),)
+
+
+def test_a_failed_build_releases_its_lease_and_leaves_nothing(tmp_path):
+    store = BuildCache(tmp_path / "cache", log=_quiet)
+    key = BuildKey("f" * 32, {"checkpoint": "id:x"})
+
+    def fails(staging: Path) -> tuple[StageRecord, ...]:
+        _fake_build(staging)
+        raise RuntimeError("export failed")
+
+    with pytest.raises(RuntimeError, match="export failed"):
+        store.obtain(key, fails, tmp_path / "into", tmp_path / "out")
+    assert not any(store.entries.iterdir()) and not any(store.building.iterdir())
+    assert not any((store.leases / key.key).iterdir())  # the next builder need not wait for a lapse
+    into = tmp_path / "into"
+    into.mkdir()
+    assert store.obtain(key, _fake_build, into, tmp_path / "out").record.source == "built"
+
+
+def test_an_entry_moved_away_between_check_and_pull_is_looked_for_again(tmp_path, monkeypatch):
+    """Another replica refuses (or prune removes) the entry right after this one checked it: no dangling links
+    and no hit reported; the entry is built again."""
+    store = BuildCache(tmp_path / "cache", log=_quiet)
+    key = BuildKey("e" * 32, {"checkpoint": "id:x"})
+    first = tmp_path / "first"
+    first.mkdir()
+    store.obtain(key, _fake_build, first, first)
+    checked = BuildCache.check
+
+    def check_then_lose_it(self, key, verify):
+        manifest = checked(self, key, verify)
+        if manifest is not None and not getattr(self, "moved", False):
+            self.moved = True
+            self._refuse(key.key)  # as a concurrent refusal or prune would
+        return manifest
+
+    monkeypatch.setattr(BuildCache, "check", check_then_lose_it)
+    second = tmp_path / "second"
+    second.mkdir()
+    pulled = store.obtain(key, _fake_build, second, second)
+    assert pulled.record.source == "built"
+    assert (second / BuildLayout.VISION / "model.onnx").read_bytes() == b"onnx" * 100
+    assert not (first / BuildLayout.VISION).exists() or (first / BuildLayout.VISION / "model.onnx").exists()
+
+
+def test_bad_cache_paths_are_refused_with_a_clear_error(tiny_dense, tmp_path, capsys):
+    from qwen3vl_trt.cli import main
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main(["build", "--model", str(tiny_dense), "--output", str(tmp_path / "o"), "--cache", str(a_file)]) == 2
+    assert "cannot be used" in capsys.readouterr().err
+    inside = ["build", "--model", str(tiny_dense), "--output", str(tmp_path / "o"), "--cache", str(tmp_path / "o/c")]
+    assert main(inside) == 2
+    assert "overlaps" in capsys.readouterr().err and not (tmp_path / "o").exists()  # refused before any work
+    assert main(["cache", "list", "--cache", str(tmp_path / "typo")]) == 2
+    assert "not a qwen3vl-trt build cache" in capsys.readouterr().err and not (tmp_path / "typo").exists()

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,8 @@ def file_sha256(path: Path) -> str:
 
 class Remembered:
     """Hashes computed before, one JSON file per checkpoint file in `directory` (the cache's digests/), keyed by
-    the file's real path and valid while its size and modification time (ns) are the same."""
+    the file's real path and valid while its size, modification and change times (ns) and inode are the same (the
+    change time, which copy tools cannot set, tells apart a same-size copy with its mtime kept)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -60,22 +62,26 @@ class Remembered:
             return None
         valid = (
             isinstance(record, dict)
-            and record.get("path") == str(real)
-            and record.get("size") == stat.st_size
-            and record.get("mtime_ns") == stat.st_mtime_ns
+            and record.get("file") == _identity(real, stat)
             and isinstance(record.get("sha256"), str)
             and _SHA256.fullmatch(record["sha256"]) is not None
         )
         return record["sha256"] if valid else None
 
     def put(self, real: Path, stat: os.stat_result, sha256: str) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Best effort: a cache mounted read-only (or full) only loses the shortcut for next time."""
         record = self._record(real)
-        tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-        tmp.write_text(
-            json.dumps({"path": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256})
-        )
-        os.replace(tmp, record)
+        tmp = record.with_name(f".{record.name}.{uuid.uuid4().hex}.tmp")  # replicas share pids across PID namespaces
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"file": _identity(real, stat), "sha256": sha256}))
+            os.replace(tmp, record)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
+def _identity(real: Path, stat: os.stat_result) -> list:
+    return [str(real), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,11 @@ class CheckpointDigest:
 
 
 def _hub_sha256(path: Path, rel: str, root: Path, stat: os.stat_result) -> tuple[str, str] | None:
-    """(sha256, source) from the hub's own records, if it has them for this file."""
+    """(sha256, source) from the hub's own records, if it has them for this file. Only the snapshot link's own
+    target counts: huggingface_hub 2.4 links that blob on to a store shared by repos, named by its Xet hash
+    (utils/_shared_blobs.py)."""
     if path.is_symlink():
-        target = path.resolve()
+        target = Path(os.path.normpath(path.parent / os.readlink(path)))
         if target.parent.name == "blobs" and _SHA256.fullmatch(target.name):
             return target.name, "hub"
     metadata = root / _HUB_METADATA / f"{rel}.metadata"

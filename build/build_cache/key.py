@@ -7,12 +7,15 @@ parts, as NIM keys its profiles by GPU, precision, TP/PP and backend versions.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from .. import __version__
+from ..errors import BuildCacheError
 from ..limits import EngineLimits
 
 NO_GPU = "none"
@@ -28,20 +31,32 @@ class Platform:
     tensorrt: str
     tensorrt_llm: str
     cuda: str
+    gpu_sms: str = NO_GPU
+    torch: str = NO_GPU
+    transformers: str = NO_GPU
     qwen3vl_trt: str = __version__
+    code: str = NO_GPU
 
     @classmethod
-    def detect(cls) -> Platform:
-        """This machine's: the first visible GPU (the engines are built on it), and the versions that build them."""
+    def detect(cls, ranks: int = 1) -> Platform:
+        """This machine's: the GPU the engines are built on, and the versions and code that build them. TensorRT-LLM
+        builds rank r on GPU r (its parallel_build), so the first `ranks` GPUs must be one model."""
         import torch
+        import transformers
 
         from ..llm.engine_model import TRTLLM_IMPORT_ERROR
         from ..vision.engine import tensorrt_problem
 
-        gpu, capability = NO_GPU, NO_GPU
+        gpu, capability, sms = NO_GPU, NO_GPU, NO_GPU
         if torch.cuda.is_available():
+            count = min(ranks, torch.cuda.device_count())
+            models = {(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(count)}
+            if len(models) > 1:
+                names = ", ".join(sorted(name for name, _ in models))
+                raise BuildCacheError(f"the {ranks} GPUs that build the engine's ranks are of several models ({names})")
             gpu = torch.cuda.get_device_name(0)
             capability = "{}.{}".format(*torch.cuda.get_device_capability(0))
+            sms = str(torch.cuda.get_device_properties(0).multi_processor_count)
         tensorrt = NO_GPU
         if tensorrt_problem() is None:
             import tensorrt as trt
@@ -52,7 +67,35 @@ class Platform:
             import tensorrt_llm
 
             trtllm = tensorrt_llm.__version__
-        return cls(gpu, capability, tensorrt, trtllm, torch.version.cuda or NO_GPU)
+        return cls(
+            gpu,
+            capability,
+            tensorrt,
+            trtllm,
+            torch.version.cuda or NO_GPU,
+            sms,
+            torch.__version__,
+            transformers.__version__,
+            code=code_digest(),
+        )
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 of this installation's sources (the package and its kernels): a changed exporter, converter or engine
+    builder makes other artifacts even where the version number stayed."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for package in ("qwen3vl_trt", "qwen3vl_trt.plugins"):
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations is not None
+        for location in spec.submodule_search_locations:
+            root = Path(location)
+            for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+                digest.update(f"{package}/{path.relative_to(root)}\n".encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ CephFS). Object-store mounts without them (s3fs, gcsfuse, mountpoint-s3) are not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +51,9 @@ ARTIFACTS = (
 )
 # A file this small is hashed at every pull (a fraction of a second); larger ones with --verify.
 ALWAYS_HASH_BYTES = 64 << 20
-DEFAULT_LEASE_S = 60.0
+# Several times the NFS client's attribute and directory caching (acdirmax: 60 s by default, nfs(5)), so that a
+# stale view of a live builder's heartbeat never reads as a lapsed lease.
+DEFAULT_LEASE_S = 180.0
 DEFAULT_WAIT_S = 4 * 3600.0  # a 235B-A22B engine at TP 8 takes about an hour to build
 _POLL_S = 1.0
 _REPORT_S = 10.0
@@ -70,7 +73,7 @@ class CacheSettings:
     wait_s: float = DEFAULT_WAIT_S
 
 
-class EntryProblem(Exception):
+class EntryProblem(BuildCacheError):
     """Why an entry cannot be served (corrupt, foreign, incomplete)."""
 
 
@@ -131,6 +134,10 @@ class EntryManifest:
             raise EntryProblem(f"its {ENTRY_FILE} is malformed ({type(e).__name__}: {e})") from None
 
 
+class EntryMoved(BuildCacheError):
+    """The entry was moved away (refused or pruned elsewhere) between its check and its pull: look again."""
+
+
 @dataclass(frozen=True)
 class Pulled:
     """What `obtain` gives the pipeline: the entry's stage records (outputs relative to the build directory, skipped
@@ -186,19 +193,35 @@ class BuildCache:
         self.refused = self.root / "refused"
         self.remembered = Remembered(self.root / "digests")
 
-    def open(self) -> BuildCache:
-        """Creates the layout, or checks that an existing directory is a cache of this layout."""
+    def open(self, create: bool = True) -> BuildCache:
+        """Creates the layout (create), or checks that an existing directory is a cache of this layout. The marker
+        comes first, by an exclusive create with its content (a hard link), so that replicas opening a new cache
+        at once all find it marked."""
         marker = self.root / CACHE_MARKER
-        if self.root.exists() and any(self.root.iterdir()) and not marker.is_file():
+        try:
+            if not marker.is_file():
+                if not create:
+                    raise BuildCacheError(f"{self.root} is not a qwen3vl-trt build cache (it has no {CACHE_MARKER})")
+                if self.root.exists() and any(self.root.iterdir()):
+                    raise BuildCacheError(
+                        f"{self.root} is not empty and not a qwen3vl-trt build cache (it has no {CACHE_MARKER})"
+                    )
+                self.root.mkdir(parents=True, exist_ok=True)
+                tmp = self.root / f".{CACHE_MARKER}.{uuid.uuid4().hex}"
+                tmp.write_text(json.dumps({"qwen3vl_trt_build_cache": CACHE_SCHEMA}) + "\n")
+                try:
+                    os.link(tmp, marker)
+                except FileExistsError:
+                    pass  # another replica marked it first
+                finally:
+                    tmp.unlink()
+            for directory in (self.entries, self.building, self.leases, self.refused):
+                directory.mkdir(exist_ok=True)
+        except OSError as e:
             raise BuildCacheError(
-                f"{self.root} is not empty and not a qwen3vl-trt build cache (it has no {CACHE_MARKER})"
-            )
-        for directory in (self.entries, self.building, self.leases, self.refused):
-            directory.mkdir(parents=True, exist_ok=True)
-        if not marker.is_file():
-            tmp = marker.with_name(f".{CACHE_MARKER}.{uuid.uuid4().hex}")
-            tmp.write_text(json.dumps({"qwen3vl_trt_build_cache": CACHE_SCHEMA}) + "\n")
-            os.replace(tmp, marker)
+                f"--cache {self.root} cannot be used: {e.strerror or e} (it must be a writable directory on storage "
+                "every replica mounts)"
+            ) from None
         try:
             schema = json.loads(marker.read_text()).get("qwen3vl_trt_build_cache")
         except (OSError, ValueError, AttributeError):
@@ -219,6 +242,14 @@ class BuildCache:
         entry = self.entries / key.key
         if not entry.is_dir():
             return None
+        try:
+            return self._checked(entry, key, verify)
+        except FileNotFoundError:
+            return None  # moved away (refused or pruned) while being checked: there is none
+        except OSError as e:
+            raise EntryProblem(f"it cannot be read ({e})") from None
+
+    def _checked(self, entry: Path, key: BuildKey, verify: bool) -> EntryManifest:
         manifest = EntryManifest.read(entry)
         if manifest.key != key.key or manifest.parts != dict(key.parts):
             raise EntryProblem("it is foreign: its entry.json was written for another key")
@@ -237,12 +268,16 @@ class BuildCache:
                 raise EntryProblem(f"{rel}'s sha256 differs from its manifest's (altered)")
         return manifest
 
-    def _refuse(self, key: str, why: str | None = None) -> None:
-        """Moves an entry aside, bad (`why`) or pruned: one rename, so readers after it find none (and rebuild)."""
-        if why is not None:
-            self.log(f"build cache: entry {key} refused: {why}; it is moved to {self.refused} and rebuilt")
+    def _refuse(self, key: str, why: str | None = None, inode: int | None = None) -> None:
+        """Moves an entry aside, bad (`why`) or pruned: one rename, so readers after it find none (and rebuild).
+        inode: the entry directory that was found bad; one published since in its place stays."""
+        entry = self.entries / key
         try:
-            os.rename(self.entries / key, self.refused / f"{key}-{uuid.uuid4().hex[:8]}")
+            if inode is not None and entry.stat().st_ino != inode:
+                return  # already replaced by a rebuilt entry
+            if why is not None:
+                self.log(f"build cache: entry {key} refused: {why}; it is moved to {self.refused} and rebuilt")
+            os.rename(entry, self.refused / f"{key}-{uuid.uuid4().hex[:8]}")
         except FileNotFoundError:
             pass  # another replica moved it first
 
@@ -271,13 +306,25 @@ class BuildCache:
             if problem is not None:
                 refused = problem
             if manifest is not None:
-                return self._pull(key, manifest, into, built_for, mode, "pulled", time.monotonic() - started, refused)
+                waited = time.monotonic() - started
+                try:
+                    return self._pull(key, manifest, into, built_for, mode, "pulled", waited, refused)
+                except EntryMoved:
+                    _unpull(into)
+                    continue
             generation, holder, live = watch.look()
             if not live:
-                lease = Lease.try_take(watch.directory, self.lease_s, generation)
+                try:
+                    lease = Lease.try_take(watch.directory, self.lease_s, generation)
+                except OSError as e:
+                    raise BuildCacheError(
+                        f"key {key.key} is not in the build cache {self.root}, and building it there needs to write "
+                        f"{watch.directory}: {e.strerror or e}"
+                    ) from None
                 if lease is not None:
                     return self._build(key, lease, build, into, built_for, mode, verify, started, refused)
-                continue  # another waiter took it: watch the new generation
+                time.sleep(_POLL_S)  # another waiter took it (or this host's listing is stale): watch again
+                continue
             if time.monotonic() - started > self.wait_s:
                 raise BuildCacheError(
                     f"waited {self.wait_s:g} s for {holder.describe() if holder else 'another builder'} to build key "
@@ -294,9 +341,13 @@ class BuildCache:
 
     def _look(self, key: BuildKey, verify: bool) -> tuple[EntryManifest | None, str | None]:
         try:
+            inode = (self.entries / key.key).stat().st_ino
+        except FileNotFoundError:
+            return None, None
+        try:
             return self.check(key, verify), None
         except EntryProblem as e:
-            self._refuse(key.key, str(e))
+            self._refuse(key.key, str(e), inode)
             return None, str(e)
 
     def _build(
@@ -318,8 +369,6 @@ class BuildCache:
                 return self._pull(key, manifest, into, built_for, mode, "pulled", time.monotonic() - started, refused)
             refused = problem or refused
             waited = time.monotonic() - started
-            for dead in self.building.glob(f"{key.key}-*"):  # a lapsed builder's work: only ours is live now
-                _remove_tree(dead)
             self.log(
                 f"build cache: miss for key {key.key}: building (lease {lease.path.name} held by pid {os.getpid()})"
             )
@@ -330,7 +379,7 @@ class BuildCache:
             self._publish(key, staging, stages, build_s, built_for)
         finally:
             lease.release()
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_tree(staging)
         manifest = self.check(key, verify=False)
         if manifest is None:
             raise BuildCacheError(f"entry {key.key} vanished from {self.entries} right after it was published")
@@ -344,6 +393,9 @@ class BuildCache:
         start = time.monotonic()
         files = _files_of(staging)
         rels = sorted(files)
+        total = sum(path.stat().st_size for path in files.values())
+        if total > 1 << 30:
+            self.log(f"build cache: hashing the entry's {total / 2**30:.1f} GiB for its manifest")
         digests = _hash_all([files[rel] for rel in rels])
         manifest = EntryManifest(
             key=key.key,
@@ -359,6 +411,8 @@ class BuildCache:
             os.chmod(path, 0o444)  # served where it lies: nobody writes into an entry
             fsync(path)
         for dirpath, _dirnames, _filenames in os.walk(staging, topdown=False):
+            if Path(dirpath) != staging:  # the entry itself stays writable: last_used, and moving it aside
+                os.chmod(dirpath, 0o555)
             fsync(Path(dirpath), directory=True)
         try:
             os.rename(staging, self.entries / key.key)
@@ -387,13 +441,15 @@ class BuildCache:
     ) -> Pulled:
         start = time.monotonic()
         entry = self.entries / key.key
-        for name in ARTIFACTS:
-            if not (entry / name).is_dir():
-                continue
-            if mode == "link":
-                os.symlink(entry / name, into / name, target_is_directory=True)
-            else:
-                shutil.copytree(entry / name, into / name)
+        for name in sorted({rel.split(os.sep, 1)[0] for rel in manifest.files}):
+            try:
+                if mode == "link":
+                    os.symlink(entry / name, into / name, target_is_directory=True)
+                    (into / name).stat()  # resolves: the entry was not moved away since its check
+                else:
+                    shutil.copytree(entry / name, into / name)
+            except FileNotFoundError:
+                raise EntryMoved(key.key) from None
         try:
             (entry / LAST_USED).touch()
         except OSError:
@@ -455,7 +511,7 @@ class BuildCache:
         for stale in self.building.iterdir() if self.building.is_dir() else []:
             key, _, token = stale.name.rpartition("-")
             if token not in live_tokens(self.leases / key):
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove_tree(stale)
         for refused in self.refused.iterdir() if self.refused.is_dir() else []:
             _remove_tree(refused)
         return [i.key for i in doomed]
@@ -470,8 +526,19 @@ def _retarget(stage: StageRecord, built_for: str, output: Path) -> StageRecord:
     )
 
 
+def _unpull(into: Path) -> None:
+    """Takes back what a pull put into a build directory."""
+    for name in ARTIFACTS:
+        path = into / name
+        if path.is_symlink():
+            path.unlink()
+        elif path.exists():
+            _remove_tree(path)
+
+
 def _remove_tree(path: Path) -> None:
-    """Deletes a tree whose files are read-only (an entry's): the directories need write permission, not the files."""
+    """Deletes a tree whose directories may be read-only (an entry's); what cannot be removed stays for prune."""
     for dirpath, _dirnames, _filenames in os.walk(path):
-        os.chmod(dirpath, 0o755)
+        with contextlib.suppress(OSError):
+            os.chmod(dirpath, 0o755)
     shutil.rmtree(path, ignore_errors=True)
