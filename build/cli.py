@@ -338,7 +338,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
     return ServeOptions(
         repo=args.repo,
-        ports=ServerPorts(args.grpc_port, args.http_port, args.metrics_port),
+        ports=ServerPorts(args.grpc_port, args.http_port, args.metrics_port, args.ready_port),
         address=args.address,
         tritonserver=args.tritonserver,
         print_command=args.print_command,
@@ -349,6 +349,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         stop_grace=args.stop_grace,
         max_queue_size=args.max_queue_size,
         visual_cache=args.visual_cache,
+        warmup=args.warmup,
     )
 
 
@@ -369,6 +370,7 @@ def _openai(args: argparse.Namespace) -> int:
         args.port,
         refresh_s=args.triton_refresh,
         wait_s=args.wait_ready,
+        replica_ready_port=args.replica_ready_port,
     )
 
 
@@ -511,6 +513,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=_port, default=defaults.http)
     parser.add_argument("--metrics-port", type=_port, default=defaults.metrics)
     parser.add_argument(
+        "--ready-port",
+        type=_port,
+        default=defaults.ready,
+        help="serve's own readiness endpoint: GET /ready (200 once warmed up and while tritonserver is ready, else "
+        f"503) and GET /metrics (default: {defaults.ready})",
+    )
+    parser.add_argument(
         "--address",
         default="127.0.0.1",
         help="address every endpoint binds to (0.0.0.0: all interfaces, e.g. in a container); default loopback only",
@@ -542,6 +551,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_visual_cache,
         help="where preprocessing keeps images' features: 'off', 'memory' or redis://HOST:PORT/DB, shared by "
         "replicas (default: as build/write-repo set it)",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="report ready without first sending warm-up requests through every model (default: warm up)",
     )
     parser.add_argument(
         "--openai-port",
@@ -942,6 +957,18 @@ def _add_openai_parser(sub: _Subparsers) -> None:
     )
     s.add_argument("--port", type=_port, default=DEFAULT_OPENAI_PORT)
     s.add_argument("--address", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces); default loopback")
+
+    def ready_port(text: str) -> int:
+        return 0 if text.strip() == "0" else _port(text)
+
+    s.add_argument(
+        "--replica-ready-port",
+        type=ready_port,
+        default=ServerPorts().ready,
+        help="where each replica's `serve` answers GET /ready, on the address --triton-url resolves to (ready once "
+        f"warmed up; default: {ServerPorts().ready}); 0 asks tritonserver's gRPC readiness instead, for replicas that "
+        "are plain tritonservers",
+    )
     _add_gateway_arguments(s)
     s.set_defaults(func=_openai)
 

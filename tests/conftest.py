@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny real-architecture checkpoints and their vision exports, built once per run."""
+"""Shared fixtures: tiny real-architecture checkpoints, their vision exports and the CPU deployment's model
+repository, built once per run."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dense(checkpoints):
     return checkpoints["dense"]
+
+
+@pytest.fixture(scope="session")
+def cpu_repository(checkpoints, tmp_path_factory):
+    """The CPU target's repository of the dense checkpoint (tests/deployment.py), which `serve` tests share: serving
+    reads a repository, never writes it."""
+    from deployment import build_cpu_repository
+
+    return build_cpu_repository(checkpoints["dense"], tmp_path_factory.mktemp("cpu-repository"))
 
 
 @pytest.fixture(scope="session")

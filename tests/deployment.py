@@ -24,6 +24,7 @@ from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_INPUT, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import EnsembleParameters
+from qwen3vl_trt.serving.ports import ServerPorts
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import RepositorySettings
 from tritonclient.grpc import model_config_pb2 as mc
@@ -78,6 +79,12 @@ def echo_repository(root: Path) -> Path:
     (root / ENSEMBLE / "1").mkdir(parents=True)
     serving_config.write(root / ENSEMBLE, ensemble)
     return root
+
+
+def port_flags(ports: ServerPorts) -> list[str]:
+    """`serve`'s flags for every port of `ports` (tritonserver's three and its readiness endpoint's)."""
+    flags = ["--grpc-port", ports.grpc, "--http-port", ports.http, "--metrics-port", ports.metrics]
+    return [str(flag) for flag in [*flags, "--ready-port", ports.ready]]
 
 
 SERVE_SCRIPT = (

@@ -23,6 +23,7 @@ from deployment import (
     build_cpu_repository,
     echo_repository,
     group_gone,
+    port_flags,
     repository_processes,
 )
 from images import jpeg
@@ -287,8 +288,7 @@ def test_a_stop_after_a_crash_is_bounded_and_leaves_nothing(supervised, repo):
 def test_serve_stopped_or_killed_leaves_no_server_or_stub(tmp_path, how):
     repo = echo_repository(tmp_path / "repo")
     ports = free_ports()
-    flags = ["--repo", str(repo), "--grpc-port", str(ports.grpc), "--http-port", str(ports.http)]
-    flags += ["--metrics-port", str(ports.metrics), "--stop-grace", str(STOP_GRACE_S)]
+    flags = ["--repo", str(repo), *port_flags(ports), "--stop-grace", str(STOP_GRACE_S)]
     serving = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

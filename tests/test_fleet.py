@@ -23,9 +23,8 @@ from pathlib import Path
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
-from deployment import SERVE_SCRIPT, build_cpu_repository, group_gone
+from deployment import SERVE_SCRIPT, group_gone, http_status, port_flags
 from images import jpeg
-from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.interface import ENSEMBLE
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.testing.redis_server import RedisServer
@@ -91,8 +90,7 @@ class Replica:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Replica:
-        flags = ["--repo", str(self.repo), "--address", self.address, "--grpc-port", str(self.ports.grpc)]
-        flags += ["--http-port", str(self.ports.http), "--metrics-port", str(self.ports.metrics)]
+        flags = ["--repo", str(self.repo), "--address", self.address, *port_flags(self.ports)]
         flags += ["--visual-cache", self.cache_url, "--stop-grace", "5"]
         with self.log.open("a") as log:
             self.process = subprocess.Popen(
@@ -102,15 +100,12 @@ class Replica:
         return self
 
     def wait_ready(self) -> None:
-        client = Client(self.url)
+        """Until its serve says ready (warmed up: GET /ready), as the gateway asks it."""
         deadline = time.monotonic() + READY_S
-        try:
-            while not client.is_ready():
-                assert self.process is not None and self.process.poll() is None, self.log.read_text()[-3000:]
-                assert time.monotonic() < deadline, f"{self.url} not ready in {READY_S:g} s"
-                time.sleep(0.5)
-        finally:
-            client.close()
+        while http_status(f"http://{self.address}:{self.ports.ready}/ready") != 200:
+            assert self.process is not None and self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{self.url} not ready in {READY_S:g} s"
+            time.sleep(0.5)
 
     def served(self) -> int:
         """Requests the ensemble completed since this replica started (Triton's statistics)."""
@@ -141,12 +136,13 @@ class Replica:
 class Gateway:
     """`qwen3vl-trt openai` in front of the fleet, by the DNS name."""
 
-    def __init__(self, triton_url: str, repo: Path, log: Path):
+    def __init__(self, triton_url: str, repo: Path, log: Path, ready_port: int):
         self.port = free_ports().http
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "openai", "--triton-url", triton_url, "--repo", str(repo),
-                   "--port", str(self.port), "--triton-refresh", "1"]  # fmt: skip
+                   "--port", str(self.port), "--triton-refresh", "1",
+                   "--replica-ready-port", str(ready_port)]  # fmt: skip
         with log.open("w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -239,9 +235,9 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(checkpoints, tmp_path_factory):
+def fleet(cpu_repository, tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
-    repo = build_cpu_repository(checkpoints["dense"], root)
+    repo = cpu_repository
     redis = RedisServer(root / "redis").start()
     dns = Dnsmasq(root, NAME, ADDRESSES)
     ports = free_ports()
@@ -250,7 +246,7 @@ def fleet(checkpoints, tmp_path_factory):
     try:
         for replica in replicas:
             replica.wait_ready()
-        gateway = Gateway(f"dns://127.0.0.1:{dns.port}/{NAME}:{ports.grpc}", repo, root / "gateway.log")
+        gateway = Gateway(f"dns://127.0.0.1:{dns.port}/{NAME}:{ports.grpc}", repo, root / "gateway.log", ports.ready)
         yield Fleet(replicas, gateway, redis, dns)
     finally:
         if gateway is not None:

@@ -1,16 +1,23 @@
 """Fleet.stream's retry rule, exactly: a request that fails for want of a server before its first text is sent once
 more, to another replica; one that had returned text, one already retried, and one the deployment refused as sent
-are not. The replicas here are scripted (tests/test_fleet.py runs the same code against real tritonservers)."""
+are not. The replicas here are scripted (tests/test_fleet.py runs the same code against real tritonservers); the
+rotation follows each replica's serve readiness endpoint, a real one here over a scripted state."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 
 import pytest
 from qwen3vl_trt.serving.client import Answer, RequestRejectedError, ServerBusyError, ServerUnavailableError
-from qwen3vl_trt.serving.gateway.fleet import Fleet, FleetTarget, Replica
+from qwen3vl_trt.serving.gateway.fleet import Fleet, FleetTarget, Replica, ServeProbe
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
+from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.server.readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
 
 pytestmark = pytest.mark.once
 
@@ -130,3 +137,67 @@ def test_no_replica_ready_is_unavailable():
     fleet.replicas["r0"].ready = False
     error = _run(fleet)
     assert isinstance(error, ServerUnavailableError) and "no replica is ready" in str(error)
+
+
+def _ready_answer(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=5) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_replica_whose_serve_is_not_ready_stays_out_of_the_rotation():
+    """ServeProbe asks the replica's serve (its readiness endpoint, server.readiness): loading, warming up, with its
+    tritonserver not ready or started again by the supervisor and not yet warmed up, or stopping, it answers 503 and
+    the replica is out of the rotation; warmed up, it is in."""
+    triton = {"ready": True, "pid": 7}
+    ticks = itertools.count(step=10)  # every readiness check asks tritonserver afresh
+    readiness = Readiness(lambda: triton["ready"], lambda: triton["pid"], clock=lambda: float(next(ticks)))
+    build = BuildInfo("unknown", "local", "cpu", "none", "")
+    ports = free_ports()
+    endpoint = ReadinessServer(readiness, ServeMetrics(readiness, build), build, "127.0.0.1", ports.ready)
+    endpoint.start()
+    seen: list[tuple[int, str, int]] = []  # (HTTP status, reason, replicas in the rotation)
+
+    async def run() -> None:
+        fleet = Fleet(FleetTarget.parse(f"127.0.0.1:{ports.grpc}"), probe=ServeProbe(ports.ready))
+        await fleet._refresh()  # the replica, before any probe
+
+        async def look() -> None:
+            await fleet._probe_all()
+            status, body = await asyncio.to_thread(_ready_answer, endpoint.url)
+            seen.append((status, body.get("reason", ""), len(fleet.rotation())))
+
+        await look()  # loading
+        readiness.warming_up()
+        await look()
+        readiness.warmed(7)
+        await look()
+        triton["ready"] = False
+        await look()
+        triton["ready"] = True
+        await look()
+        triton["pid"] = 8  # started again: cold
+        await look()
+        readiness.warmed(8)
+        await look()
+        readiness.stopping()
+        await look()
+        await fleet.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        endpoint.stop()
+    assert seen == [
+        (503, "loading", 0),
+        (503, "warming up", 0),
+        (200, "", 1),
+        (503, "tritonserver not ready", 0),
+        (200, "", 1),
+        (503, "warming up", 0),
+        (200, "", 1),
+        (503, "stopping", 0),
+    ]
+    assert Replica("[::1]:8001", None).host == "::1"  # type: ignore[arg-type]

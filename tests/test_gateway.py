@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from deployment import LIMITS, Gateway, build_cpu_repository, cli, error_body, http_status, user
+from deployment import LIMITS, Gateway, cli, error_body, http_status, port_flags, user
 from images import jpeg
 from PIL import Image
 from qwen3vl_trt.serving.ports import free_ports
@@ -30,17 +30,17 @@ PROMPT = "Describe this picture."
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory):
+def served(checkpoints, cpu_repository, tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
-    repo = build_cpu_repository(checkpoints["dense"], root)
+    repo = cpu_repository
     ports = free_ports()
     port = free_port()
-    args = ["serve", "--repo", str(repo), "--openai-port", str(port)]
-    args += ["--grpc-port", str(ports.grpc), "--http-port", str(ports.http), "--metrics-port", str(ports.metrics)]
+    args = ["serve", "--repo", str(repo), "--openai-port", str(port), *port_flags(ports)]
     gateway = Gateway(args, port, root / "serve.log")
     gateway.model_dir = checkpoints["dense"]
     gateway.repo = repo
     gateway.grpc_url = f"127.0.0.1:{ports.grpc}"
+    gateway.ready_port = ports.ready  # `openai` in front of it asks serve's readiness there
     gateway.triton_metrics_url = f"http://127.0.0.1:{ports.metrics}"
     yield gateway
     gateway.stop()
@@ -292,6 +292,7 @@ def test_triton_unreachable_is_503(served, tmp_path):
     port = free_port()
     dead = f"127.0.0.1:{free_port()}"
     args = ["openai", "--repo", str(served.repo), "--triton-url", dead, "--port", str(port)]
+    args += ["--replica-ready-port", "0"]  # tritonserver's own readiness, over gRPC
     gateway = Gateway(args, port, tmp_path / "openai.log", ready_status=503, timeout_s=120)
     try:
         with pytest.raises(openai.APIStatusError) as raised:
@@ -306,6 +307,7 @@ def test_triton_unreachable_is_503(served, tmp_path):
 def test_the_gateway_alone_reads_the_deployment_from_the_server(served):
     port = free_port()
     args = ["openai", "--triton-url", served.grpc_url, "--port", str(port), "--served-model-name", "qwen3-vl"]
+    args += ["--replica-ready-port", str(served.ready_port)]
     gateway = Gateway(args, port, served.log.parent / "openai-alone.log", timeout_s=120)
     try:
         alone = gateway.client().chat.completions.create(model="qwen3-vl", messages=user(PROMPT, PHOTO), max_tokens=8)

@@ -40,6 +40,7 @@ def limited(served):
     """`qwen3vl-trt openai` in front of the served deployment, with small limits."""
     port = free_port()
     args = ["openai", "--repo", str(served.repo), "--triton-url", served.grpc_url, "--port", str(port)]
+    args += ["--replica-ready-port", str(served.ready_port)]
     args += ["--max-concurrent-requests", str(MAX_IN_FLIGHT), "--max-queued-requests", str(MAX_QUEUED)]
     args += ["--max-queue-wait", str(MAX_QUEUE_WAIT_S), "--max-request-bytes", str(MAX_REQUEST_BYTES)]
     args += ["--request-timeout", str(REQUEST_TIMEOUT_S)]
@@ -192,6 +193,7 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_is_cancelled(limited
 def test_sigterm_stops_the_gateway_with_a_stream_in_flight(served, tmp_path):
     port = free_port()
     args = ["openai", "--repo", str(served.repo), "--triton-url", served.grpc_url, "--port", str(port)]
+    args += ["--replica-ready-port", str(served.ready_port)]
     gateway = Gateway(args, port, tmp_path / "openai-sigterm.log", timeout_s=120)
     try:
         stream = gateway.client().chat.completions.create(

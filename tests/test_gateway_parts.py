@@ -106,6 +106,11 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
     assert (settings.max_request_bytes, settings.request_timeout_s, settings.served_model_name) == (1000, 9.0, "m")
     with pytest.raises(SystemExit):
         parser().parse_args(["openai", "--max-concurrent-requests", "0"])
+    # Each replica's readiness: its serve's endpoint (the port `serve --ready-port` defaults to), or 0: over gRPC.
+    assert args.replica_ready_port == 8003 and settings.replica_ready_port == 0
+    assert parser().parse_args(["openai", "--replica-ready-port", "0"]).replica_ready_port == 0
+    with pytest.raises(SystemExit):
+        parser().parse_args(["openai", "--replica-ready-port", "70000"])
 
 
 def test_triton_refusals_map_to_the_errors_the_gateway_answers():

@@ -18,7 +18,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from deployment import LIMITS, Gateway, build_cpu_repository, data_url, error_body
+from deployment import LIMITS, Gateway, build_cpu_repository, data_url, error_body, port_flags
 from images import jpeg
 from pydantic import BaseModel, Field
 from qwen3vl_trt.serving.gateway.planning import Planner
@@ -60,8 +60,7 @@ PHOTO = jpeg(64, 96, seed=4)
 def _deployment(model_dir: Path, root: Path, keys: Path | None = None) -> Gateway:
     repo = build_cpu_repository(model_dir, root)
     ports, port = free_ports(), free_port()
-    args = ["serve", "--repo", str(repo), "--openai-port", str(port), "--grpc-port", str(ports.grpc)]
-    args += ["--http-port", str(ports.http), "--metrics-port", str(ports.metrics)]
+    args = ["serve", "--repo", str(repo), "--openai-port", str(port), *port_flags(ports)]
     args += ["--api-key-file", str(keys)] if keys is not None else []
     return Gateway(args, port, root / "serve.log", ready_status=200)
 

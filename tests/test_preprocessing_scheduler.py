@@ -1,6 +1,7 @@
 """The preprocessing model's scheduling without tritonserver: admission, joining an image another batch is
-encoding, a failed encode failing only the requests that need it, and one answer per request whatever raises;
-a real component over the tiny checkpoint, a vision encoder the test holds and fails at will."""
+encoding, a failed encode failing only the requests that need it, one answer per request whatever raises, and
+warm-up requests kept out of the metrics and the visual cache; a real component over the tiny checkpoint, a vision
+encoder the test holds and fails at will."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.scheduler import PreprocessingScheduler, Result
+from qwen3vl_trt.serving.stages.visual_cache import Event, FeatureScope, MemoryStore, VisualCache
 
 TABLE = interface.PROMPT_TABLE.name
 
@@ -28,8 +30,9 @@ def component(checkpoints):
 
 
 class Request:
-    def __init__(self, name: str, image: bytes | None = None):
+    def __init__(self, name: str, image: bytes | None = None, warm_up: bool = False):
         self.name = name
+        self.warm_up = warm_up
         self.inputs: dict[str, Any] = {
             interface.TEXT_INPUT.name: np.array([b"What is it?"], dtype=object),
             interface.MAX_TOKENS.name: np.array([4], np.int32),
@@ -46,11 +49,13 @@ class Encoder:
         self.component = component
         self.fail = fail or {}
         self.calls: list[int] = []  # the visual tokens of each call
+        self.warm_up: list[bool] = []  # whether each call was marked as warm-up requests' alone
         self.gate: asyncio.Event | None = None
 
-    async def __call__(self, inputs: dict[str, Any]) -> torch.Tensor | Exception:
+    async def __call__(self, inputs: dict[str, Any], warm_up: bool) -> torch.Tensor | Exception:
         call = len(self.calls)
         self.calls.append(int(inputs[interface.VISUAL_TOKEN_COUNT.name][0]))
+        self.warm_up.append(warm_up)
         if self.gate is not None:
             await self.gate.wait()
         rows = torch.randn(self.component.table.shape(self.calls[-1]), generator=torch.Generator().manual_seed(call))
@@ -98,6 +103,7 @@ class Harness:
             metrics=self.metrics,
             published=self._published,
             in_flight_limit=in_flight_limit,
+            warm_up=lambda request: request.warm_up,
         )
 
     def _read(self, request: Request) -> dict[str, Any]:
@@ -211,4 +217,34 @@ def test_whatever_raises_every_request_gets_exactly_one_answer(component, monkey
     answered = harness.answered()
     assert set(answered) == {"first", "joining", "text"}
     assert {name for name, result in answered.items() if not isinstance(result, Exception)} == succeeding
+    harness.assert_idle()
+
+
+def test_warm_up_requests_stay_out_of_the_metrics_and_the_visual_cache(component, monkeypatch):
+    """serve's warm-up requests (interface.is_warmup) run every step, but their images are neither looked up in nor
+    stored into the visual cache, and the metrics count only the other requests of their batch."""
+    events: Counter[Event] = Counter()
+    cache = VisualCache(MemoryStore(1 << 24), FeatureScope.of({"test": "warm-up"}), lambda e, n: events.update({e: n}))
+    monkeypatch.setattr(component, "cache", cache)
+    encoder = Encoder(component)
+    harness = Harness(component, encoder)
+    warm, real = jpeg(128, 128, seed=7), jpeg(96, 128, seed=8)
+
+    asyncio.run(harness.scheduler.admit([Request("warm", warm, warm_up=True), Request("real", real)]))
+    assert all(TABLE in answer for answer in harness.answered().values())
+    assert encoder.warm_up == [False]  # one encode of both images, not warm-up requests' alone
+    assert harness.metrics.added[stage_metrics.IMAGES_DECODED.name] == 1  # the real request's image
+    assert (events[Event.MISS], events[Event.STORE]) == (1, 1)  # the real image alone looked up, then stored
+    assert harness.metrics.observed[stage_metrics.PREPROCESS_SECONDS.name] == 1
+
+    asyncio.run(harness.scheduler.admit([Request("warm again", real, warm_up=True)]))
+    assert TABLE in harness.answered()["warm again"]
+    assert encoder.warm_up == [False, True]  # decoded and encoded again: the cache was not asked
+    assert (events[Event.HIT], events[Event.MISS]) == (0, 1)
+    assert harness.metrics.added[stage_metrics.IMAGES_DECODED.name] == 1
+    assert harness.metrics.observed[stage_metrics.PREPROCESS_SECONDS.name] == 1
+
+    asyncio.run(harness.scheduler.admit([Request("after", warm)]))
+    assert TABLE in harness.answered()["after"]
+    assert (events[Event.HIT], events[Event.MISS], events[Event.STORE]) == (0, 2, 2)  # the warm-up image was not kept
     harness.assert_idle()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from qwen3vl_trt.cli import main
@@ -19,9 +20,11 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.parameters import PreprocessingParameters, VisionEncoderParameters
 from qwen3vl_trt.serving.repository import model_config as cfg
 from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
-from qwen3vl_trt.serving.repository.writer import REPOSITORY_FILE, RepositorySettings, model_configs
+from qwen3vl_trt.serving.repository.writer import REPOSITORY_FILE, RepositorySettings, model_configs, write_model_files
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
+from qwen3vl_trt.vision.metadata import vision_metadata
+from qwen3vl_trt.vision.sidecar import VisionSidecar
 from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
@@ -117,6 +120,41 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
     assert configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"
     with pytest.raises(ValueError, match="GPU memory plan"):
         model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm)
+
+
+def test_the_gpu_vision_encoder_warms_up_at_three_sizes_on_what_preprocessing_sends(built, tiny_dense, tmp_path):
+    """Triton runs a model's model_warmup samples at load, before it is ready (docs/serving.md, "Warm-up and
+    readiness"): the GPU target's vision encoder gets one square image of the request's most visual tokens, a quarter
+    and a sixteenth of it, zero pixels and the metadata preprocessing computes, read from the model's warmup/ files."""
+    layout = BuildLayout(built)
+    _, llm = read_trtllm_config(layout.llm_checkpoint)
+    limits = EngineLimits(max_visual_tokens=1024)
+    gpu = model_configs(layout, tiny_dense, "gpu", limits, llm, memory=MEMORY)
+    cpu = model_configs(layout, tiny_dense, "cpu", limits, llm)
+    assert not cpu[interface.VISION_ENCODER].model_warmup  # ONNX Runtime calibrates its own sizes at load
+    config = gpu[interface.VISION_ENCODER]
+    assert [s.name for s in config.model_warmup] == ["64 visual tokens", "256 visual tokens", "1024 visual tokens"]
+    write_model_files(tmp_path, gpu)
+    vision = VisionSidecar.load(layout.vision)
+    merge = vision.spatial_merge_size
+    for sample, side in zip(config.model_warmup, (8, 16, 32), strict=True):
+        rows = side * merge
+        assert sample.batch_size == 1
+        pixels = sample.inputs[interface.VISION_PIXELS.name]
+        assert pixels.zero_data and list(pixels.dims) == [rows * rows, vision.patch_dim]
+        grid = np.array([[1, rows, rows]])
+        expected = {
+            **vision_metadata(grid, merge, vision.num_grid_per_side),
+            interface.IMAGE_GRID_THW.name: grid,
+            interface.VISUAL_TOKEN_COUNT.name: np.array([side * side]),
+        }
+        for tensor in interface.VISION_REQUEST[1:]:
+            given = sample.inputs[tensor.name]
+            data = (tmp_path / interface.VISION_ENCODER / "warmup" / given.input_data_file).read_bytes()
+            dtype = interface.NUMPY_DTYPES[tensor.data_type]
+            assert given.data_type == cfg.data_type(tensor) and data == expected[tensor.name].astype(dtype).tobytes()
+            assert list(given.dims) == list(expected[tensor.name].shape)
+    assert cfg.read(tmp_path / interface.VISION_ENCODER) == config
 
 
 @pytest.mark.parametrize(

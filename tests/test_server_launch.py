@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-from deployment import SERVE_SCRIPT, echo_repository, group_gone
+from deployment import SERVE_SCRIPT, echo_repository, group_gone, http_status, port_flags
 from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
@@ -30,6 +31,7 @@ from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INP
 from qwen3vl_trt.serving.parameters import REPOSITORY_SCHEMA, EnsembleParameters, PreprocessingParameters
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.server import serve as serve_module
 from qwen3vl_trt.serving.server import tritonserver_install
 from qwen3vl_trt.serving.server.launch import (
     ConfigOverrides,
@@ -44,6 +46,7 @@ from qwen3vl_trt.serving.server.launch import (
 from qwen3vl_trt.serving.server.serve import SHM_DIR, ServeOptions, TritonServer, check_repository, serve
 from qwen3vl_trt.serving.server.supervisor import group_stubs
 from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_tritonserver
+from qwen3vl_trt.serving.server.warmup import WarmupError, WarmupRequest
 from tritonclient.grpc import model_config_pb2 as mc
 
 WHEEL_ROOT = tritonserver_install._pytriton_dir()
@@ -319,8 +322,7 @@ def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
 def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, nowhere):
     repo = echo_repository(tmp_path / "repo")
     ports = free_ports()
-    flags = ["--repo", str(repo), "--grpc-port", str(ports.grpc), "--http-port", str(ports.http)]
-    flags += ["--metrics-port", str(ports.metrics)]
+    flags = ["--repo", str(repo), *port_flags(ports)]
     serving = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -329,7 +331,8 @@ def test_serve_runs_in_the_foreground_and_stops_cleanly_on_sigterm(tmp_path, now
             assert time.monotonic() < deadline and serving.poll() is None, lines
             lines.append(serving.stdout.readline())
         assert lines[-1] == (
-            f"ready: gRPC 127.0.0.1:{ports.grpc}, HTTP 127.0.0.1:{ports.http}, metrics 127.0.0.1:{ports.metrics}\n"
+            f"ready: gRPC 127.0.0.1:{ports.grpc}, HTTP 127.0.0.1:{ports.http}, metrics 127.0.0.1:{ports.metrics}, "
+            f"readiness http://127.0.0.1:{ports.ready}/ready\n"
         )
         (guard,) = psutil.Process(serving.pid).children()
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports.grpc}")
@@ -390,6 +393,9 @@ def test_serve_options_for_faults_and_back_pressure(tmp_path):
         _serve_args("--repo", str(tmp_path), "--max-queue-size", "0")
     assert defaults.visual_cache is None
     assert _serve_args("--repo", str(tmp_path), "--visual-cache", "redis://r:6379/1").visual_cache == "redis://r:6379/1"
+    assert defaults.ports.ready == 8003 and defaults.warmup
+    cold = _serve_args("--repo", str(tmp_path), "--ready-port", "9103", "--no-warmup")
+    assert cold.ports == ServerPorts(ready=9103) and not cold.warmup
     with pytest.raises(SystemExit):
         _serve_args("--repo", str(tmp_path), "--visual-cache", "disk")
 
@@ -438,6 +444,52 @@ def test_a_repository_of_another_layout_is_refused_before_tritonserver_starts(tm
     serving_config.write(repo / ENSEMBLE, ensemble)
     with pytest.raises(ServingError, match="repository schema None"):
         check_repository(repo)
+
+
+def test_a_failed_warm_up_request_ends_serve_naming_it(tmp_path, nowhere, monkeypatch):
+    """serve exits (3) when a warm-up request fails: the deployment would fail real requests like it."""
+    repo = echo_repository(tmp_path / "repo")
+    refused = WarmupRequest("an image for an ensemble without images", "hi", (b"\xff\xd8",))
+    monkeypatch.setattr(serve_module, "plan", lambda _repo: [refused])
+    ports = free_ports()
+    with pytest.raises(
+        WarmupError, match=r"^warm-up request 1/1 \(an image for an ensemble without images\) failed: "
+    ) as e:
+        serve(ServeOptions(repo, ports))
+    assert e.value.exit_code == 3 and "images" in str(e.value)
+    with socket.create_server(("127.0.0.1", ports.ready)):  # the readiness endpoint is closed
+        pass
+
+
+def test_serve_is_ready_again_once_it_warmed_up_a_tritonserver_started_again(tmp_path, nowhere):
+    """A tritonserver that exits on its own is started again by the supervisor: serve's /ready says 503 until it is
+    ready and warmed up (an echo repository has nothing to warm), then 200 again."""
+    repo = echo_repository(tmp_path / "repo")
+    ports = free_ports()
+    ready = f"http://127.0.0.1:{ports.ready}/ready"
+    with (tmp_path / "serve.log").open("w") as log:
+        serving = subprocess.Popen(
+            [sys.executable, "-c", SERVE_SCRIPT, "--repo", str(repo), *port_flags(ports)], stdout=log, stderr=log
+        )
+    try:
+        _wait_until(lambda: http_status(ready) == 200, serving)
+        (guard,) = psutil.Process(serving.pid).children()
+        (tritonserver,) = guard.children()
+        tritonserver.kill()
+        _wait_until(lambda: http_status(ready) == 503, serving, within=10)
+        _wait_until(lambda: http_status(ready) == 200, serving)
+        (again,) = psutil.Process(serving.pid).children()
+        assert again.pid != guard.pid
+    finally:
+        serving.terminate()
+        assert serving.wait(timeout=60) == 0
+
+
+def _wait_until(condition, process: subprocess.Popen, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 # A python model that loads for a minute once `marker` exists: a restarted server that is slow to be ready.

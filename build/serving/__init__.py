@@ -6,6 +6,7 @@ At this level, the contract every room shares: `interface` (the ensemble's tenso
 
 - `repository/`: build time, in `qwen3vl-trt build` / `write-repo`: the model repository and its config.pbtxt files.
 - `stages/`: inside Triton's python-backend stubs: each python model's logic and their adapters.
-- `server/`: the `qwen3vl-trt serve` process: it launches and supervises tritonserver.
+- `server/`: the `qwen3vl-trt serve` process: it launches, supervises and warms up tritonserver, and says when the
+  replica is ready.
 - `gateway/`: the OpenAI-compatible HTTP process (`qwen3vl-trt openai`, or inside `serve --openai-port`).
 """

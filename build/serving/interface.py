@@ -253,3 +253,14 @@ QUEUE_TIMEOUT = "Request timeout expired"
 # "GRPC server is shutting down and has stopped accepting new requests."; core r24.10 dynamic_batch_scheduler.cc:
 # "Server is stopping, scheduler for model has stopped accepting new inference requests"), also in-band on a stream.
 SERVER_STOPPING = "stopped accepting new"
+
+# The requests `serve` sends to warm the deployment up before it reports ready (serving.server.warmup) carry request
+# ids that start with this. Triton passes a request's id on to every step of the ensemble (core r24.10
+# src/ensemble_scheduler/ensemble_scheduler.cc, SetId) and preprocessing passes it on to its vision_encoder
+# requests: every stage keeps these requests out of its metrics, and preprocessing keeps their images out of the
+# visual cache (neither looked up nor stored), so warming up leaves nothing behind but Triton's own nv_* counts.
+WARMUP_REQUEST_PREFIX = "qwen3vl-warmup-"
+
+
+def is_warmup(request_id: str) -> bool:
+    return request_id.startswith(WARMUP_REQUEST_PREFIX)

@@ -10,9 +10,12 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ServerPorts:
+    """tritonserver's three endpoints, and `serve`'s own readiness endpoint (serving.server.readiness)."""
+
     grpc: int = 8001
     http: int = 8000
     metrics: int = 8002
+    ready: int = 8003
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,13 @@ LOCAL_TRITON_URL = host_port("127.0.0.1", DEFAULT_PORTS.grpc)
 
 
 def free_ports() -> ServerPorts:
-    """Three ports free on loopback now (tests run several servers side by side)."""
-    sockets = [socket.socket() for _ in range(3)]
+    """A deployment's ports, each free on loopback now (tests run several servers side by side)."""
+    sockets = [socket.socket() for _ in range(4)]
     try:
         for s in sockets:
             s.bind(("127.0.0.1", 0))
-        grpc, http, metrics = (s.getsockname()[1] for s in sockets)
+        grpc, http, metrics, ready = (s.getsockname()[1] for s in sockets)
     finally:
         for s in sockets:
             s.close()
-    return ServerPorts(grpc=grpc, http=http, metrics=metrics)
+    return ServerPorts(grpc=grpc, http=http, metrics=metrics, ready=ready)

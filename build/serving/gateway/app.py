@@ -11,8 +11,9 @@ decoded text, as the OpenAI API defines them (the server also gets them as stop 
 itself); a match, a client that goes away mid-stream, or the request's deadline cancels the request on the server.
 
 It runs on one event loop with one gRPC channel to each Triton replica (fleet.Fleet: one replica, or a fleet that
-a name or a list gives, balanced round robin with failed requests retried elsewhere), which every request and health
-probe shares. GET /metrics serves Prometheus metrics (metrics.GatewayMetrics).
+a name or a list gives, balanced round robin with failed requests retried elsewhere), which every request shares; each
+replica's readiness is asked of its `serve` (fleet.ServeProbe, warm-up included), of plain tritonservers over that
+channel. GET /metrics serves Prometheus metrics (metrics.GatewayMetrics).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ...errors import ServingError
 from ..client import Answer, InferenceError, RequestRejectedError, ServerBusyError, ServerUnavailableError
-from ..ports import DEFAULT_OPENAI_PORT, DEFAULT_TRITON_REFRESH_S, GatewayOptions, host_port
+from ..ports import DEFAULT_OPENAI_PORT, DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, GatewayOptions, host_port
 from .admission import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -46,7 +47,7 @@ from .admission import (
 )
 from .answers import ChatDeltas, TokenTexts, chat_choice, completion_choice, completion_logprobs
 from .auth import APIKeyGuard, access_note
-from .fleet import Fleet, FleetTarget
+from .fleet import Fleet, FleetTarget, GrpcProbe, LocalProbe, ReplicaProbe, ServeProbe
 from .metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
 from .planning import ChoiceRun, Plan, Planner
 from .protocol import (
@@ -83,10 +84,19 @@ Event = tuple[str, bool]
 class Gateway:
     """The deployment's answers to planned requests: whole, or streamed as server-sent events."""
 
-    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, tokens: TokenTexts):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+        tokens: TokenTexts,
+        readiness: Callable[[], bool] | None = None,
+    ):
+        """readiness: the readiness of the `serve` process this gateway runs in, its one replica's (None: the
+        replicas are asked, as settings.replica_ready_port says)."""
         self.settings = settings
         self.metrics = metrics
         self.tokens = tokens
+        self.readiness = readiness
         self._client: Fleet | None = None
 
     @property
@@ -99,7 +109,14 @@ class Gateway:
         """Opens the channels to the replicas (on the serving event loop, which grpc.aio binds them to)."""
         settings = self.settings
         target = FleetTarget.parse(settings.triton_url)
-        self._client = Fleet(target, refresh_s=settings.triton_refresh_s, metrics=self.metrics)
+        probe: ReplicaProbe
+        if self.readiness is not None:
+            probe = LocalProbe(self.readiness)
+        elif settings.replica_ready_port:
+            probe = ServeProbe(settings.replica_ready_port)
+        else:
+            probe = GrpcProbe()
+        self._client = Fleet(target, refresh_s=settings.triton_refresh_s, metrics=self.metrics, probe=probe)
         await self._client.start()
 
     async def close(self) -> None:
@@ -350,10 +367,11 @@ async def _merged(streams: list[AsyncGenerator[Event, None]]) -> AsyncGenerator[
             await stream.aclose()
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None = None) -> FastAPI:
+    """The gateway's app; readiness: as Gateway takes it."""
     metrics = GatewayMetrics()
     planner = Planner(settings)
-    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer))
+    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer), readiness)
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 
@@ -439,12 +457,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 class GatewayServer:
     """uvicorn serving the gateway app, in the foreground (run) or on a thread beside tritonserver."""
 
-    def __init__(self, settings: GatewaySettings, host: str = "127.0.0.1", port: int = DEFAULT_OPENAI_PORT):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_OPENAI_PORT,
+        readiness: Callable[[], bool] | None = None,
+    ):
         import uvicorn
 
         self.url = f"http://{host_port(host, port)}"
         config = uvicorn.Config(
-            create_app(settings),
+            create_app(settings, readiness),
             host=host,
             port=port,
             log_level="warning",
@@ -481,15 +505,17 @@ def run_openai(
     port: int = DEFAULT_OPENAI_PORT,
     refresh_s: float = DEFAULT_TRITON_REFRESH_S,
     wait_s: float = 0.0,
+    replica_ready_port: int = DEFAULT_PORTS.ready,
 ) -> int:
     """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment or a fleet of replicas (its
-    settings read from the repository when given, else asked of a replica, waiting up to wait_s for one).
+    settings read from the repository when given, else asked of a replica, waiting up to wait_s for one), each
+    replica's readiness asked of its serve on replica_ready_port (0: of its tritonserver, over gRPC).
     SIGINT or SIGTERM stops it within GRACEFUL_SHUTDOWN_S (uvicorn handles both)."""
     if repo is not None:
         settings = GatewaySettings.from_repository(triton_url, repo, options)
     else:
         settings = GatewaySettings.from_server(triton_url, options, wait_s)
-    settings = dataclasses.replace(settings, triton_refresh_s=refresh_s)
+    settings = dataclasses.replace(settings, triton_refresh_s=refresh_s, replica_ready_port=replica_ready_port)
     server = GatewayServer(settings, address, port)
     print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {triton_url}", flush=True)
     if note := access_note(settings.api_keys, settings.open_metrics, address, server.url):

@@ -10,8 +10,9 @@
 
 Names are resolved again every `refresh_s`: replicas that appear are probed and join, those that disappear
 leave the rotation at once and their channel closes when their last request ends. Every replica has its own
-gRPC channel and is probed for readiness (server and ensemble ready) every PROBE_INTERVAL_S; requests go round
-robin over the ready ones. A replica whose request fails for want of a server (connection lost, the stream
+gRPC channel and is probed for readiness every PROBE_INTERVAL_S (ServeProbe: the readiness endpoint of the replica's
+`serve`, ready once it is warmed up; GrpcProbe, for plain tritonservers: server and ensemble ready); requests go
+round robin over the ready ones. A replica whose request fails for want of a server (connection lost, the stream
 silent while the replica reports not ready, the replica stopping) is taken out until a probe finds it ready
 again; such a request, or one a full queue refused, is sent once more, to another replica, if it had not yet
 returned any text; one that had is never sent again (its client already has part of the answer).
@@ -31,9 +32,9 @@ import re
 import socket
 import sys
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import ServingError
 from .. import interface
@@ -180,6 +181,67 @@ class Replica:
         self.ready = False
         self.in_flight = 0
 
+    @property
+    def host(self) -> str:
+        """The address's host (an IPv6 address without its brackets)."""
+        host = self.address.rpartition(":")[0]
+        return host[1:-1] if host.startswith("[") else host
+
+
+class ReplicaProbe(Protocol):
+    """How the fleet asks whether a replica is ready (within PROBE_TIMEOUT_S)."""
+
+    async def ready(self, replica: Replica) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcProbe:
+    """tritonserver's own readiness (server and ensemble ready), over the replica's gRPC channel: for replicas that
+    are plain tritonservers. Ready as soon as the models are loaded, before any warm-up."""
+
+    async def ready(self, replica: Replica) -> bool:
+        return await replica.client.is_ready(PROBE_TIMEOUT_S)
+
+    async def close(self) -> None:
+        pass
+
+
+class ServeProbe:
+    """GET http://<replica's address>:<port>/ready, the readiness endpoint of the replica's `serve`
+    (server.readiness): 200 once it is warmed up and while its tritonserver is ready."""
+
+    def __init__(self, port: int):
+        import httpx
+
+        self.port = port
+        self._errors = (httpx.HTTPError,)
+        # Straight to the replica: a proxy the environment names (HTTP_PROXY) is not on the way to a pod.
+        self._http = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
+
+    async def ready(self, replica: Replica) -> bool:
+        try:
+            answer = await self._http.get(f"http://{host_port(replica.host, self.port)}/ready")
+        except self._errors:  # not listening (yet), or too slow
+            return False
+        return answer.status_code == 200
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class LocalProbe:
+    """The readiness of the `serve` process the gateway runs in (serve --openai-port), asked off the event loop."""
+
+    def __init__(self, ready: Callable[[], bool]):
+        self._ready = ready
+
+    async def ready(self, replica: Replica) -> bool:
+        return await asyncio.to_thread(self._ready)
+
+    async def close(self) -> None:
+        pass
+
 
 def _log(message: str) -> None:
     print(f"gateway: {message}", file=sys.stderr, flush=True)
@@ -191,7 +253,8 @@ RETRIED_ERRORS = (ServerUnavailableError,)  # ServerBusyError is one
 
 class Fleet:
     """The replicas --triton-url names, as the gateway's one client (AsyncClient's interface: stream,
-    is_ready, close). Create, use and close it on one event loop."""
+    is_ready, close), each asked whether it is ready by `probe` (default: GrpcProbe). Create, use and close it on
+    one event loop."""
 
     def __init__(
         self,
@@ -199,10 +262,12 @@ class Fleet:
         model: str = interface.ENSEMBLE,
         refresh_s: float = DEFAULT_TRITON_REFRESH_S,
         metrics: GatewayMetrics | None = None,
+        probe: ReplicaProbe | None = None,
     ):
         self.target, self.model, self.refresh_s = target, model, refresh_s
         self.url = target.text
         self.metrics = metrics
+        self.probe = probe or GrpcProbe()
         self.replicas: dict[str, Replica] = {}
         self._turn = 0
         self._watcher: asyncio.Task[None] | None = None
@@ -227,7 +292,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         replicas = [*self.replicas.values(), *self._retired]
-        await asyncio.gather(*(r.client.close() for r in replicas), *self._closing)
+        await asyncio.gather(*(r.client.close() for r in replicas), *self._closing, self.probe.close())
         self.replicas.clear()
         self._retired.clear()
 
@@ -356,7 +421,7 @@ class Fleet:
 
     async def _probe_all(self) -> None:
         replicas = list(self.replicas.values())
-        states = await asyncio.gather(*(r.client.is_ready(PROBE_TIMEOUT_S) for r in replicas))
+        states = await asyncio.gather(*(self.probe.ready(r) for r in replicas))
         for replica, ready in zip(replicas, states, strict=True):
             if ready and not replica.ready:
                 _log(f"replica {replica.address} is ready: in the rotation")

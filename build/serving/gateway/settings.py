@@ -36,6 +36,8 @@ class GatewaySettings:
     among them resolved again every triton_refresh_s. model_dir and limits: the checkpoint and engine limits
     the deployment's preprocessing runs with (read from its model config). served_model_name: the
     `model` clients ask for. remote_media_timeout_s: how long fetching one remote image or video may take.
+    replica_ready_port: where each replica's `serve` answers whether it is ready (fleet.ServeProbe); 0 asks
+    tritonserver's own gRPC readiness instead (fleet.GrpcProbe, for plain tritonservers).
     The rest as GatewayOptions describes them; resolve gives every field its default."""
 
     triton_url: str
@@ -53,6 +55,7 @@ class GatewaySettings:
     api_keys: APIKeys = NO_API_KEYS  # its repr: key ids only
     open_metrics: bool = False
     reasoning_parser: str = "auto"
+    replica_ready_port: int = 0
 
     @classmethod
     def resolve(

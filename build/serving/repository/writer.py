@@ -12,22 +12,25 @@ their parameters: after moving either, write the repository again.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ... import __version__
-from ...checkpoint import read_config
+from ...checkpoint import VisionConfig, parse_config, read_config
 from ...contracts import VISION_ENGINE_FILE, BuildLayout
 from ...errors import CheckpointError, LimitsError
 from ...fsutil import atomic_output_dir
 from ...limits import EngineLimits
 from ...llm.checkpoint_format import TOKENIZER_INFO_FILE, LLMConfig, read_trtllm_config
 from ...manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
+from ...vision.metadata import vision_metadata
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
 from ..backpressure import QUEUED_BATCHES, BackPressure
@@ -241,7 +244,7 @@ def _preprocessing(m: _Models) -> mc.ModelConfig:
 
 def _vision_encoder(m: _Models) -> mc.ModelConfig:
     params = VisionEncoderParameters(**vars(m.vision()), attention_budget_bytes=m.settings.attention_budget_bytes)
-    return _python_model(
+    config = _python_model(
         m,
         interface.VISION_ENCODER,
         [_ragged(t, optional=False) for t in interface.VISION_REQUEST],
@@ -251,6 +254,69 @@ def _vision_encoder(m: _Models) -> mc.ModelConfig:
         # Its one client is preprocessing (a request per batch), which bounds the requests it has in flight.
         bounded_queue=False,
     )
+    if m.gpu:  # the CPU target's ONNX Runtime runs its own calibration sizes at load (vision_batching.warm_up)
+        vision_warmup(config, m.limits, parse_config(read_config(m.model_dir)[1]).vision)
+    return config
+
+
+# Where Triton reads a model_warmup sample's input_data_file: the model directory's warmup/ (core r24.10
+# src/constants.h kWarmupDataFolder).
+WARMUP_DIR = "warmup"
+
+
+def _warmup_metadata(rows: int, vision: VisionConfig) -> dict[str, np.ndarray]:
+    """The vision encoder's inputs but its pixels for one square image of rows x rows patches, as preprocessing
+    computes them (vision.metadata)."""
+    merge = vision.spatial_merge_size
+    grid = np.array([[1, rows, rows]], np.int64)
+    values = {
+        **vision_metadata(grid, merge, vision.num_grid_per_side),
+        interface.IMAGE_GRID_THW.name: grid,
+        interface.VISUAL_TOKEN_COUNT.name: np.array([rows * rows // merge**2], np.int32),
+    }
+    return {
+        t.name: np.asarray(values[t.name], interface.NUMPY_DTYPES[t.data_type])
+        for t in interface.VISION_REQUEST
+        if t is not interface.VISION_PIXELS
+    }
+
+
+def vision_warmup(config: mc.ModelConfig, limits: EngineLimits, vision: VisionConfig) -> None:
+    """Adds model_warmup samples to the vision encoder's config: one square image each, of the most visual tokens a
+    request may bring, a quarter and a sixteenth of it (the TensorRT engine's first runs at those shapes). Triton
+    runs them on every instance at load, before the model is ready (core r24.10 src/backend_model_instance.cc
+    WarmUp; a python model takes them as requests, server qa/L0_warmup), so a stage the supervisor reloads is warm
+    too; its adapter keeps them out of the stage's metrics (stages.triton_adapters: an instance's first requests).
+    Pixels are zeros; the rest is read from files (warmup_files), named by input and patch rows."""
+    side = math.isqrt(limits.max_visual_tokens)
+    for tokens_side in sorted({max(1, side // 4), max(1, side // 2), side}):
+        rows = tokens_side * vision.spatial_merge_size
+        sample = config.model_warmup.add(name=f"{tokens_side * tokens_side} visual tokens", batch_size=1)
+        pixels = sample.inputs[interface.VISION_PIXELS.name]
+        pixels.data_type = cfg.data_type(interface.VISION_PIXELS)
+        pixels.dims.extend([rows * rows, vision.patch_dim])
+        pixels.zero_data = True
+        metadata = _warmup_metadata(rows, vision)
+        for tensor in interface.VISION_REQUEST:
+            if tensor.name in metadata:
+                given = sample.inputs[tensor.name]
+                given.data_type = cfg.data_type(tensor)
+                given.dims.extend(metadata[tensor.name].shape)
+                given.input_data_file = f"{tensor.name}_{rows}"
+
+
+def warmup_files(config: mc.ModelConfig) -> dict[str, bytes]:
+    """The files the vision encoder's model_warmup samples read (vision_warmup), by name: each sample's inputs, from
+    its square image's patch rows (its pixels' first dim is rows x rows) and the checkpoint's vision config, as raw
+    bytes (the tensor's, as Triton reads them: core GenerateWarmupData)."""
+    model_dir = VisionEncoderParameters.from_model_config(config).model_dir
+    vision = parse_config(read_config(model_dir)[1]).vision
+    files = {}
+    for sample in config.model_warmup:
+        rows = math.isqrt(sample.inputs[interface.VISION_PIXELS.name].dims[0])
+        for name, array in _warmup_metadata(rows, vision).items():
+            files[sample.inputs[name].input_data_file] = array.tobytes()
+    return files
 
 
 def _llm(m: _Models) -> mc.ModelConfig:
@@ -347,8 +413,16 @@ def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
     return config
 
 
+def write_warmup_files(model: Path, config: mc.ModelConfig) -> None:
+    """The files of a model's model_warmup samples, in its directory `model`."""
+    (model / WARMUP_DIR).mkdir(exist_ok=True)
+    for file, data in warmup_files(config).items():
+        (model / WARMUP_DIR / file).write_bytes(data)
+
+
 def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
-    """config.pbtxt for every model, its model.py adapter for python models, version directory 1."""
+    """config.pbtxt for every model, its model.py adapter for python models, version directory 1, and the files its
+    model_warmup samples read."""
     sources = resources.files("qwen3vl_trt.triton_models")
     for name, config in configs.items():
         version = repo / name / "1"
@@ -356,6 +430,8 @@ def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
         cfg.write(repo / name, config)
         if config.backend == "python":
             (version / MODEL_FILE).write_text(sources.joinpath(name, MODEL_FILE).read_text())
+        if config.model_warmup:
+            write_warmup_files(repo / name, config)
 
 
 def gpu_memory_plan(

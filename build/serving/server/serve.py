@@ -6,6 +6,9 @@ then SIGKILL after the grace period; when the launching process dies, however it
 guard (PR_SET_PDEATHSIG), which kills the whole group, python stubs included. The stubs would outlive a dead
 server where nothing reaps it (python_backend r24.10 src/pb_stub.cc polls `kill(parent_pid, 0)`, which a
 zombie passes). While the server runs, server.supervisor brings back a stage whose python stub died.
+
+serve's own readiness endpoint (server.readiness, --ready-port) says ready once tritonserver is ready and serve has
+warmed it up (server.warmup), and while tritonserver stays ready.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from ..parameters import REPOSITORY_SCHEMA, EnsembleParameters, ParameterError
 from ..ports import DEFAULT_PORTS, NO_GATEWAY_OPTIONS, GatewayOptions, ServerPorts, host_port
 from ..repository import model_config as serving_config
 from .launch import ConfigOverrides, launch_command, repository_models
+from .readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
 from .supervisor import StageSupervisor, group_stubs
 from .tritonserver_install import NGC_IMAGE, find_tritonserver
+from .warmup import WarmupError, WarmupRequest, plan, warm_up
 
 if TYPE_CHECKING:
     from tritonclient.grpc import InferenceServerClient
@@ -133,6 +138,8 @@ class TritonServer:
         self.supervisor_enabled = supervise and self.command[0] != "mpirun"
         self.supervisor: StageSupervisor | None = None
         self._probe: InferenceServerClient | None = None
+        self._ready_probe: InferenceServerClient | None = None  # reports_ready's, on the threads that ask
+        self._ready_probe_lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._log_lock = threading.Lock()
@@ -344,6 +351,20 @@ class TritonServer:
         except Exception:  # tritonclient's own error types
             return True
 
+    def reports_ready(self, timeout_s: float = 1.0) -> bool:
+        """Whether tritonserver answers that it is ready (every model loaded and ready: --strict-readiness); False
+        when it does not answer within timeout_s (gone, being started again, or hung)."""
+        from tritonclient.grpc import InferenceServerClient
+
+        with self._ready_probe_lock:
+            if self._ready_probe is None:
+                self._ready_probe = InferenceServerClient(self.url)
+            probe = self._ready_probe
+        try:
+            return bool(probe.is_server_ready(client_timeout=timeout_s))
+        except Exception:  # tritonclient's own error types, or a probe closed by stop()
+            return False
+
     def _unload(self, model: str) -> None:
         """Unloads a stage (the supervisor's first step for a dead stub). Returns at once: the old instance
         finishes, or stays with the requests its dead stub held; the stage is not ready until loaded again."""
@@ -412,6 +433,10 @@ class TritonServer:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        with self._ready_probe_lock:
+            if self._ready_probe is not None:
+                self._ready_probe.close()
+                self._ready_probe = None
         if self._log is not None:
             with self._log_lock:
                 self._log.close()
@@ -465,10 +490,10 @@ def check_repository(repo: Path) -> None:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """What `qwen3vl-trt serve` runs: the repository, where its endpoints listen, which tritonserver, and the
-    OpenAI gateway beside it when openai_port is set (with `gateway`'s options). stop_grace: seconds from
-    SIGTERM to SIGKILL when stopping; max_queue_size and visual_cache: override the repository's queue bound and
-    visual cache."""
+    """What `qwen3vl-trt serve` runs: the repository, where its endpoints listen (tritonserver's and serve's own
+    readiness endpoint), which tritonserver, and the OpenAI gateway beside it when openai_port is set (with `gateway`'s
+    options). stop_grace: seconds from SIGTERM to SIGKILL when stopping; max_queue_size and visual_cache: override
+    the repository's queue bound and visual cache; warmup: send the warm-up requests (server.warmup) before ready."""
 
     repo: Path
     ports: ServerPorts = DEFAULT_PORTS
@@ -482,11 +507,53 @@ class ServeOptions:
     stop_grace: float = STOP_GRACE_S
     max_queue_size: int | None = None
     visual_cache: str | None = None
+    warmup: bool = True
+
+
+class _Warmer:
+    """Warms a ready tritonserver up (server.warmup) and says so to the readiness endpoint, once at start and again
+    for each server the supervisor starts again (its stages load cold)."""
+
+    def __init__(
+        self, server: TritonServer, readiness: Readiness, metrics: ServeMetrics, requests: list[WarmupRequest]
+    ) -> None:
+        self.server, self.readiness, self.metrics, self.requests = server, readiness, metrics, requests
+        self.warmed: int | None = None  # the server process warmed up last
+
+    def warm(self) -> None:
+        """Warms the server up now; WarmupError when a request fails."""
+        pid = self.server.pid
+        self.readiness.warming_up()
+        seconds = warm_up(
+            self.server.url,
+            self.requests,
+            self.server.log,
+            self.server.ready_timeout,
+            answered=self.metrics.warmup_requests.inc,
+        )
+        self.metrics.warmup_seconds.set(seconds)
+        if self.requests:
+            self.server.log(f"warmed up in {seconds:.1f} s")
+        self.warmed = pid
+        self.readiness.warmed(pid)
+
+    def rewarm(self) -> None:
+        """Warms a server started again once it is ready; one that stops being ready meanwhile (started again once
+        more, or stopped) is warmed once it is back."""
+        if self.server.pid == self.warmed or not self.server.reports_ready():
+            return
+        try:
+            self.warm()
+        except WarmupError as e:
+            if self.server.reports_ready():
+                raise
+            self.server.log(f"{e}; tritonserver is not ready now: warming up again once it is")
 
 
 def serve(args: ServeOptions) -> int:
     """Runs the server in the foreground until it exits or this process gets SIGINT/SIGTERM, which stop it
-    (TritonServer.stop: SIGTERM, SIGKILL after the grace period); the server's exit status."""
+    (TritonServer.stop: SIGTERM, SIGKILL after the grace period); the server's exit status. Its readiness endpoint
+    (server.readiness) says ready once the server is ready and warmed up (server.warmup)."""
     check_repository(args.repo)
     server = TritonServer(
         args.repo,
@@ -504,15 +571,23 @@ def serve(args: ServeOptions) -> int:
         env = [f"{name}={shlex.quote(value)}" for name, value in server.install.env.items()]
         print(" ".join([*env, shlex.join(server.command)]))
         return 0
+    build = BuildInfo.of_repository(args.repo)
+    readiness = Readiness(server.reports_ready, lambda: server.pid)
+    metrics = ServeMetrics(readiness, build)
+    warmer = _Warmer(server, readiness, metrics, plan(args.repo) if args.warmup else [])
+    endpoint = ReadinessServer(readiness, metrics, build, args.address, args.ports.ready)
     stopping = threading.Event()
 
     def stop(_signum: int, _frame: FrameType | None) -> None:
         stopping.set()
+        readiness.stopping()
         server.signal(signal.SIGTERM)  # tritonserver shuts down cleanly on SIGTERM (and SIGINT)
 
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     gateway: GatewayServer | None = None
     try:
+        endpoint.start()
+        server.log(build.note)
         print(f"starting {server.install.binary} ({server.install.source})", file=sys.stderr, flush=True)
         server.start()
         if stopping.is_set():  # a signal that came before the server existed
@@ -530,25 +605,35 @@ def serve(args: ServeOptions) -> int:
             from ..gateway.settings import GatewaySettings
 
             settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
-            gateway = GatewayServer(settings, args.address, args.openai_port)
+            # Its one replica is this one: it takes this process's readiness, warm-up included.
+            gateway = GatewayServer(settings, args.address, args.openai_port, readiness=readiness.is_ready)
             gateway.start()
             if note := access_note(settings.api_keys, settings.open_metrics, args.address, gateway.url):
                 print(note, file=sys.stderr, flush=True)
+        try:
+            warmer.warm()
+        except WarmupError:
+            if stopping.is_set():  # told to stop while warming up
+                return server.stop() or 0
+            raise
         print(
             f"ready: gRPC {host_port(args.address, ports.grpc)}, HTTP {host_port(args.address, ports.http)}, "
-            f"metrics {host_port(args.address, ports.metrics)}" + (f", OpenAI {gateway.url}/v1" if gateway else ""),
+            f"metrics {host_port(args.address, ports.metrics)}, readiness {endpoint.url}/ready"
+            + (f", OpenAI {gateway.url}/v1" if gateway else ""),
             flush=True,
         )
         # Waits in steps, so a stop signal leads to the bounded stop below even if the server hangs; a server
-        # that exits on its own is started again by its supervisor (a few times), else ends serve.
+        # that exits on its own is started again by its supervisor (a few times) and warmed up again, else ends serve.
         while (status := server.ended()) is None and not stopping.wait(0.5):
-            pass
+            warmer.rewarm()
         if status is not None:
             return status
         return server.stop() or 0
     finally:
+        readiness.stopping()
         if gateway is not None:
             gateway.stop()
         server.stop()
+        endpoint.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)

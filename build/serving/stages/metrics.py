@@ -1,7 +1,8 @@
 """The metrics the deployment's python models publish on Triton's metrics port, next to Triton's own
 nv_* metrics: what each is (its # HELP line says it too), and which models publish which. Every series
 is labelled with its model's name (`model`) and its python stub's pid (`stub_pid`; sum over it). The python
-backend adapters (triton_adapters) publish them.
+backend adapters (triton_adapters) publish them, counting neither serve's warm-up requests (interface.is_warmup)
+nor Triton's model_warmup samples.
 """
 
 from __future__ import annotations

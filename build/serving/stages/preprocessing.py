@@ -12,8 +12,8 @@ decided here once, so both targets' `llm` models receive every input.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, MutableMapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ def split_word_list(table: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
 class _Parsed:
     call: dict[str, Any]  # Preprocessor.batch() arguments
     outputs: dict[str, Any]  # the LLM's sampling inputs and the postprocessing flags
+    cached: bool = True  # its images are looked up in and stored into the visual cache
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,12 @@ class VisualFeatures:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready for the LLM but for its prompt table: its output tensors, and its images and videos in prompt
-    order."""
+    """A request ready for the LLM but for its prompt table: its output tensors, its images and videos in prompt
+    order, and whether the visual cache keeps the features of those it encodes."""
 
     outputs: dict[str, Any]
     visual: tuple[VisualFeatures, ...]
+    cached: bool = True
 
     @property
     def to_encode(self) -> list[VisualFeatures]:
@@ -203,15 +205,18 @@ class Preprocessing:
             }
         )
 
-    def execute(self, requests: Sequence[Arrays], encoding: Collection[bytes] = ()) -> list[Prepared | Exception]:
+    def execute(
+        self, requests: Sequence[Arrays], encoding: Collection[bytes] = (), uncached: Collection[int] = ()
+    ) -> list[Prepared | Exception]:
         """Per request: what it needs of the vision encoder and the rest of its output tensors (no batch
         dimension), or the error to answer it with. `encoding`: digests of images an earlier batch is encoding
-        now; those are neither looked up nor decoded (their requests wait for that encode)."""
+        now; those are neither looked up nor decoded (their requests wait for that encode). `uncached`: the
+        requests (by index) whose images the visual cache neither looks up nor keeps (warm-up requests)."""
         results: dict[int, Prepared | Exception] = {}
         parsed: dict[int, _Parsed] = {}
         for i, inputs in enumerate(requests):
             try:
-                parsed[i] = self._parse(inputs)
+                parsed[i] = replace(self._parse(inputs), cached=i not in uncached)
             except RequestError as e:
                 results[i] = e
         results.update(self._run(parsed, encoding))
@@ -252,7 +257,7 @@ class Preprocessing:
                     f"the vision encoder answered {list(made.shape)} {made.dtype} for an image of {image.tokens} "
                     f"tokens; expected {list(self.table.shape(image.tokens))} {self.table.dtype}"
                 )
-            if self.cache is not None and image.vision_inputs is not None:
+            if self.cache is not None and prepared.cached and image.vision_inputs is not None:
                 self.cache.put(image.digest, image.grid, made)
             rows.append(made)
         if rows:
@@ -269,18 +274,18 @@ class Preprocessing:
             return {}
         found: Found = {}  # this batch's alone: nothing of a request stays on the component once it is prepared
 
-        def cached(visual: Sequence[Sequence[VisualInput]]) -> list[list[bool]]:
-            return self._cached(visual, encoding, found)
+        def skipped(batch: Sequence[_Parsed]) -> Callable[[Sequence[Sequence[VisualInput]]], list[list[bool]]]:
+            return lambda visual: self._cached(visual, [one.cached for one in batch], encoding, found)
 
         def alone(one: _Parsed) -> Prepared | Exception:
             try:
-                return self._prepared(one, self.pre.batch([one.call], cached)[0], found)
+                return self._prepared(one, self.pre.batch([one.call], skipped([one]))[0], found)
             except RequestError as e:
                 return e
 
         order = list(parsed)
         try:
-            made = self.pre.batch([parsed[i].call for i in order], cached)
+            made = self.pre.batch([parsed[i].call for i in order], skipped([parsed[i] for i in order]))
             return {i: self._prepared(parsed[i], request, found) for i, request in zip(order, made, strict=True)}
         except RequestError as e:
             if len(order) == 1:
@@ -288,25 +293,32 @@ class Preprocessing:
         return {i: alone(parsed[i]) for i in order}
 
     def _cached(
-        self, visual: Sequence[Sequence[VisualInput]], encoding: Collection[bytes], found: Found
+        self,
+        visual: Sequence[Sequence[VisualInput]],
+        cached: Sequence[bool],
+        encoding: Collection[bytes],
+        found: Found,
     ) -> list[list[bool]]:
         """Preprocessor.batch's skip_decoding: looks every image and video of the batch up at once (but those being
-        encoded now, `encoding`) and keeps the rows found for _prepared in `found`; one is skipped when its rows were
-        found or are coming."""
+        encoded now, `encoding`, and those of requests whose `cached` flag is off) and keeps the rows found for
+        _prepared in `found`; one is skipped when its rows were found or are coming."""
         found.clear()
         merge = self.pre.image_config.merge_size
         digests = [[item.digest for item in items] for items in visual]
         coming = {digest for plan_digests in digests for digest in plan_digests if digest in encoding}
         wanted = {}
-        for items in visual:
+        for items, looked_up in zip(visual, cached, strict=True):
             for item in items:
-                if item.digest not in coming:
+                if looked_up and item.digest not in coming:
                     tokens = int(item.grid_thw.prod()) // (merge * merge)
                     wanted[item.digest] = (tuple(int(g) for g in item.grid_thw), self.table.shape(tokens))
         if self.cache is not None:
             lookup = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
             found.update((digest, rows) for digest, rows in zip(wanted, lookup, strict=True) if rows is not None)
-        return [[digest in found or digest in coming for digest in plan_digests] for plan_digests in digests]
+        return [
+            [(looked_up and digest in found) or digest in coming for digest in plan_digests]
+            for plan_digests, looked_up in zip(digests, cached, strict=True)
+        ]
 
     def _prepared(self, parsed: _Parsed, request: Request, found: Found) -> Prepared:
         outputs = self._outputs(parsed, request)
@@ -328,7 +340,7 @@ class Preprocessing:
             rows = None if was_decoded else found.get(digest)  # None: being encoded by an earlier batch
             t, h, w = (int(g) for g in grid)
             images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs))
-        return Prepared(outputs, tuple(images))
+        return Prepared(outputs, tuple(images), parsed.cached)
 
     def _parse(self, inputs: Arrays) -> _Parsed:
         missing = [t.name for t in interface.REQUEST_INPUTS if not t.optional and t.name not in inputs]

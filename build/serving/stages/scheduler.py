@@ -53,19 +53,24 @@ class PreprocessingScheduler(Generic[R]):
         component: Preprocessing,
         *,
         read: Callable[[R], Arrays],
-        encode: Callable[[dict[str, Any]], Awaitable[Rows]],
+        encode: Callable[[dict[str, Any], bool], Awaitable[Rows]],
         answer: Callable[[R, Result], None],
         metrics: MetricSink,
         published: Callable[[], None],
         in_flight_limit: int | None,
+        warm_up: Callable[[R], bool] = lambda _request: False,
     ):
         """read: a request's input tensors. encode: the vision encoder's prompt table for one
-        component.vision_request, or the error it answered. answer: sends a request its one final response.
+        component.vision_request (told whether it holds warm-up requests' images alone), or the error it answered.
+        answer: sends a request its one final response.
         published: called once a batch is prepared and once its encodes are answered, for the adapter to publish
         what it counts elsewhere (the visual cache's events). in_flight_limit: requests admitted and not yet
-        answered at most (backpressure.BackPressure.preprocessing_in_flight); None admits every request."""
+        answered at most (backpressure.BackPressure.preprocessing_in_flight); None admits every request. warm_up:
+        whether a request is one of serve's warm-up requests (interface.is_warmup), which the metrics do not count and
+        whose images the visual cache neither looks up nor keeps."""
         self.component = component
         self._read = read
+        self._warm_up = warm_up
         self._encode_request = encode
         self._reply = answer
         self._metrics = metrics
@@ -114,13 +119,15 @@ class PreprocessingScheduler(Generic[R]):
             # device, and the backend sets none (python_backend r26.04 src/stub_launcher.cc).
             torch.cuda.set_device(self.component.pre.device)
         started = time.perf_counter()
+        warm_up = {i for i, r in enumerate(requests) if self._warm_up(r)}
         try:
             outcomes: list[Prepared | Exception] = self.component.execute(
-                [self._read(r) for r in requests], encoding=self.encoding.keys()
+                [self._read(r) for r in requests], encoding=self.encoding.keys(), uncached=warm_up
             )
         except Qwen3VLTrtError as e:
             outcomes = [e] * len(requests)
-        self._metrics.observe(stage_metrics.PREPROCESS_SECONDS, time.perf_counter() - started)
+        if len(warm_up) < len(requests):
+            self._metrics.observe(stage_metrics.PREPROCESS_SECONDS, time.perf_counter() - started)
         waiting: list[tuple[int, Prepared]] = []
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, Prepared) and outcome.pending:
@@ -131,28 +138,34 @@ class PreprocessingScheduler(Generic[R]):
         if not waiting:
             return
         # No await since execute: the images it left to earlier batches are still in self.encoding.
-        rows = await self._rows([image for _, outcome in waiting for image in outcome.pending])
+        counted = [image for i, outcome in waiting if i not in warm_up for image in outcome.pending]
+        rows = await self._rows(
+            [image for _, outcome in waiting for image in outcome.pending], counted, len(warm_up) == len(requests)
+        )
         encoded = {digest: r for digest, r in rows.items() if isinstance(r, torch.Tensor)}
         for i, outcome in waiting:
             failed = next((rows[image.digest] for image in outcome.pending if image.digest not in encoded), None)
             answer(i, failed if isinstance(failed, Exception) else self._finish(outcome, encoded))
         self._published()
 
-    async def _rows(self, images: Sequence[VisualFeatures]) -> dict[bytes, Rows]:
+    async def _rows(
+        self, images: Sequence[VisualFeatures], counted: Sequence[VisualFeatures], warm_up: bool
+    ) -> dict[bytes, Rows]:
         """The prompt-table rows of a batch's pending images, by digest: those it decoded go to the vision encoder
-        as one encode, each image once; those an earlier batch is encoding now are waited for."""
+        as one encode, each image once; those an earlier batch is encoding now are waited for. `counted`: the images
+        the metrics count (not warm-up requests'); `warm_up`: the batch is warm-up requests alone."""
         own = {image.digest: image for image in images if image.vision_inputs is not None}
         joined = {image.digest: self.encoding[image.digest] for image in images if image.digest not in own}
-        decoded = Counter(image.kind for image in images if image.vision_inputs is not None)
+        decoded = Counter(image.kind for image in counted if image.vision_inputs is not None)
         self._metrics.add(stage_metrics.IMAGES_DECODED, decoded["image"])
         self._metrics.add(stage_metrics.VIDEOS_DECODED, decoded["video"])
-        self._metrics.add(stage_metrics.ENCODES_JOINED, len(images) - decoded.total())
+        self._metrics.add(stage_metrics.ENCODES_JOINED, len(counted) - decoded.total())
         loop = asyncio.get_running_loop()
         mine = {digest: loop.create_future() for digest in own}
         self.encoding.update(mine)
         try:
             if own:
-                encoded = await self._encode(list(own.values()))
+                encoded = await self._encode(list(own.values()), warm_up)
                 for digest, future in mine.items():
                     future.set_result(encoded if isinstance(encoded, Exception) else encoded[digest])
         finally:
@@ -166,9 +179,9 @@ class PreprocessingScheduler(Generic[R]):
             for digest, future in joined.items()
         }
 
-    async def _encode(self, images: Sequence[VisualFeatures]) -> dict[bytes, torch.Tensor] | Exception:
+    async def _encode(self, images: Sequence[VisualFeatures], warm_up: bool) -> dict[bytes, torch.Tensor] | Exception:
         """The images' prompt-table rows by digest from one vision encoder request, or the error it answered."""
-        table = await self._encode_request(self.component.vision_request(images))
+        table = await self._encode_request(self.component.vision_request(images), warm_up)
         if isinstance(table, Exception):
             return table
         try:

@@ -152,10 +152,31 @@ class _Model:
         self.metrics = _Metrics(
             args["model_name"], (stage_metrics.REQUESTS, stage_metrics.REQUEST_ERRORS, *self.metrics_published)
         )
+        # Triton runs a model's model_warmup samples on each instance right after its initialize and before the
+        # model is ready (core r24.10 src/backend_model_instance.cc: InitAndWarmUpModelInstance, WarmUp; each
+        # sample batch_size requests, max(count, 1) times): an instance's first requests are those samples.
+        self.warmup_samples_left = sum(
+            int(sample.get("batch_size", 0)) * max(1, int(sample.get("count", 0)))
+            for sample in config.get("model_warmup", [])
+        )
+        self.counting = True  # whether the batch being executed holds a request the metrics count
         self.load()
 
     def load(self) -> None:
         raise NotImplementedError
+
+    def counted(self, requests: Sequence[Any]) -> list[bool]:
+        """Which requests of a batch the stage metrics count: neither Triton's model_warmup samples nor serve's
+        warm-up requests (interface.is_warmup)."""
+        flags = []
+        for request in requests:
+            if self.warmup_samples_left > 0:
+                self.warmup_samples_left -= 1
+                flags.append(False)
+            else:
+                flags.append(not interface.is_warmup(request.request_id()))
+        self.counting = any(flags)
+        return flags
 
     def finalize(self) -> None:
         self.metrics.close()
@@ -214,17 +235,20 @@ class _BatchModel(_Model):
     def respond(
         self, requests: Sequence[Any], results: Callable[[], Sequence[Mapping[str, Any] | Exception]]
     ) -> list[Any]:
-        """The responses to a batch from its results (or each its error when the call raises one), counted."""
-        self.metrics.add(stage_metrics.REQUESTS, len(requests))
+        """The responses to a batch from its results (or each its error when the call raises one), counted in the
+        metrics but for warm-up requests."""
+        counted = self.counted(requests)
+        self.metrics.add(stage_metrics.REQUESTS, sum(counted))
         try:
             answered = results()
         except Qwen3VLTrtError as e:
-            self.metrics.add(stage_metrics.REQUEST_ERRORS, len(requests))
+            self.metrics.add(stage_metrics.REQUEST_ERRORS, sum(counted))
             # One response object per request: python_backend rebuilds each returned response's shared memory and
             # frees the block a repeated object had (r26.04 src/pb_stub.cc ProcessReturnedResponses).
             return [error_response(e) for _ in requests]
-        self.metrics.add(stage_metrics.REQUEST_ERRORS, sum(isinstance(r, Exception) for r in answered))
-        self.count(answered)
+        mine = [result for result, count in zip(answered, counted, strict=True) if count]
+        self.metrics.add(stage_metrics.REQUEST_ERRORS, sum(isinstance(r, Exception) for r in mine))
+        self.count(mine)
         return [error_response(r) if isinstance(r, Exception) else response(r) for r in answered]
 
     def count(self, results: Sequence[Mapping[str, Any] | Exception]) -> None:
@@ -261,10 +285,12 @@ _CACHE_METRICS = {
 
 
 class _Received(NamedTuple):
-    """An admitted or refused request and its response sender, taken on the stub's thread."""
+    """An admitted or refused request and its response sender, taken on the stub's thread, and whether the metrics
+    count it (not a warm-up request)."""
 
     request: Any
     sender: Any
+    counted: bool
 
 
 class PreprocessingModel(_Model):
@@ -312,6 +338,7 @@ class PreprocessingModel(_Model):
             published=self._publish_cache_counts,
             # A repository without a queue policy bounds nothing, nor does the stage then.
             in_flight_limit=BackPressure.plan(limits, queue).preprocessing_in_flight if queue else None,
+            warm_up=lambda received: not received.counted,
         )
 
     def finalize(self) -> None:
@@ -320,15 +347,19 @@ class PreprocessingModel(_Model):
         super().finalize()
 
     def execute(self, requests: Sequence[Any]) -> Coroutine[Any, Any, None]:
-        self.metrics.add(stage_metrics.REQUESTS, len(requests))
-        return self.scheduler.admit([_Received(r, r.get_response_sender()) for r in requests])
+        counted = self.counted(requests)
+        self.metrics.add(stage_metrics.REQUESTS, sum(counted))
+        received = [_Received(r, r.get_response_sender(), c) for r, c in zip(requests, counted, strict=True)]
+        return self.scheduler.admit(received)
 
-    async def _encode(self, inputs: Mapping[str, Any]) -> torch.Tensor | StageError:
-        """The prompt table of one vision encoder request (BLS, async_exec), or the error it answered."""
+    async def _encode(self, inputs: Mapping[str, Any], warm_up: bool) -> torch.Tensor | StageError:
+        """The prompt table of one vision encoder request (BLS, async_exec), or the error it answered; one of warm-up
+        requests' images alone carries a warm-up request id, which the vision encoder does not count either."""
         request = pb_utils.InferenceRequest(
             model_name=interface.VISION_ENCODER,
             inputs=[_tensor(name, value) for name, value in inputs.items()],
             requested_output_names=[interface.PROMPT_TABLE.name],
+            request_id=f"{interface.WARMUP_REQUEST_PREFIX}{interface.VISION_ENCODER}" if warm_up else "",
         )
         answer = await request.async_exec()
         if answer.has_error():
@@ -339,7 +370,7 @@ class PreprocessingModel(_Model):
         return torch.from_dlpack(output.to_dlpack())[0].clone()
 
     def _answer(self, received: _Received, result: Mapping[str, Any] | Exception) -> None:
-        if isinstance(result, Exception):
+        if isinstance(result, Exception) and received.counted:
             self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
         reply = error_response(result) if isinstance(result, Exception) else response(result)
         received.sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -369,6 +400,8 @@ class VisionEncoderModel(_BatchModel):
         self.component.warm_up()
 
     def _encoded(self, images: int, patches: int, seconds: float | None) -> None:
+        if not self.counting:  # a run of warm-up requests alone
+            return
         self.metrics.add(stage_metrics.PATCHES_ENCODED, patches)
         self.metrics.observe(stage_metrics.VISION_RUN_PATCHES, patches)
         self.metrics.observe(stage_metrics.VISION_RUN_IMAGES, images)
@@ -389,9 +422,9 @@ class PostprocessingModel(_BatchModel):
 
 class _ResponseStream:
     """A TokenStream over a decoupled request's response sender; counts the tokens generated and the
-    request's error."""
+    request's error (in `metrics`; None for a warm-up request)."""
 
-    def __init__(self, sender: Any, metrics: _Metrics, echoed: int):
+    def __init__(self, sender: Any, metrics: _Metrics | None, echoed: int):
         """echoed: prompt ids that lead the tokens sent, not generated ones."""
         self.sender = sender
         self.metrics = metrics
@@ -421,11 +454,13 @@ class _ResponseStream:
 
     def fail(self, error: Exception) -> None:
         self.sender.send(error_response(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
+        if self.metrics is not None:
+            self.metrics.add(stage_metrics.REQUEST_ERRORS, 1)
         self._count()
 
     def _count(self) -> None:
-        self.metrics.add(stage_metrics.TOKENS_GENERATED, self.generated)
+        if self.metrics is not None:
+            self.metrics.add(stage_metrics.TOKENS_GENERATED, self.generated)
         self.generated = 0
 
     def cancelled(self) -> bool:
@@ -453,10 +488,12 @@ class LLMModel(_Model):
         self.engine.start()
 
     def execute(self, requests: Sequence[Any]) -> None:
-        self.metrics.add(stage_metrics.REQUESTS, len(requests))
-        for request in requests:
+        counted = self.counted(requests)
+        self.metrics.add(stage_metrics.REQUESTS, sum(counted))
+        for request, count in zip(requests, counted, strict=True):
             inputs = self.read(request)
-            stream = _ResponseStream(request.get_response_sender(), self.metrics, _echoed_prompt(inputs))
+            metrics = self.metrics if count else None
+            stream = _ResponseStream(request.get_response_sender(), metrics, _echoed_prompt(inputs))
             self.engine.submit(inputs, stream, request.request_id())
 
     def finalize(self) -> None:
