@@ -80,10 +80,16 @@ class Platform:
         )
 
 
+# What makes no artifact: the repository and the processes that serve it (written by each build, not cached), the
+# reference runtime, the command line, the acceptance run, test helpers and the cache itself (its layout has a
+# schema of its own).
+_NOT_ARTIFACT_CODE = {"serving", "triton_models", "runtime", "testing", "build_cache", "cli.py", "acceptance.py"}
+
+
 @functools.cache
 def code_digest() -> str:
-    """sha256 of this installation's sources (the package and its kernels): a changed exporter, converter or engine
-    builder makes other artifacts even where the version number stayed."""
+    """sha256 of the installed sources that make artifacts (the exporters, converters, engine builders and their
+    kernels): a changed one makes other artifacts even where the version number stayed."""
     import importlib.util
 
     digest = hashlib.sha256()
@@ -92,7 +98,8 @@ def code_digest() -> str:
         assert spec is not None and spec.submodule_search_locations is not None
         for location in spec.submodule_search_locations:
             root = Path(location)
-            for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            files = (p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+            for path in sorted(p for p in files if p.relative_to(root).parts[0] not in _NOT_ARTIFACT_CODE):
                 digest.update(f"{package}/{path.relative_to(root)}\n".encode())
                 digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
