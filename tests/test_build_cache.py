@@ -62,16 +62,23 @@ def _key(ckpt_dir: Path, **options):
     return build_key(ckpt, options.get("dtype", "fp32"), "bf16", llm, "auto", None, 1, 1, None, limits, log=_quiet)
 
 
-def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(tiny_dense, tmp_path):
-    """A hit copies (or links) exactly what the miss built; a repository setting changes only the repository."""
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def published(tiny_dense, tmp_path_factory) -> tuple[Path, Path, BuildManifest, list[str]]:
+    """A miss: the cache, the build directory, its manifest and its log."""
+    root = tmp_path_factory.mktemp("published")
     lines: list[str] = []
-    first = build(tiny_dense, tmp_path / "b1", cache=CacheSettings(cache), log=lines.append, **FAST)
+    first = build(tiny_dense, root / "b1", cache=CacheSettings(root / "cache"), log=lines.append, **FAST)
+    return root / "cache", root / "b1", first, lines
+
+
+def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(tiny_dense, tmp_path, published):
+    """A hit copies (or links) exactly what the miss built; a repository setting changes only the repository."""
+    cache, b1, first, lines = published
     assert first.cache is not None and first.cache.source == "built" and first.cache.build_s is not None
     assert any("miss for key" in line for line in lines)
-    assert (tmp_path / "b1" / BuildLayout.VISION).is_symlink()  # link mode: served where it lies in the cache
+    assert (b1 / BuildLayout.VISION).is_symlink()  # link mode: served where it lies in the cache
 
-    lines.clear()
+    lines = []
     settings = RepositorySettings(max_queue_delay_us=500)
     second = build(
         tiny_dense,
@@ -84,7 +91,7 @@ def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(ti
     assert second.cache is not None and second.cache.source == "pulled" and second.cache.key == first.cache.key
     assert second.cache.pull_bytes > 0 and any("hit for key" in line for line in lines)
     assert not (tmp_path / "b2" / BuildLayout.VISION).is_symlink()
-    assert _artifact_hashes(tmp_path / "b1") == _artifact_hashes(tmp_path / "b2")
+    assert _artifact_hashes(b1) == _artifact_hashes(tmp_path / "b2")
     # The manifest read back says how the artifacts were obtained.
     assert BuildManifest.read(tmp_path / "b2").source == "pulled"
     assert BuildManifest.of_repository(tmp_path / "b2" / BuildLayout.TRITON_REPO) == BuildManifest.read(tmp_path / "b2")
@@ -93,15 +100,14 @@ def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(ti
     config = (tmp_path / "b2" / BuildLayout.TRITON_REPO / "llm" / "config.pbtxt").read_text()
     assert str(tmp_path / "b2" / BuildLayout.LLM_CHECKPOINT) in config and "max_queue_delay_microseconds: 500" in config
     assert (
-        "max_queue_delay_microseconds: 500"
-        not in (tmp_path / "b1" / BuildLayout.TRITON_REPO / "llm" / "config.pbtxt").read_text()
+        "max_queue_delay_microseconds: 500" not in (b1 / BuildLayout.TRITON_REPO / "llm" / "config.pbtxt").read_text()
     )
 
     # Both builds answer alike.
     messages = user("Describe the picture.", _png())
     answers = [
-        LocalPipeline(tiny_dense, tmp_path / b).generate(messages, SamplingParams(max_new_tokens=6)).token_ids
-        for b in ("b1", "b2")
+        LocalPipeline(tiny_dense, b).generate(messages, SamplingParams(max_new_tokens=6)).token_ids
+        for b in (b1, tmp_path / "b2")
     ]
     assert answers[0] == answers[1] and len(answers[0]) == 6
 
@@ -256,13 +262,14 @@ def test_a_dead_builders_lease_lapses_and_another_builds(tiny_dense, tmp_path):
     assert not (tmp_path / "dead").exists()  # nothing half-written where the dead builder was to publish
 
 
-def test_a_damaged_entry_is_rebuilt_never_served(tiny_dense, tmp_path, monkeypatch):
+def test_a_damaged_entry_is_rebuilt_never_served(tiny_dense, tmp_path, monkeypatch, published):
     """Truncated: found by size at every pull. Altered in place at the same size: by hash, at every pull for small
     files and with verify for large ones. Foreign (another key's entry.json): refused too."""
     cache = tmp_path / "cache"
-    first = build(tiny_dense, tmp_path / "b1", cache=CacheSettings(cache), log=_quiet, **FAST)
+    shutil.copytree(published[0], cache)  # a cache of its own to damage
+    first = published[2]
     assert first.cache is not None
-    entry = Path(first.cache.entry)
+    entry = cache / "entries" / first.cache.key
     store = BuildCache(cache, log=_quiet)
     key = _cache_key(first)
 
