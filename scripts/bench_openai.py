@@ -83,9 +83,10 @@ class OwnGateway:
         build(self.model_dir, scratch / "build", llm_dtype="fp32", target="cpu", log=lambda *_: None)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        ports = [str(free_port()) for _ in range(3)]
+        ports = [str(free_port()) for _ in range(4)]
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "serve", "--repo", str(scratch / "build" / "triton_repo")]
         command += ["--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]]
+        command += ["--ready-port", ports[3]]
         command += ["--openai-port", str(port)]
         self.log = scratch / "serve.log"
         self.process = subprocess.Popen(command, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)

@@ -58,7 +58,7 @@ def replica(ckpt: Path, cache: Path, output: Path, log: Path, warmup: bool, max_
             raise SystemExit(f"build failed: see {log}")
         build_s = time.perf_counter() - start
         ports = free_ports()
-        ready_port = free_ports().grpc
+        ready_port = ports.ready
         args = ["serve", "--repo", str(output / "triton_repo"), "--grpc-port", str(ports.grpc)]
         args += ["--http-port", str(ports.http), "--metrics-port", str(ports.metrics), "--ready-port", str(ready_port)]
         server = _cli(*args, *([] if warmup else ["--no-warmup"]), stdout=out, stderr=subprocess.STDOUT)

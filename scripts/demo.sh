@@ -18,6 +18,7 @@ $cli build --model "$out/checkpoint" --output "$out/build" --target cpu --force
 .venv/bin/python -c "from qwen3vl_trt.testing.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
 
 $cli serve --repo "$out/build/triton_repo" --grpc-port "$port" --http-port $((port + 1)) --metrics-port $((port + 2)) \
+    --ready-port $((port + 3)) \
     --openai-port "$openai_port" > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT

@@ -88,7 +88,8 @@ class Replica:
     def start(self) -> None:
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "serve", "--repo", str(self.repo),
                    "--grpc-port", str(self.ports.grpc), "--http-port", str(self.ports.http),
-                   "--metrics-port", str(self.ports.metrics), "--visual-cache", self.cache_url,
+                   "--metrics-port", str(self.ports.metrics), "--ready-port", str(self.ports.ready),
+                   "--visual-cache", self.cache_url,
                    "--stop-grace", f"{self.stop_grace:g}"]  # fmt: skip
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
