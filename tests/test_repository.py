@@ -124,20 +124,21 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
 
 def test_the_gpu_vision_encoder_warms_up_at_three_sizes_on_what_preprocessing_sends(built, tiny_dense, tmp_path):
     """Triton runs a model's model_warmup samples at load, before it is ready (docs/serving.md, "Warm-up and
-    readiness"): the GPU target's vision encoder gets one square image of the request's most visual tokens, a quarter
-    and a sixteenth of it, zero pixels and the metadata preprocessing computes, read from the model's warmup/ files."""
+    readiness"): the GPU target's vision encoder gets one square image of the request's most visual tokens (at most
+    256), a quarter and a sixteenth of it, zero pixels and the metadata preprocessing computes, read from the model's
+    warmup/ files."""
     layout = BuildLayout(built)
     _, llm = read_trtllm_config(layout.llm_checkpoint)
-    limits = EngineLimits(max_visual_tokens=1024)
+    limits = EngineLimits(max_visual_tokens=8192)
     gpu = model_configs(layout, tiny_dense, "gpu", limits, llm, memory=MEMORY)
     cpu = model_configs(layout, tiny_dense, "cpu", limits, llm)
     assert not cpu[interface.VISION_ENCODER].model_warmup  # ONNX Runtime calibrates its own sizes at load
     config = gpu[interface.VISION_ENCODER]
-    assert [s.name for s in config.model_warmup] == ["64 visual tokens", "256 visual tokens", "1024 visual tokens"]
+    assert [s.name for s in config.model_warmup] == ["16 visual tokens", "64 visual tokens", "256 visual tokens"]
     write_model_files(tmp_path, gpu)
     vision = VisionSidecar.load(layout.vision)
     merge = vision.spatial_merge_size
-    for sample, side in zip(config.model_warmup, (8, 16, 32), strict=True):
+    for sample, side in zip(config.model_warmup, (4, 8, 16), strict=True):
         rows = side * merge
         assert sample.batch_size == 1
         pixels = sample.inputs[interface.VISION_PIXELS.name]

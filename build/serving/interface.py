@@ -262,5 +262,13 @@ SERVER_STOPPING = "stopped accepting new"
 WARMUP_REQUEST_PREFIX = "qwen3vl-warmup-"
 
 
+# The largest warm-up image, in visual tokens, of serve's requests and of the GPU vision encoder's model_warmup
+# samples: what runs the first time (CUDA's lazily loaded kernels, TensorRT's execution context, ONNX Runtime's arena,
+# the stubs' imports) is per kernel and buffer, not per size; images of thousands of tokens take minutes on a CPU
+# target's real vision tower (a 2500-token one: 190 s for 2B's), and a model_warmup sample's host tensors pass
+# through the stub's shared memory (hundreds of MiB at 8192 tokens: more than a container's default /dev/shm).
+MAX_WARMUP_TOKENS = 256
+
+
 def is_warmup(request_id: str) -> bool:
     return request_id.startswith(WARMUP_REQUEST_PREFIX)

@@ -283,12 +283,13 @@ def _warmup_metadata(rows: int, vision: VisionConfig) -> dict[str, np.ndarray]:
 
 def vision_warmup(config: mc.ModelConfig, limits: EngineLimits, vision: VisionConfig) -> None:
     """Adds model_warmup samples to the vision encoder's config: one square image each, of the most visual tokens a
-    request may bring, a quarter and a sixteenth of it (the TensorRT engine's first runs at those shapes). Triton
+    request may bring (at most interface.MAX_WARMUP_TOKENS), a quarter and a sixteenth of it (the TensorRT engine's
+    first runs). Triton
     runs them on every instance at load, before the model is ready (core r24.10 src/backend_model_instance.cc
     WarmUp; a python model takes them as requests, server qa/L0_warmup), so a stage the supervisor reloads is warm
     too; its adapter keeps them out of the stage's metrics (stages.triton_adapters: an instance's first requests).
     Pixels are zeros; the rest is read from files (warmup_files), named by input and patch rows."""
-    side = math.isqrt(limits.max_visual_tokens)
+    side = math.isqrt(min(limits.max_visual_tokens, interface.MAX_WARMUP_TOKENS))
     for tokens_side in sorted({max(1, side // 4), max(1, side // 2), side}):
         rows = tokens_side * vision.spatial_merge_size
         sample = config.model_warmup.add(name=f"{tokens_side * tokens_side} visual tokens", batch_size=1)

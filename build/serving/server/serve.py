@@ -13,6 +13,7 @@ warmed it up (server.warmup), and while tritonserver stays ready.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -363,6 +364,13 @@ class TritonServer:
         try:
             return bool(probe.is_server_ready(client_timeout=timeout_s))
         except Exception:  # tritonclient's own error types, or a probe closed by stop()
+            # A new channel next time: this one may sit in gRPC's reconnect backoff (up to 120 s) while a restarted
+            # server is up already.
+            with self._ready_probe_lock:
+                if self._ready_probe is probe:
+                    self._ready_probe = None
+            with contextlib.suppress(Exception):
+                probe.close()
             return False
 
     def _unload(self, model: str) -> None:
