@@ -24,6 +24,7 @@ import json
 import platform
 import re
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,9 @@ LOGIT_GAP = 0.05
 # FP8 rounds weights and activations to e4m3 (3 mantissa bits) with per-tensor scales.
 QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.25, "int4-wo": 1.0, "fp8": 0.5}
 NEW_TOKENS = 8
+# The first request after serve's warm-up against the median of the next ten (a cold first request took 2.0x on a
+# full-size 2B layout).
+FIRST_REQUEST_RATIO = 1.5
 # A stream long enough to be generating when the server is stopped (min_tokens holds it to this length; a tiny model
 # on a GPU takes a few seconds, well within serve's --stop-grace of 30 s).
 DRAIN_TOKENS = 2000
@@ -335,12 +339,14 @@ class Acceptance:
         guided: list[tuple[bool, str]] = []
         sampled: list[tuple[bool, str]] = []
         drained: list[tuple[bool, str]] = []
+        warmed: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, hits, guides, options, heals, drains = _served_tokens(self._built(name), requests, log_path)
+            tokens, warm, hits, guides, options, heals, drains = _served_tokens(self._built(name), requests, log_path)
             served.update(tokens)
+            warmed.append(warm)
             cached.append(hits)
             guided.append(guides)
             sampled.append(options)
@@ -360,11 +366,13 @@ class Acceptance:
         draining = f"a stop lets a stream in flight finish ({name})"
         guiding = f"guided decoding on the engine: a json_schema answer and a required tool call ({name})"
         sampling = f"logit bias, presence penalty and log probs on the engine ({name})"
+        warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
             for check, check_limit in (
+                (warming, f"first / median <= {FIRST_REQUEST_RATIO:g}"),
                 (caching, "same tokens, 0 runs"),
                 (guiding, "both validate"),
                 (sampling, "biased, distinct, log probs <= 0"),
@@ -390,6 +398,7 @@ class Acceptance:
 
             video_needs = [_PYNVVIDEOCODEC] if videos else []
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
+        self.row(warming, f"first / median <= {FIRST_REQUEST_RATIO:g}", needs, lambda: warmed[0])
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(guiding, "both validate", needs, lambda: guided[0])
         self.row(sampling, "biased, distinct, log probs <= 0", needs, lambda: sampled[0])
@@ -615,9 +624,16 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
 def _served_tokens(
     build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]], log_path: Path
 ) -> tuple[
-    dict[str, list[int]], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str], tuple[bool, str]
+    dict[str, list[int]],
+    tuple[bool, str],
+    tuple[bool, str],
+    tuple[bool, str],
+    tuple[bool, str],
+    tuple[bool, str],
+    tuple[bool, str],
 ]:
-    """Greedy token ids of each request through the build's GPU repository on a real tritonserver, then whether
+    """serve's warm-up (see _warm_up), then greedy token ids of each request through the build's GPU repository on a
+    real tritonserver, then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
     decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
     deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
@@ -632,6 +648,7 @@ def _served_tokens(
     server.start()
     try:
         server.wait_ready()
+        warmed = _warm_up(server)
         client = Client(server.url, timeout_s=120)
         try:
             tokens = {
@@ -644,9 +661,38 @@ def _served_tokens(
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, hits, guided, options, heals, _drains(server)
+        return tokens, warmed, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
+
+
+def _warm_up(server: Any) -> tuple[bool, str]:
+    """serve's warm-up requests (serving.server.warmup) through the engines: the llm on the tensorrtllm backend with
+    their prefixed request ids, the vision engine after its model_warmup samples ran at load; then an image request
+    (8 tokens) and ten more, each a fresh image (no visual-cache hit): the first's latency against their median."""
+    from .serving.client import Client
+    from .serving.server.warmup import plan, warm_up
+    from .testing.tiny import synthetic_jpeg
+
+    try:
+        steps: list[str] = []
+        seconds = warm_up(server.url, plan(server.repo), steps.append, timeout_s=300)
+        client = Client(server.url, timeout_s=120)
+        try:
+            latencies = []
+            for i in range(11):
+                image = synthetic_jpeg(448, 448, seed=100 + i)
+                start = time.perf_counter()
+                client.generate("Describe this picture.", [image], max_tokens=8)
+                latencies.append(time.perf_counter() - start)
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 (reported as the row's failure)
+        return False, f"{type(e).__name__}: {e}"
+    median = statistics.median(latencies[1:])
+    ratio = latencies[0] / median
+    figure = f"{len(steps)} warm-up requests in {seconds:.1f} s; first request {latencies[0] * 1000:.0f} ms"
+    return ratio <= FIRST_REQUEST_RATIO, f"{figure}, median of the next ten {median * 1000:.0f} ms (x{ratio:.2f})"
 
 
 GUIDED_SCHEMA = {
