@@ -1,47 +1,87 @@
 #!/usr/bin/env python3
-"""What the serving plane around the LLM sustains per CPU core: the CPU deployment with an `llm` that
-answers instantly, so preprocessing, the vision encoder's batching, postprocessing and the server are
-all that is measured.
+"""What the serving plane around the LLM costs per CPU-second, beside the floor that Triton itself sets.
 
-It makes a tiny checkpoint (or takes --model), builds it for the CPU target, writes its repository and
-replaces the `llm` model's code in that copy with scripts/bench_plane_llm/model.py (N token ids at
-once per request, in the llm's decoupled protocol). Two workloads run at --concurrency, each after an
-untimed pass:
+It makes a tiny checkpoint (or takes --model), builds it for the CPU target and writes two repositories:
 
-- streamed text: text-only requests with stream on, --stream-tokens tokens each: one response per
-  token goes through postprocessing and back to the client (the per-token cost);
-- images: the image requests of scripts/bench_serving.py's cycle (one or two JPEGs of different sizes),
-  --max-tokens tokens each, stream off (the per-request cost of decoding, preprocessing and encoding).
+- the plane: the deployment with its `llm` replaced by scripts/bench_plane_llm/model.py, which decodes at a
+  GPU's pace without computing (every --step-ms one step gives each request it holds its next token, as an
+  inflight-batching engine does), so that what batching or coalescing saves is what a GPU's decode loop would
+  let it save; preprocessing, the vision encoder, the ensemble, the server and the gateway are what is measured;
+- the floor: that same model alone, which clients call straight over gRPC (no other step), and for the
+  gateway route the same behind scripts/bench_plane_relay.py (a bare ASGI app relaying each response as one
+  server-sent event).
 
-The server's CPU time (tritonserver and its python stubs, from psutil) over each workload gives the
-plane's work per streamed token and per image request, on however many cores it had: the figures are
-per CPU-second, i.e. per core kept busy. Beside them: a published decode rate of one H200 for an 8B
-model (NVIDIA's TensorRT-LLM performance overview) and the CPU cores a GPU host needs so that the
-plane keeps up with it (streamed tokens plus the image requests those tokens belong to, at the
-published output length).
+It counts the CPU time (user + system, psutil) of every process a request crosses: tritonserver, each python
+stub by model, the gateway (`qwen3vl-trt openai` in its own process) or the relay. Workloads, each after an
+untimed pass, at --concurrency:
+
+- streamed text, --stream-tokens tokens a request, through gRPC (this package's Client) and through the
+  OpenAI gateway (the official client, stream on), on the plane and on the floor;
+- image requests (one or two JPEGs of different sizes, --max-tokens tokens, not streamed), through gRPC and
+  the gateway, with the visual cache off and the vision encoder's CPU time reported apart (a GPU host runs the
+  encoder on the GPU);
+- concurrency 1, streamed: time to first token and inter-token latency ((last - first) / (tokens - 1), as
+  AIPerf reports it), plane beside floor;
+- concurrency 1 on the same build with its real CPU llm, one process (LocalPipeline), gRPC and the gateway
+  taking turns request by request: the latency goals (Triton / one process <= 1.10, gateway / gRPC <= 1.05).
+
+It prints tokens and image requests per CPU-second, the floor's, the plane/floor ratio, each process's share
+per streamed token and per image request, and the CPU cores a GPU host needs so that the plane keeps up with
+one H200 decoding an 8B model (its published rate, 128-token outputs, every token streamed through the gateway
+and every request carrying images like these).
 
     .venv/bin/python scripts/bench_plane.py [--model DIR] [--requests 96] [--concurrency 16]
-        [--stream-tokens 64] [--max-tokens 16] [--json]
+        [--stream-tokens 64] [--max-tokens 16] [--step-ms 10] [--latency-requests 24] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
-from bench_serving import Answers, GrpcRoute, Level, Reply, Request, Send, run_level, warm_up, workload
+from bench_serving import (
+    ONE_PROCESS,
+    Answers,
+    GatewayRoute,
+    GrpcRoute,
+    Level,
+    OneProcessRoute,
+    Reply,
+    Request,
+    Route,
+    Send,
+    run_alternating,
+    run_level,
+    warm_up,
+    workload,
+)
 from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.repository import model_config as cfg
 
-INSTANT_LLM = Path(__file__).parent / "bench_plane_llm" / "model.py"
+SCRIPTS = Path(__file__).parent
+PACED_LLM = SCRIPTS / "bench_plane_llm" / "model.py"
+RELAY = SCRIPTS / "bench_plane_relay.py"
+STEP_MS_PARAMETER = "bench_step_ms"  # scripts/bench_plane_llm/model.py reads it
+GATEWAY_PROCESS, RELAY_PROCESS, TRITONSERVER = "gateway", "relay", "tritonserver"
+PROFILES: dict[str, dict[str, list[tuple[str, float]]]] = {}  # by workload, by process (--profile)
 
 
 @dataclass(frozen=True)
@@ -68,89 +108,570 @@ H200_8B = PublishedDecode(
 )
 
 
-@dataclass(frozen=True)
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- CPU time per process ----------------------------------------------------------------------------------------
+
+
+class Processes:
+    """The processes a request crosses, by role: tritonserver, each python stub by its model's name, and the
+    front end's process (the gateway or the relay) when one is added."""
+
+    def __init__(self, server_pid: int):
+        self.server_pid = server_pid
+        self.extra: dict[str, int] = {}
+
+    def add(self, role: str, pid: int) -> None:
+        self.extra[role] = pid
+
+    def _roles(self) -> Iterator[tuple[str, psutil.Process]]:
+        server = psutil.Process(self.server_pid)
+        yield TRITONSERVER, server
+        for child in server.children(recursive=True):
+            yield _stub_model(child) or TRITONSERVER, child
+        for role, pid in self.extra.items():
+            yield role, psutil.Process(pid)
+
+    def python_pids(self) -> dict[str, int]:
+        """The python processes (stubs and the front end), by role."""
+        return {role: process.pid for role, process in self._roles() if role != TRITONSERVER}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for role, process in self._roles():
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
+        return totals
+
+
+def _stub_model(process: psutil.Process) -> str | None:
+    """A python stub's model: its command line names the model's model.py (REPO/MODEL/VERSION/model.py)."""
+    try:
+        command = process.cmdline()
+    except psutil.Error:
+        return None
+    for part in command:
+        if part.endswith("/model.py"):
+            return Path(part).parent.parent.name
+    return None
+
+
+@dataclass
 class Workload:
     name: str
     level: Level
-    cpu_seconds: float  # the server's, over the timed level
-    streamed_tokens: int
-    image_requests: int
+    cpu: dict[str, float]  # CPU seconds by process role over the timed requests
+    streamed_tokens: int = 0
+    requests: int = 0
+    apart: tuple[str, ...] = ()  # roles whose time is reported apart (the vision encoder)
 
-    def per_cpu_second(self, count: int) -> float:
-        return count / self.cpu_seconds
+    @property
+    def plane_cpu_seconds(self) -> float:
+        return sum(seconds for role, seconds in self.cpu.items() if role not in self.apart)
+
+    def per_cpu_second(self) -> float:
+        count = self.streamed_tokens or self.requests
+        return count / self.plane_cpu_seconds
+
+    def per_item_us(self) -> dict[str, float]:
+        """Each process's CPU microseconds per streamed token (or per request)."""
+        count = self.streamed_tokens or self.requests
+        return {role: seconds / count * 1e6 for role, seconds in sorted(self.cpu.items())}
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "level": self.level.as_dict(),
+            "cpu_seconds": self.cpu,
+            "plane_cpu_seconds": self.plane_cpu_seconds,
+            "streamed_tokens": self.streamed_tokens,
+            "requests": self.requests,
+            "per_cpu_second": self.per_cpu_second(),
+            "per_item_us": self.per_item_us(),
+            "apart": list(self.apart),
+        }
 
 
-def server_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of the server and all its python stubs so far."""
-    total = 0.0
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+# -- routes ------------------------------------------------------------------------------------------------------
 
 
-class StreamingRoute(GrpcRoute):
-    """Requests with stream on: each token comes back in its own response."""
+class Timings:
+    """Time to first token and inter-token latency of each streamed request a route sends."""
+
+    def __init__(self) -> None:
+        self.ttft_ms: list[float] = []
+        self.itl_ms: list[float] = []
+        self._lock = threading.Lock()
+
+    def record(self, started: float, first: float | None, last: float | None, tokens: int) -> None:
+        if first is None or last is None:
+            return
+        with self._lock:
+            self.ttft_ms.append((first - started) * 1000)
+            if tokens > 1:
+                self.itl_ms.append((last - first) / (tokens - 1) * 1000)
+
+    def take(self) -> tuple[list[float], list[float]]:
+        with self._lock:
+            taken = (self.ttft_ms, self.itl_ms)
+            self.ttft_ms, self.itl_ms = [], []
+        return taken
+
+
+class StreamedGrpc(GrpcRoute):
+    """Streamed requests through this package's gRPC client: the ensemble's responses as they arrive."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(url, max_tokens)
+        self.timings = Timings()
 
     def sender(self) -> Send:
         client = Client(self.url)
         self._clients.append(client)
 
         def send(request: Request) -> Reply:
-            answer = client.generate(request.prompt, request.images, self.max_tokens, stream=True)
+            started = time.perf_counter()
+            first = last = None
+            pieces = []
+            for piece in client.stream(request.prompt, request.images, self.max_tokens, stream=True):
+                if piece.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                pieces.append(piece)
+            answer = type(pieces[0]).joined(pieces)
+            self.timings.record(started, first, last, len(answer.token_ids))
             return Reply(answer.token_ids, answer.text, len(answer.token_ids))
 
         return send
 
 
+class FloorGrpc(Route):
+    """The floor over gRPC: streamed requests straight to the paced `llm` (tritonclient's own stream)."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self.timings = Timings()
+        self._clients: list = []
+
+    def sender(self) -> Send:
+        import queue
+
+        import tritonclient.grpc as grpcclient
+        from bench_plane_relay import llm_inputs
+
+        client = grpcclient.InferenceServerClient(self.url)
+        self._clients.append(client)
+
+        def send(_request: Request) -> Reply:
+            responses: queue.Queue = queue.Queue()
+            started = time.perf_counter()
+            client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+            ids: list[int] = []
+            first = last = None
+            try:
+                client.async_stream_infer(interface.LLM, llm_inputs(self.max_tokens), enable_empty_final_response=True)
+                while True:
+                    at, result, error = responses.get(timeout=120)
+                    if error is not None:
+                        raise Qwen3VLTrtError(f"floor: {error}")
+                    got = result.as_numpy(interface.LLM_OUTPUT_IDS.name)
+                    if got is not None:
+                        ids += got.reshape(-1).tolist()
+                        first, last = first or at, at
+                    final = result.get_response().parameters.get("triton_final_response")
+                    if final is not None and final.bool_param:
+                        break
+            finally:
+                client.stop_stream()
+            self.timings.record(started, first, last, len(ids))
+            return Reply(ids, None, len(ids))
+
+        return send
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+
+class PlaneGateway(GatewayRoute):
+    """The OpenAI gateway in its own process (bench_serving's), streamed (chunks as they come, usage at the end)
+    or not (images)."""
+
+    streaming = True
+
+    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path):
+        super().__init__(triton_url, repo, max_tokens, log_path)
+        self.timings = Timings()
+
+    def sender(self) -> Send:
+        if not self.streaming:
+            return super().sender()
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def send(request: Request) -> Reply:
+            started = time.perf_counter()
+            first = last = None
+            text, tokens = [], 0
+            stream = client.chat.completions.create(
+                model="bench",
+                messages=[{"role": "user", "content": request.prompt}],
+                max_tokens=self.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        last = time.perf_counter()
+                        first = first or last
+                        text.append(choice.delta.content)
+            self.timings.record(started, first, last, tokens)
+            return Reply(None, "".join(text), tokens)
+
+        return send
+
+
+class FloorRelay(Route):
+    """The floor behind the gateway: scripts/bench_plane_relay.py in its own process, read with httpx."""
+
+    def __init__(self, triton_url: str, max_tokens: int, log_path: Path):
+        from qwen3vl_trt.serving.ports import free_ports
+
+        self.max_tokens = max_tokens
+        port = free_ports().http
+        self.url = f"http://127.0.0.1:{port}"
+        self.timings = Timings()
+        self._log = open(log_path, "wb")
+        command = [sys.executable, str(RELAY), triton_url, str(port)]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        _wait_http(self.url, self.process, log_path)
+
+    def sender(self) -> Send:
+        import httpx
+
+        client = httpx.Client(timeout=600)
+
+        def send(_request: Request) -> Reply:
+            started = time.perf_counter()
+            first = last = None
+            ids: list[int] = []
+            with client.stream("POST", self.url, json={"max_tokens": self.max_tokens}) as answer:
+                for line in answer.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    last = time.perf_counter()
+                    first = first or last
+                    ids += json.loads(line[6:])["ids"]
+            self.timings.record(started, first, last, len(ids))
+            return Reply(ids, None, len(ids))
+
+        return send
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self._log.close()
+
+
+def _wait_http(url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise Qwen3VLTrtError(f"{url} did not come up; see {log_path}")
+        time.sleep(0.2)
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+
+
+class Profiles:
+    """py-spy sampling profiles of every python process over one workload (all threads, idle ones left out), and
+    each one's top functions by their own samples. py-spy needs ptrace (a container may need CAP_SYS_PTRACE)."""
+
+    def __init__(self, directory: Path, workload: str, processes: Processes):
+        self.files: dict[str, Path] = {}
+        self._recorders: list[subprocess.Popen] = []
+        py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        tag = workload.replace(", ", "-").replace(" ", "-")
+        for role, pid in processes.python_pids().items():
+            out = directory / f"{tag}-{role}.txt"
+            command = [py_spy, "record", "--nonblocking", "-r", "200", "-f", "raw", "-o", str(out), "-p", str(pid)]
+            self._recorders.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.files[role] = out
+
+    def stop(self) -> dict[str, list[tuple[str, float]]]:
+        for recorder in self._recorders:
+            recorder.send_signal(signal.SIGINT)
+        for recorder in self._recorders:
+            recorder.wait(timeout=60)
+        return {role: top_functions(path) for role, path in self.files.items() if path.exists()}
+
+
+def top_functions(raw: Path, count: int = 8) -> list[tuple[str, float]]:
+    """The functions with the most samples of their own in py-spy's raw (collapsed) stacks, and their share."""
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        if not stack:
+            continue
+        leaf = re.sub(r":\d+\)$", ")", stack.rsplit(";", 1)[-1])
+        own[leaf] = own.get(leaf, 0) + int(samples)
+        total += int(samples)
+    ranked = sorted(own.items(), key=lambda item: -item[1])[:count]
+    return [(name, samples / total) for name, samples in ranked]
+
+
 def measure(
-    name: str, route: GrpcRoute, pid: int, requests: list[Request], args: argparse.Namespace, streamed: bool
+    name: str,
+    route: Route,
+    processes: Processes,
+    requests: list[Request],
+    args: argparse.Namespace,
+    *,
+    streamed: bool,
+    apart: tuple[str, ...] = (),
 ) -> Workload:
+    """One workload at --concurrency after an untimed pass, with the CPU time of every process over it (and their
+    profiles, with --profile)."""
     answers = Answers()
     warm_up(route, name, requests, answers)
-    before = server_cpu_seconds(pid)
+    timings: Timings | None = getattr(route, "timings", None)
+    if timings is not None:
+        timings.take()
+    _log(f"  {name}: {args.requests} requests at concurrency {args.concurrency}")
+    profiles = Profiles(args.profile, name, processes) if args.profile else None
+    before = processes.cpu_seconds()
     level = run_level(route, name, requests, args.concurrency, args.requests, answers)
-    cpu = server_cpu_seconds(pid) - before
+    after = processes.cpu_seconds()
+    if profiles is not None:
+        PROFILES[name] = profiles.stop()
     if answers.mismatches:
         raise Qwen3VLTrtError(f"{name}: answers differ between runs: {answers.mismatches[:3]}")
-    images = 0 if streamed else level.requests
-    return Workload(name, level, cpu, level.tokens if streamed else 0, images)
+    cpu = {role: after[role] - before.get(role, 0.0) for role in after}
+    tokens = level.tokens if streamed else 0
+    return Workload(name, level, cpu, tokens, 0 if streamed else level.requests, apart)
 
 
-def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> tuple[Workload, Workload, int]:
-    from qwen3vl_trt.pipeline import build
+def concurrency_1(routes: dict[str, Route], requests: list[Request], count: int) -> dict[str, dict[str, float]]:
+    """Streamed requests at concurrency 1, the routes taking turns: p50 time to first token and inter-token latency."""
+    answers = Answers()
+    for route in routes.values():
+        timings: Timings = route.timings  # type: ignore[attr-defined]
+        timings.take()
+    run_alternating(routes, requests, count, answers)
+    out = {}
+    for name, route in routes.items():
+        ttft, itl = route.timings.take()  # type: ignore[attr-defined]
+        out[name] = {"ttft_p50_ms": float(np.median(ttft)), "itl_p50_ms": float(np.median(itl))}
+    return out
+
+
+@contextmanager
+def _server(repo: Path, log_path: Path) -> Iterator:
     from qwen3vl_trt.serving.ports import free_ports
-    from qwen3vl_trt.serving.repository.writer import RepositorySettings, write_repository
     from qwen3vl_trt.serving.server.serve import TritonServer
 
-    print(f"building {model_dir} for the CPU target in {scratch}", file=sys.stderr, flush=True)
+    with TritonServer(repo, free_ports(), log_path=log_path) as server:
+        yield server
+
+
+def paced(repo: Path, step_ms: float) -> None:
+    """Replaces the repository's llm with the paced stand-in, at step_ms per decode step."""
+    shutil.copyfile(PACED_LLM, repo / interface.LLM / "1" / "model.py")
+    config = cfg.read(repo / interface.LLM)
+    cfg.parameters(config, {STEP_MS_PARAMETER: step_ms})
+    cfg.write(repo / interface.LLM, config)
+
+
+def floor_repository(plane: Path, floor: Path) -> Path:
+    """The paced llm alone in a repository of its own."""
+    floor.mkdir()
+    shutil.copytree(plane / interface.LLM, floor / interface.LLM)
+    return floor
+
+
+def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
+    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.serving.repository.writer import RepositorySettings, write_repository
+
+    _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)
     build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
     # Without the visual cache: every image request is decoded and encoded (the cycle repeats its images).
     settings = RepositorySettings(visual_cache="off")
-    repo = write_repository(scratch / "build", scratch / "plane-repo", "cpu", settings=settings, log=lambda *_: None)
-    shutil.copyfile(INSTANT_LLM, repo / interface.LLM / "1" / "model.py")
+    served = write_repository(scratch / "build", scratch / "served", "cpu", settings=settings, log=lambda *_: None)
+    plane = write_repository(scratch / "build", scratch / "plane", "cpu", settings=settings, log=lambda *_: None)
+    paced(plane, args.step_ms)
+    floor = floor_repository(plane, scratch / "floor")
     cycle = workload()
     text = [r for r in cycle if not r.images]
     images = [r for r in cycle if r.images]
-    with TritonServer(repo, free_ports(), log_path=scratch / "server.log") as server:
-        cores = len(psutil.Process(server.pid).cpu_affinity() or [])
-        streamed = measure(
-            "streamed text", StreamingRoute(server.url, args.stream_tokens), server.pid, text, args, streamed=True
-        )
-        encoded = measure("images", GrpcRoute(server.url, args.max_tokens), server.pid, images, args, streamed=False)
-    return streamed, encoded, cores
+    result: dict = {"workloads": {}, "concurrency_1": {}}
+    workloads = result["workloads"]
+
+    _log("the plane: the deployment with the paced llm")
+    with _server(plane, scratch / "plane.log") as server:
+        processes = Processes(server.pid)
+        result["server_cores"] = len(psutil.Process(server.pid).cpu_affinity() or [])
+        grpc_route = StreamedGrpc(server.url, args.stream_tokens)
+        gateway = PlaneGateway(server.url, plane, args.stream_tokens, scratch / "gateway.log")
+        try:
+            processes.add(GATEWAY_PROCESS, gateway.process.pid)
+            workloads["plane grpc"] = measure("plane, streamed, gRPC", grpc_route, processes, text, args, streamed=True)
+            workloads["plane gateway"] = measure(
+                "plane, streamed, gateway", gateway, processes, text, args, streamed=True
+            )
+            if args.latency_requests:
+                result["concurrency_1"]["plane"] = concurrency_1(
+                    {"gRPC": grpc_route, "gateway": gateway}, text, args.latency_requests
+                )
+            gateway.streaming, gateway.max_tokens = False, args.max_tokens
+            image_grpc = GrpcRoute(server.url, args.max_tokens)
+            vision = (interface.VISION_ENCODER,)
+            workloads["images grpc"] = measure(
+                "plane, images, gRPC", image_grpc, processes, images, args, streamed=False, apart=vision
+            )
+            workloads["images gateway"] = measure(
+                "plane, images, gateway", gateway, processes, images, args, streamed=False, apart=vision
+            )
+            image_grpc.close()
+        finally:
+            grpc_route.close()
+            gateway.close()
+
+    _log("the floor: the paced llm alone")
+    with _server(floor, scratch / "floor.log") as server:
+        processes = Processes(server.pid)
+        floor_grpc = FloorGrpc(server.url, args.stream_tokens)
+        relay = FloorRelay(server.url, args.stream_tokens, scratch / "relay.log")
+        try:
+            processes.add(RELAY_PROCESS, relay.process.pid)
+            workloads["floor grpc"] = measure("floor, streamed, gRPC", floor_grpc, processes, text, args, streamed=True)
+            workloads["floor gateway"] = measure("floor, streamed, relay", relay, processes, text, args, streamed=True)
+            if args.latency_requests:
+                result["concurrency_1"]["floor"] = concurrency_1(
+                    {"gRPC": floor_grpc, "gateway": relay}, text, args.latency_requests
+                )
+        finally:
+            floor_grpc.close()
+            relay.close()
+
+    if args.latency_requests:
+        _log("latency goals: the same build with its CPU llm, concurrency 1, routes taking turns")
+        one_process = OneProcessRoute(model_dir, scratch / "build", args.max_tokens, 1)
+        with _server(served, scratch / "served.log") as server:
+            grpc_plain = GrpcRoute(server.url, args.max_tokens)
+            gateway_plain = GatewayRoute(server.url, served, args.max_tokens, scratch / "gateway-served.log")
+            try:
+                routes: dict[str, Route] = {ONE_PROCESS: one_process, "gRPC": grpc_plain, "gateway": gateway_plain}
+                answers = Answers()
+                for name, route in routes.items():
+                    warm_up(route, name, cycle, answers)
+                levels = run_alternating(routes, cycle, args.latency_requests, answers)
+                if answers.mismatches:
+                    raise Qwen3VLTrtError(f"latency: answers differ between routes: {answers.mismatches[:3]}")
+            finally:
+                grpc_plain.close()
+                gateway_plain.close()
+        result["latency"] = {name: level.as_dict() for name, level in levels.items()}
+    return result
 
 
-def cores_needed(streamed: Workload, encoded: Workload, gpu: PublishedDecode) -> float:
-    """CPU cores that keep up with the GPU's decode rate: its tokens streamed, and one image request per
-    output_length tokens (every request carrying images: the costly case)."""
-    per_token = streamed.cpu_seconds / streamed.streamed_tokens
-    per_image_request = encoded.cpu_seconds / encoded.image_requests
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def cores_needed(gateway_tokens: Workload, gateway_images: Workload, gpu: PublishedDecode) -> float:
+    """CPU cores that keep up with the GPU's decode rate: its tokens streamed through the gateway, and one image
+    request per output_length tokens (every request carrying images: the costly case), the encoder apart."""
+    per_token = gateway_tokens.plane_cpu_seconds / gateway_tokens.streamed_tokens
+    per_image_request = gateway_images.plane_cpu_seconds / gateway_images.requests
     return gpu.tokens_per_s * per_token + gpu.tokens_per_s / gpu.output_length * per_image_request
+
+
+def summary(w: dict[str, Workload], result: dict) -> dict:
+    out = {
+        "grpc_tokens_per_cpu_s": w["plane grpc"].per_cpu_second(),
+        "gateway_tokens_per_cpu_s": w["plane gateway"].per_cpu_second(),
+        "floor_grpc_tokens_per_cpu_s": w["floor grpc"].per_cpu_second(),
+        "floor_gateway_tokens_per_cpu_s": w["floor gateway"].per_cpu_second(),
+        "images_grpc_per_cpu_s": w["images grpc"].per_cpu_second(),
+        "images_gateway_per_cpu_s": w["images gateway"].per_cpu_second(),
+        "cores_per_h200": cores_needed(w["plane gateway"], w["images gateway"], H200_8B),
+    }
+    out["grpc_plane_over_floor"] = out["grpc_tokens_per_cpu_s"] / out["floor_grpc_tokens_per_cpu_s"]
+    out["gateway_plane_over_floor"] = out["gateway_tokens_per_cpu_s"] / out["floor_gateway_tokens_per_cpu_s"]
+    if "latency" in result:
+        p50 = {name: level["p50_ms"] for name, level in result["latency"].items()}
+        out["latency_p50_ms"] = p50
+        out["triton_over_one_process"] = p50["gRPC"] / p50[ONE_PROCESS]
+        out["gateway_over_grpc"] = p50["gateway"] / p50["gRPC"]
+    return out
+
+
+def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload]) -> None:
+    s = result["summary"]
+    print(
+        f"the plane with a paced llm ({args.step_ms:g} ms a decode step), concurrency {args.concurrency}, "
+        f"server on {result['server_cores']} cores; CPU of every process a request crosses"
+    )
+    print(f"{'workload':<28} {'items/s':>9} {'p50 ms':>8} {'CPU s':>7} {'per CPU-s':>10}   CPU us per item, by process")
+    for w in workloads.values():
+        level = w.level
+        rate = level.tokens_per_s if w.streamed_tokens else level.requests_per_s
+        shares = ", ".join(f"{role} {us:.0f}" for role, us in w.per_item_us().items() if us >= 0.5)
+        apart = f" (apart: {', '.join(w.apart)})" if w.apart else ""
+        print(
+            f"{w.name:<28} {rate:>9.1f} {level.p50_ms:>8.0f} {w.plane_cpu_seconds:>7.2f} "
+            f"{w.per_cpu_second():>10.0f}   {shares}{apart}"
+        )
+    print(
+        f"streamed tokens per CPU-second: gRPC {s['grpc_tokens_per_cpu_s']:.0f} "
+        f"(floor {s['floor_grpc_tokens_per_cpu_s']:.0f}, "
+        f"plane/floor {s['grpc_plane_over_floor']:.2f}); gateway {s['gateway_tokens_per_cpu_s']:.0f} "
+        f"(floor {s['floor_gateway_tokens_per_cpu_s']:.0f}, plane/floor {s['gateway_plane_over_floor']:.2f})"
+    )
+    print(
+        f"image requests per CPU-second, vision encoder apart: gRPC {s['images_grpc_per_cpu_s']:.1f}, "
+        f"gateway {s['images_gateway_per_cpu_s']:.1f}"
+    )
+    for side, routes in result["concurrency_1"].items():
+        cells = "; ".join(
+            f"{name} first token {v['ttft_p50_ms']:.1f} ms, inter-token {v['itl_p50_ms']:.2f} ms"
+            for name, v in routes.items()
+        )
+        print(f"concurrency 1, streamed, {side} (p50): {cells}")
+    if "latency_p50_ms" in s:
+        p50 = s["latency_p50_ms"]
+        print(
+            f"latency, CPU llm, concurrency 1 (p50): one process {p50[ONE_PROCESS]:.1f} ms, gRPC {p50['gRPC']:.1f} ms, "
+            f"gateway {p50['gateway']:.1f} ms: Triton / one process {s['triton_over_one_process']:.2f} (goal <= 1.10), "
+            f"gateway / gRPC {s['gateway_over_grpc']:.2f} (goal <= 1.05)"
+        )
+    for workload_name, roles in result.get("profiles", {}).items():
+        for role, top in roles.items():
+            print(f"profile, {workload_name}, {role}: " + "; ".join(f"{name} {share:.0%}" for name, share in top))
+    print(f"one GPU decodes {H200_8B.tokens_per_s:,.0f} output tokens/s: {H200_8B.what}")
+    print(f"  source: {H200_8B.source}")
+    print(
+        f"cores per H200 so that the plane keeps up (every token streamed through the gateway, every "
+        f"{H200_8B.output_length}-token request with images like these, encoder on the GPU): {s['cores_per_h200']:.2f}"
+    )
 
 
 def main() -> None:
@@ -160,11 +681,20 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=64, help="tokens per streamed text request")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per image request")
+    p.add_argument("--step-ms", type=float, default=10.0, help="the paced llm's time per decode step")
+    p.add_argument(
+        "--latency-requests", type=int, default=24, help="requests per route at concurrency 1 (0: no latency figures)"
+    )
     p.add_argument("--max-batch-size", type=int, default=EngineLimits().max_batch_size, help="of the build")
+    p.add_argument("--profile", type=Path, help="py-spy profiles of each python process per workload, into DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args()
-    if min(args.requests, args.concurrency, args.stream_tokens, args.max_tokens) < 1:
-        p.error("--requests, --concurrency, --stream-tokens and --max-tokens must be positive")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    if min(args.requests, args.concurrency, args.stream_tokens, args.max_tokens) < 1 or args.step_ms <= 0:
+        p.error("--requests, --concurrency, --stream-tokens, --max-tokens and --step-ms must be positive")
+    if args.latency_requests < 0:
+        p.error("--latency-requests must not be negative")
     try:
         with tempfile.TemporaryDirectory(prefix="bench-plane-") as tmp:
             scratch = Path(tmp)
@@ -173,55 +703,19 @@ def main() -> None:
                 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 
                 model_dir = make_tiny_checkpoint(scratch / "checkpoint")
-            streamed, encoded, cores = bench(model_dir, scratch, args)
+            result = bench(model_dir, scratch, args)
     except Qwen3VLTrtError as e:
         sys.exit(f"error: {e}")
-    report(args, streamed, encoded, cores)
-
-
-def report(args: argparse.Namespace, streamed: Workload, encoded: Workload, cores: int) -> None:
-    tokens_per_core = streamed.per_cpu_second(streamed.streamed_tokens)
-    images_per_core = encoded.per_cpu_second(encoded.image_requests)
-    needed = cores_needed(streamed, encoded, H200_8B)
+    workloads = result["workloads"]
+    result["summary"] = summary(workloads, result)
+    result["workloads"] = {name: w.as_dict() for name, w in workloads.items()}
+    result["gpu"] = asdict(H200_8B)
+    if PROFILES:
+        result["profiles"] = PROFILES
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "server_cores": cores,
-                    "concurrency": args.concurrency,
-                    "streamed_text": {**asdict(streamed), "level": streamed.level.as_dict()},
-                    "images": {**asdict(encoded), "level": encoded.level.as_dict()},
-                    "streamed_tokens_per_cpu_second": tokens_per_core,
-                    "image_requests_per_cpu_second": images_per_core,
-                    "gpu": asdict(H200_8B),
-                    "cores_needed": needed,
-                },
-                indent=2,
-            )
-        )
-        return
-    print(f"the plane with an instant llm, concurrency {args.concurrency}, on a server with {cores} cores:")
-    s, e = streamed.level, encoded.level
-    print(
-        f"  streamed text ({args.stream_tokens} tokens a request): {s.tokens_per_s:.0f} tokens/s, "
-        f"{s.requests_per_s:.1f} requests/s, p50 {s.p50_ms:.0f} ms; server CPU {streamed.cpu_seconds:.1f} s "
-        f"-> {tokens_per_core:.0f} streamed tokens per CPU-second"
-    )
-    print(
-        f"  images (1-2 JPEGs, {args.max_tokens} tokens a request, not streamed): {e.requests_per_s:.1f} requests/s, "
-        f"p50 {e.p50_ms:.0f} ms; server CPU {encoded.cpu_seconds:.1f} s "
-        f"-> {images_per_core:.1f} image requests per CPU-second"
-    )
-    print(f"one GPU decodes {H200_8B.tokens_per_s:,.0f} output tokens/s: {H200_8B.what}")
-    print(f"  source: {H200_8B.source}")
-    print(
-        f"cores a GPU host needs so that the plane keeps up (every token streamed, every "
-        f"{H200_8B.output_length}-token request with images like these): {needed:.1f}"
-    )
-    print(
-        "  (the image figure includes the vision encoder on ONNX Runtime, which a GPU host runs on the GPU with "
-        "TensorRT, and the tiny checkpoint's encoder: pass --model for a real checkpoint's preprocessing cost)"
-    )
+        print(json.dumps(result, indent=2))
+    else:
+        report(args, result, workloads)
 
 
 if __name__ == "__main__":

@@ -237,6 +237,7 @@ class GatewayRoute(Route):
         self._log = open(log_path, "wb")
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "openai", "--repo", str(repo)]
         command += ["--triton-url", triton_url, "--port", str(port), "--served-model-name", "bench"]
+        command += ["--replica-ready-port", "0"]  # a plain tritonserver: its own readiness over gRPC
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:
