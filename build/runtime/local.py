@@ -7,18 +7,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checkpoint import generation_end_ids
 from ..contracts import BuildLayout
+from ..detokenize import StreamingDetokenizer
 from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
 from ..preprocess import Preprocessor
 from ..vision.onnx_runner import VisionEncoder, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
 from .sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 
 def engine_request(
@@ -34,38 +32,6 @@ def engine_request(
     if request.num_visual_tokens:
         embeds = encoder.run({"pixel_values": request.pixel_values.cpu().numpy(), **request.vision_inputs})
     return LLMRequest.from_preprocessed(request, *embeds, sampling=sampling)
-
-
-class StreamingDetokenizer:
-    """Turns generated tokens into text pieces whose concatenation is their decoded text, in time
-    linear in the tokens: each push decodes only the tokens since the last piece (after the tokens
-    of the piece before it, as context: some decoders drop a leading space at the start of what they
-    decode), and text that ends inside a UTF-8 character is held back until the character is whole."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.context = 0  # first token decoded as context
-        self.shown = 0  # tokens whose text has been returned
-
-    def push(self, token: int) -> str:
-        """The new text that this token completes (possibly empty)."""
-        self.tokens.append(token)
-        return self._piece(final=False)
-
-    def finish(self) -> str:
-        """The text held back at the end (an incomplete character decodes to U+FFFD, as in decode)."""
-        return self._piece(final=True)
-
-    def _piece(self, final: bool) -> str:
-        shown = self.tokenizer.decode(self.tokens[self.context : self.shown])
-        text = self.tokenizer.decode(self.tokens[self.context :])
-        if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
-            return ""
-        # Only the tokens of the piece just shown stay, as the next piece's context.
-        del self.tokens[: self.shown]
-        self.context, self.shown = 0, len(self.tokens)
-        return text[len(shown) :]
 
 
 @dataclass(frozen=True)
