@@ -340,13 +340,17 @@ class Acceptance:
         sampled: list[tuple[bool, str]] = []
         drained: list[tuple[bool, str]] = []
         warmed: list[tuple[bool, str]] = []
+        decoded: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, warm, hits, guides, options, heals, drains = _served_tokens(self._built(name), requests, log_path)
+            tokens, warm, ids, hits, guides, options, heals, drains = _served_tokens(
+                self._built(name), requests, log_path
+            )
             served.update(tokens)
             warmed.append(warm)
+            decoded.append(ids)
             cached.append(hits)
             guided.append(guides)
             sampled.append(options)
@@ -367,12 +371,14 @@ class Acceptance:
         guiding = f"guided decoding on the engine: a json_schema answer and a required tool call ({name})"
         sampling = f"logit bias, presence penalty and log probs on the engine ({name})"
         warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
+        decoding = f"the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble ({name})"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
             for check, check_limit in (
                 (warming, f"first / median <= {FIRST_REQUEST_RATIO:g}"),
+                (decoding, "same text and ids"),
                 (caching, "same tokens, 0 runs"),
                 (guiding, "both validate"),
                 (sampling, "biased, distinct, log probs <= 0"),
@@ -399,6 +405,7 @@ class Acceptance:
             video_needs = [_PYNVVIDEOCODEC] if videos else []
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(warming, f"first / median <= {FIRST_REQUEST_RATIO:g}", needs, lambda: warmed[0])
+        self.row(decoding, "same text and ids", needs, lambda: decoded[0])
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(guiding, "both validate", needs, lambda: guided[0])
         self.row(sampling, "biased, distinct, log probs <= 0", needs, lambda: sampled[0])
@@ -631,9 +638,11 @@ def _served_tokens(
     tuple[bool, str],
     tuple[bool, str],
     tuple[bool, str],
+    tuple[bool, str],
 ]:
     """serve's warm-up (see _warm_up), then greedy token ids of each request through the build's GPU repository on a
-    real tritonserver, then whether
+    real tritonserver, whether the tokens ensemble gives the same answers decoded by the client (see
+    _tokens_ensemble), then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
     decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
     deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
@@ -655,13 +664,14 @@ def _served_tokens(
                 kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos).token_ids
                 for kind, (prompt, images, videos) in requests.items()
             }
+            ids = _checked(lambda c: _tokens_ensemble(c, build_dir, requests), client)
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
             guided = _checked(_guided_answers, client)
             options = _checked(_sampling_options, client)
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, warmed, hits, guided, options, heals, _drains(server)
+        return tokens, warmed, ids, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
 
@@ -718,6 +728,30 @@ WEATHER_TOOL: dict[str, Any] = {
         "additionalProperties": False,
     },
 }
+
+
+def _tokens_ensemble(
+    client: Any, build_dir: Path, requests: dict[str, tuple[str, list[bytes], list[bytes]]]
+) -> tuple[bool, str]:
+    """The ensemble that answers the engine's token ids (the gateway's and decoding clients': no python step per
+    streamed token), decoded by the client, against the one that answers text: the same text and ids for each
+    request, streamed (the tensorrtllm backend's responses, each with its new ids) and not."""
+    from .detokenize import Detokenizer
+    from .manifest import BuildManifest
+    from .serving.client import Client
+
+    detokenizer = Detokenizer.from_model_dir(BuildManifest.read(build_dir).model)
+    decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=detokenizer)
+    try:
+        for kind, (prompt, images, videos) in requests.items():
+            expected = client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos)
+            for stream in (False, True):
+                got = decoding.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos, stream=stream)
+                if (got.text, got.token_ids) != (expected.text, expected.token_ids):
+                    return False, f"{kind}, stream {stream}: {got.text[:80]!r} against {expected.text[:80]!r}"
+    finally:
+        decoding.close()
+    return True, f"{len(requests)} requests, streamed and not: the same text and ids"
 
 
 def _checked(check: Callable[[Any], tuple[bool, str]], client: Any) -> tuple[bool, str]:

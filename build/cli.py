@@ -327,6 +327,7 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,
         reasoning_parser=args.reasoning_parser,
+        stream_interval_ms=args.stream_interval_ms,
         api_keys=tuple(args.api_key),
         api_key_files=tuple(args.api_key_file),
         open_metrics=args.open_metrics,
@@ -415,6 +416,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of 0 or more")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -430,6 +438,7 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         DEFAULT_MAX_QUEUE_WAIT_S,
         DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_REQUEST_TIMEOUT_S,
+        DEFAULT_STREAM_INTERVAL_MS,
     )
 
     parser.add_argument(
@@ -446,6 +455,12 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="split <think>...</think> into reasoning_content: auto (default: when the chat template opens a "
         "reasoning block, as the Thinking checkpoints' does), qwen3 (always), none (the text as generated)",
+    )
+    parser.add_argument(
+        "--stream-interval-ms",
+        type=_non_negative_float,
+        help="a streamed answer's chunks after its first text go out together at most this often, each as it is "
+        f"(default: {DEFAULT_STREAM_INTERVAL_MS:g}; 0: each as it comes)",
     )
     parser.add_argument(
         "--max-concurrent-requests",

@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from deployment import SERVE_SCRIPT, group_gone, http_status, port_flags
 from images import jpeg
-from qwen3vl_trt.serving.interface import ENSEMBLE
+from qwen3vl_trt.serving.interface import TOKENS_ENSEMBLE
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.testing.redis_server import RedisServer
 
@@ -108,10 +108,10 @@ class Replica:
             time.sleep(0.5)
 
     def served(self) -> int:
-        """Requests the ensemble completed since this replica started (Triton's statistics)."""
+        """Requests the gateway's ensemble (the tokens one) completed since this replica started (Triton's stats)."""
         client = grpcclient.InferenceServerClient(self.url)
         try:
-            (stats,) = client.get_inference_statistics(ENSEMBLE).model_stats
+            (stats,) = client.get_inference_statistics(TOKENS_ENSEMBLE).model_stats
             return int(stats.inference_stats.success.count)
         finally:
             client.close()

@@ -316,3 +316,52 @@ def test_the_gateway_alone_reads_the_deployment_from_the_server(served):
         assert alone.usage == beside.usage
     finally:
         gateway.stop()
+
+
+def test_a_long_stream_has_the_text_ensembles_text_with_chunks_written_together_or_not(served):
+    """The gateway decodes the tokens ensemble's ids itself (no python step per streamed token in the server) and
+    writes a stream's chunks together at most every --stream-interval-ms: a long answer's chunks are the same with
+    the default interval and with 0 (each as it comes), and their text is what the ensemble decoding in the server
+    gives, streamed and whole, with the same usage and finish reason."""
+    from qwen3vl_trt.serving.client import Client
+
+    grpc = Client(served.grpc_url, timeout_s=120)
+    try:
+        expected = grpc.generate("Go on.", [], max_tokens=400, min_tokens=400)
+    finally:
+        grpc.close()
+    assert len(expected.token_ids) == 400 and expected.text
+    port = free_port()
+    args = ["openai", "--triton-url", served.grpc_url, "--port", str(port), "--served-model-name", "dense"]
+    args += ["--replica-ready-port", str(served.ready_port), "--stream-interval-ms", "0"]
+    every_chunk = Gateway(args, port, served.log.parent / "openai-interval-0.log", timeout_s=120)
+    try:
+        streams = []
+        for gateway in (served, every_chunk):
+            chunks = list(
+                gateway.client().chat.completions.create(
+                    model="dense",
+                    messages=user("Go on."),
+                    max_tokens=400,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"min_tokens": 400},
+                )
+            )
+            streams.append(
+                (
+                    [c.choices[0].delta.content for c in chunks if c.choices],
+                    [c.choices[0].finish_reason for c in chunks if c.choices],
+                    chunks[-1].usage,
+                )
+            )
+        assert streams[0] == streams[1]
+        deltas, finish_reasons, usage = streams[0]
+        assert "".join(d or "" for d in deltas) == expected.text
+        assert len(deltas) > 100 and finish_reasons[-1] == "length" and usage.completion_tokens == 400
+        whole = served.client().chat.completions.create(
+            model="dense", messages=user("Go on."), max_tokens=400, extra_body={"min_tokens": 400}
+        )
+        assert whole.choices[0].message.content == expected.text and whole.usage == usage
+    finally:
+        every_chunk.stop()

@@ -16,6 +16,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from deployment import LIMITS, SETTINGS, build_cpu_repository
 from images import jpeg
+from qwen3vl_trt.detokenize import Detokenizer
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
@@ -111,6 +112,36 @@ def test_streaming_sends_the_same_text_as_deltas(dense):
     streamed = client.generate("Describe this picture.", [PHOTO], max_tokens=16, stream=True, on_text=pieces.append)
     assert len(pieces) > 1 and "".join(pieces) == streamed.text == whole.text
     assert streamed.token_ids == whole.token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, images, options",
+    [
+        ("Describe this picture.", [PHOTO], {"max_tokens": 16, "return_log_probs": True}),
+        ("Go on.", [], {"max_tokens": 400, "min_tokens": 400}),
+    ],
+    ids=["image, log probs", "long stream"],
+)
+def test_the_tokens_ensemble_decoded_by_the_client_equals_the_text_ensemble(dense, prompt, images, options):
+    """Clients that decode the ids themselves (the tokens ensemble, no postprocessing step per streamed token) get the
+    text, ids and log probabilities that the ensemble decoding in the server gives, streamed or not; the streamed
+    pieces concatenate to the whole text."""
+    text_client = dense.client()
+    tokens_client = Client(dense.url, timeout_s=120, detokenizer=Detokenizer.from_model_dir(dense.model_dir))
+    assert tokens_client.model == interface.TOKENS_ENSEMBLE
+    expected = text_client.generate(prompt, images, **options)
+    assert expected.text
+    if "min_tokens" in options:
+        assert len(expected.token_ids) == options["max_tokens"]
+    assert text_client.generate(prompt, images, stream=True, **options) == expected
+    for stream in (False, True):
+        pieces: list[str] = []
+        got = tokens_client.generate(prompt, images, stream=stream, on_text=pieces.append, **options)
+        assert got == expected
+        assert "".join(pieces) == expected.text
+        assert len(pieces) > 1 if stream else len(pieces) == 1
+    if options.get("return_log_probs"):
+        assert len(expected.log_probs) == len(expected.token_ids)
 
 
 def test_seed_makes_sampling_reproducible(dense):
@@ -376,17 +407,23 @@ def test_every_generated_config_parses_and_the_ensemble_routes_every_tensor(dens
     repo = dense.server.repo
     configs = {name: cfg.read(repo / name) for name in interface.MODELS}
     assert {name: c.name for name, c in configs.items()} == {name: name for name in interface.MODELS}
-    ensemble = configs[interface.ENSEMBLE]
-    produced = {t.name for t in ensemble.input}
-    for step in ensemble.ensemble_scheduling.step:
-        model = configs[step.model_name]
-        declared = {t.name for t in model.input}
-        assert set(step.input_map) <= declared
-        assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
-        assert set(step.input_map.values()) <= produced, step.model_name
-        assert set(step.output_map) <= {t.name for t in model.output}
-        produced |= set(step.output_map.values())
-    assert {t.name for t in ensemble.output} <= produced
+    for name in (interface.ENSEMBLE, interface.TOKENS_ENSEMBLE):
+        ensemble = configs[name]
+        produced = {t.name for t in ensemble.input}
+        for step in ensemble.ensemble_scheduling.step:
+            model = configs[step.model_name]
+            declared = {t.name for t in model.input}
+            assert set(step.input_map) <= declared
+            assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
+            assert set(step.input_map.values()) <= produced, step.model_name
+            assert set(step.output_map) <= {t.name for t in model.output}
+            produced |= set(step.output_map.values())
+        assert {t.name for t in ensemble.output} <= produced
+    steps = {name: [s.model_name for s in configs[name].ensemble_scheduling.step] for name in interface.MODELS[4:]}
+    assert steps == {
+        interface.ENSEMBLE: [interface.PREPROCESSING, interface.LLM, interface.POSTPROCESSING],
+        interface.TOKENS_ENSEMBLE: [interface.PREPROCESSING, interface.LLM],  # no python step per streamed token
+    }
     assert configs[interface.LLM].model_transaction_policy.decoupled
     record = (
         json.loads((repo / "qwen3vl_repository.json").read_text())

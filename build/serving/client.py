@@ -17,11 +17,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..detokenize import Answer, Detokenizer
 from ..errors import Qwen3VLTrtError
 from . import interface
 from .ports import LOCAL_TRITON_URL
@@ -40,6 +40,10 @@ class RequestRejectedError(InferenceError):
 
 class ServerUnavailableError(InferenceError):
     """No answer from the server: unreachable, or it stopped responding within the timeout."""
+
+
+class RequestTimedOutError(InferenceError):
+    """The request's deadline passed before it finished; it was cancelled on the server."""
 
 
 class ServerBusyError(ServerUnavailableError):
@@ -64,22 +68,6 @@ def _lost_in_crash(url: str, model: str) -> ServerUnavailableError:
     )
 
 
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    token_ids: list[int]  # generated tokens (end ids excluded): `text` decodes from them
-    log_probs: tuple[float, ...] = ()  # one per token id, when the request asked for them (return_log_probs)
-
-    @staticmethod
-    def joined(answers: Sequence[Answer]) -> Answer:
-        """Consecutive pieces as one."""
-        return Answer(
-            "".join(a.text for a in answers),
-            [t for a in answers for t in a.token_ids],
-            tuple(p for a in answers for p in a.log_probs),
-        )
-
-
 def _server_error(url: str, error: Any) -> InferenceError:
     """tritonclient's InferenceServerException, or grpc's RpcError (the asyncio stream raises it unwrapped)."""
     if hasattr(error, "details"):  # grpc.RpcError
@@ -97,8 +85,25 @@ def _server_error(url: str, error: Any) -> InferenceError:
     return InferenceError(f"{url}: {message}")
 
 
+class _Decoding:
+    """One request's responses -> the Answer pieces they carry (None for the empty final response): the text
+    ensemble's as the server decoded them, the tokens ensemble's decoded here (detokenize.TextStream)."""
+
+    def __init__(self, detokenizer: Detokenizer | None):
+        self.text = detokenizer.stream() if detokenizer is not None else None
+
+    def __call__(self, result: Any) -> Answer | None:
+        if self.text is None:
+            return _answer(result)
+        ids = result.as_numpy(interface.LLM_OUTPUT_IDS.name)
+        if ids is None:
+            return None
+        length = result.as_numpy(interface.SEQUENCE_LENGTH.name)
+        return self.text.piece(ids, length, result.as_numpy(interface.OUTPUT_LOG_PROBS.name))
+
+
 def _answer(result: Any) -> Answer | None:
-    """The new text and token ids one response carries (None for the empty final response)."""
+    """The new text and token ids one response of the text ensemble carries (None for the empty final response)."""
     text = result.as_numpy(interface.TEXT_OUTPUT.name)
     if text is None:
         return None
@@ -122,6 +127,7 @@ class Generation:
     def __init__(self, client: Client, inputs: list[Any], request_id: str | None = None):
         self._client = client
         self.request_id = request_id or uuid.uuid4().hex
+        self._decode = _Decoding(client.detokenizer)
         self._responses: queue.Queue[Any] = queue.Queue()
         self._open = True
         self._lock = threading.Lock()
@@ -145,7 +151,7 @@ class Generation:
                 if error is not None:
                     self._close(cancel=False)
                     raise _server_error(client.url, error)
-                answer = _answer(result)
+                answer = self._decode(result)
                 if answer is not None:
                     yield answer
                 final = result.get_response().parameters.get("triton_final_response")
@@ -275,14 +281,21 @@ def stop_inputs() -> list[Any]:
 
 
 class Client:
-    """The blocking client (`qwen3vl-trt infer`, scripts): one request at a time per Client."""
+    """The blocking client (`qwen3vl-trt infer`, scripts): one request at a time per Client. With a detokenizer (the
+    served checkpoint's: detokenize.Detokenizer.from_model_dir) it asks the tokens ensemble and decodes the text
+    itself, which spares the server a python step per streamed token; without one, the ensemble that answers text."""
 
     def __init__(
-        self, url: str = LOCAL_TRITON_URL, model: str = interface.ENSEMBLE, timeout_s: float = RESPONSE_TIMEOUT_S
+        self,
+        url: str = LOCAL_TRITON_URL,
+        model: str | None = None,
+        timeout_s: float = RESPONSE_TIMEOUT_S,
+        detokenizer: Detokenizer | None = None,
     ):
         import tritonclient.grpc as grpcclient
 
-        self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.url, self.timeout_s, self.detokenizer = url, timeout_s, detokenizer
+        self.model = model or (interface.TOKENS_ENSEMBLE if detokenizer is not None else interface.ENSEMBLE)
         self.grpc = grpcclient.InferenceServerClient(url)
 
     def is_ready(self) -> bool:
@@ -368,7 +381,8 @@ CHANNEL_ARGS = [
 class AsyncClient:
     """The asyncio client (the OpenAI gateway): one gRPC channel that every request and health probe shares,
     each request on its own gRPC stream over it. Create, use and close it on one event loop (grpc.aio binds
-    the channel to the loop it first runs on).
+    the channel to the loop it first runs on). With a detokenizer it asks the tokens ensemble and decodes the text
+    itself (see Client).
 
     Only API that the installed tritonclient 2.73 and the GPU image's 2.68 both have is used: `stream_infer`
     over an async iterator of request dicts, `is_server_ready`/`is_model_ready` with client_timeout, `close`, and
@@ -378,10 +392,11 @@ class AsyncClient:
     stream once the requests on it are complete (server r26.04 src/grpc/stream_infer_handler.cc).
     """
 
-    def __init__(self, url: str = LOCAL_TRITON_URL, model: str = interface.ENSEMBLE):
+    def __init__(self, url: str = LOCAL_TRITON_URL, model: str | None = None, detokenizer: Detokenizer | None = None):
         import tritonclient.grpc.aio as grpcclient
 
-        self.url, self.model = url, model
+        self.url, self.detokenizer = url, detokenizer
+        self.model = model or (interface.TOKENS_ENSEMBLE if detokenizer is not None else interface.ENSEMBLE)
         self.grpc = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
         self._stopping: set[asyncio.Future[None]] = set()
 
@@ -410,52 +425,44 @@ class AsyncClient:
         max_tokens: int | None = 64,
         *,
         request_id: str,
+        deadline: float | None = None,
         **options: Any,
     ) -> AsyncGenerator[Answer, None]:
-        """One request's responses as they arrive (options as request_inputs takes them). Leaving the
-        iteration early, or cancelling the task iterating it, cancels the stream and stops the request on
-        the llm (stop)."""
+        """One request's responses as they arrive (options as request_inputs takes them). Past `deadline` (a
+        time.monotonic() value) it raises RequestTimedOutError. Leaving the iteration early, cancelling the task
+        iterating it, or its deadline, cancels the stream and stops the request on the llm (stop)."""
         inputs = request_inputs(prompt, images, max_tokens, **options)
         responses = self._send(self.model, inputs, request_id)
+        decode = _Decoding(self.detokenizer)
+        watch = _Watch(self, responses, deadline)
         finished = False
         try:
-            async for result, error in self._watched(responses):
+            async for result, error in responses:
+                watch.last = time.monotonic()
                 if error is not None:
                     finished = True  # the server ended the request itself
                     raise _server_error(self.url, error)
-                answer = _answer(result)
+                answer = decode(result)
                 if answer is not None:
                     yield answer
             finished = True
+        except asyncio.CancelledError:
+            if watch.verdict is None:  # this task was cancelled (a client that went away)
+                raise
+            raise watch.verdict from None  # the watch cancelled the call
         except _rpc_errors() as e:
+            if watch.verdict is not None:
+                raise watch.verdict from None
             finished = True
             raise _server_error(self.url, e) from e
         finally:
+            watch.task.cancel()
             responses.cancel()  # frees the call on the shared channel (a no-op once the server ended it)
             if not finished:
                 # In the background, so that a caller being cancelled (a client that went away) still stops it.
                 stopping = asyncio.ensure_future(self.stop(request_id))
                 self._stopping.add(stopping)  # asyncio keeps only weak references to tasks
                 stopping.add_done_callback(self._stopping.discard)
-
-    async def _watched(self, responses: Any) -> AsyncIterator[Any]:
-        """The stream's items; ServerUnavailableError as soon as the deployment reports not ready while the
-        stream is silent (see STALL_PROBE_S). The pending read is never cancelled by the probe."""
-        iterator = responses.__aiter__()
-        while True:
-            pending = asyncio.ensure_future(iterator.__anext__())
-            try:
-                while not (await asyncio.wait({pending}, timeout=STALL_PROBE_S))[0]:
-                    if await self.reports_not_ready():
-                        raise _lost_in_crash(self.url, self.model)
-            finally:
-                if not pending.done():  # lost, or the caller left: the read ends with the stream
-                    pending.cancel()
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            yield item
 
     async def stop(self, request_id: str, timeout_s: float = 5.0) -> None:
         """Tells the llm to end the request with this id (see stop_inputs); waits up to timeout_s for its answer."""
@@ -482,6 +489,35 @@ class AsyncClient:
         if self._stopping:
             await asyncio.wait(self._stopping, timeout=timeout_s)
         await self.grpc.close()
+
+
+class _Watch:
+    """One request's watch, a task of its own that wakes once per STALL_PROBE_S (not a timer per response): when the
+    stream has been silent that long it asks whether the deployment is still ready, and past the deadline it ends
+    the request; either way it sets `verdict` (the error the request ends with) and cancels the call, which ends
+    the stream's pending read. The stream sets `last` at each response."""
+
+    def __init__(self, client: AsyncClient, call: Any, deadline: float | None):
+        self.client, self.call, self.deadline = client, call, deadline
+        self.last = time.monotonic()
+        self.verdict: InferenceError | None = None
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        client = self.client
+        while True:
+            wake = self.last + STALL_PROBE_S
+            if self.deadline is not None:
+                wake = min(wake, self.deadline)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
+            if self.deadline is not None and now >= self.deadline:
+                self.verdict = RequestTimedOutError(f"{client.url}: the request's deadline passed; it was cancelled")
+                break
+            if now - self.last >= STALL_PROBE_S and await client.reports_not_ready():
+                self.verdict = _lost_in_crash(client.url, client.model)
+                break
+        self.call.cancel()
 
 
 def _rpc_errors() -> tuple[type[Exception], ...]:

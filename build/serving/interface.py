@@ -1,17 +1,19 @@
 """The Triton deployment's tensors and model names, declared once.
 
-The ensemble `qwen3vl` takes the tensorrtllm_backend ensemble's request inputs (so its clients and
-genai-perf work unchanged) plus `images`, `messages` and `raw_prompt`, and runs preprocessing -> llm ->
-postprocessing; preprocessing calls vision_encoder itself (BLS) for the images that the visual-feature
-cache does not hold, so a request whose images all hit runs no vision encoder. Between the models, tensors
-carry the names of the contracts they implement: the vision encoder's inputs (contracts.VISION_INPUTS)
-and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's `llm` declares too,
-so both targets route the same ensemble. Dims exclude the batch dimension (every model batches);
-scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm backend declares them.
+The ensemble `qwen3vl` takes the tensorrtllm_backend ensemble's request inputs (so its clients and genai-perf work
+unchanged) plus `images`, `messages` and `raw_prompt`, and runs preprocessing -> llm -> postprocessing, answering
+text. The ensemble `qwen3vl_tokens` takes the same inputs and runs preprocessing -> llm, answering the llm's token
+ids as they come: for clients that decode the ids themselves (the gRPC client and the OpenAI gateway,
+qwen3vl_trt.detokenize), with no python step per streamed token in the server. Preprocessing calls vision_encoder
+itself (BLS) for the images that the visual-feature cache does not hold, so a request whose images all hit runs no
+vision encoder. Between the models, tensors carry the names of the contracts they implement: the vision encoder's
+inputs (contracts.VISION_INPUTS) and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's
+`llm` declares too, so both targets route the same ensemble. Dims exclude the batch dimension (every model
+batches); scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm backend declares them.
 
-A tensor that implements a contract takes its name, dims and type from it (`_implementing`); where the
-receiving backend declares another type, the deployment carries the backend's (BACKEND_DATA_TYPES) and
-`Tensor.to_triton` converts the contract's arrays to it.
+A tensor that implements a contract takes its name, dims and type from it (`_implementing`); where the receiving
+backend declares another type, the deployment carries the backend's (BACKEND_DATA_TYPES) and `Tensor.to_triton`
+converts the contract's arrays to it.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ from ..contracts import (
     TensorSpec,
 )
 
-PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE = (
+PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE, TOKENS_ENSEMBLE = (
     "preprocessing",
     "vision_encoder",
     "llm",
     "postprocessing",
     "qwen3vl",
+    "qwen3vl_tokens",
 )
-MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE)
+MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE, TOKENS_ENSEMBLE)
 # Models that other models call themselves (BLS), by their callers: not steps of the ensemble, so Triton does not
 # turn the ensemble not ready while one is unloaded; its callers are unloaded with it instead
 # (serving.server.supervisor).
@@ -235,6 +238,7 @@ OUTPUT_LOG_PROBS = Tensor("output_log_probs", "FP32", (-1, -1), optional=True)
 LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH, OUTPUT_LOG_PROBS)
 # Triton ensembles let a step after a decoupled model read only what that model produced, so
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
+# The tokens ensemble answers them under their own names: what its clients decode (qwen3vl_trt.detokenize).
 
 PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
 

@@ -29,7 +29,8 @@ class GatewayOptions:
     max_request_bytes: a larger request body is refused (413) before it is read. request_timeout_s: a
     request still generating after it ends with an error and is cancelled on the server. reasoning_parser
     (REASONING_PARSERS): whether answers are split into reasoning_content and content; auto: when the checkpoint's
-    template opens a reasoning block (the Thinking checkpoints').
+    template opens a reasoning block (the Thinking checkpoints'). stream_interval_ms: a streamed answer's chunks after
+    its first text go out together at most this often (each chunk as it is; 0: each as it comes).
 
     Who may call it (gateway.auth): api_keys and the keys of api_key_files (one a line), which /v1/* and, unless
     open_metrics, /metrics require as `Authorization: Bearer <key>`; none: the API is open. Keys never appear in
@@ -43,6 +44,7 @@ class GatewayOptions:
     max_request_bytes: int | None = None
     request_timeout_s: float | None = None
     reasoning_parser: str = "auto"
+    stream_interval_ms: float | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_files: tuple[Path, ...] = ()
     open_metrics: bool = False

@@ -94,6 +94,11 @@ class ChatDeltas:
     def called(self) -> bool:
         return self.tools is not None and self.tools.has_calls
 
+    @property
+    def plain(self) -> bool:
+        """Whether every delta is the text as it comes (no reasoning to split, no tool calls to parse)."""
+        return self.reasoning is None and self.tools is None
+
     def feed(self, text: str) -> list[Delta]:
         if self.reasoning is None:
             return self._content(text, final=False)

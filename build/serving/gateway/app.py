@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import sys
 import threading
 import time
@@ -32,8 +33,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ...detokenize import Detokenizer
 from ...errors import ServingError
-from ..client import Answer, InferenceError, RequestRejectedError, ServerBusyError, ServerUnavailableError
+from ..client import (
+    Answer,
+    InferenceError,
+    RequestRejectedError,
+    RequestTimedOutError,
+    ServerBusyError,
+    ServerUnavailableError,
+)
 from ..ports import DEFAULT_OPENAI_PORT, DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, GatewayOptions, host_port
 from .admission import (
     CHAT_PATH,
@@ -89,13 +98,16 @@ class Gateway:
         settings: GatewaySettings,
         metrics: GatewayMetrics,
         tokens: TokenTexts,
+        detokenizer: Detokenizer,
         readiness: Callable[[], bool] | None = None,
     ):
-        """readiness: the readiness of the `serve` process this gateway runs in, its one replica's (None: the
-        replicas are asked, as settings.replica_ready_port says)."""
+        """detokenizer: the served checkpoint's, which decodes the tokens ensemble's responses here (no python step
+        per streamed token in the server). readiness: the readiness of the `serve` process this gateway runs in, its
+        one replica's (None: the replicas are asked, as settings.replica_ready_port says)."""
         self.settings = settings
         self.metrics = metrics
         self.tokens = tokens
+        self.detokenizer = detokenizer
         self.readiness = readiness
         self._client: Fleet | None = None
 
@@ -116,7 +128,9 @@ class Gateway:
             probe = ServeProbe(settings.replica_ready_port)
         else:
             probe = GrpcProbe()
-        self._client = Fleet(target, refresh_s=settings.triton_refresh_s, metrics=self.metrics, probe=probe)
+        self._client = Fleet(
+            target, refresh_s=settings.triton_refresh_s, metrics=self.metrics, probe=probe, detokenizer=self.detokenizer
+        )
         await self._client.start()
 
     async def close(self) -> None:
@@ -132,25 +146,21 @@ class Gateway:
         """The deployment's responses for one choice, until the request's deadline; leaving early (stop string,
         disconnect, deadline) cancels it on the server."""
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
-        responses = self.client.stream(**plan.request(run))
+        responses = self.client.stream(**plan.request(run), deadline=plan.deadline)
         try:
-            while True:
-                try:
-                    with anyio.fail_after(max(0.0, plan.deadline - time.monotonic())):
-                        piece = await responses.__anext__()
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise APIError(
-                        504,
-                        f"the request did not finish within this gateway's {self.settings.request_timeout_s:g} s "
-                        "limit; it was cancelled on the server",
-                        type="server_error",
-                        code="timeout",
-                    ) from None
-                except InferenceError as e:
-                    raise await self._inference_error(e) from None
-                yield piece
+            try:
+                async for piece in responses:
+                    yield piece
+            except RequestTimedOutError:
+                raise APIError(
+                    504,
+                    f"the request did not finish within this gateway's {self.settings.request_timeout_s:g} s "
+                    "limit; it was cancelled on the server",
+                    type="server_error",
+                    code="timeout",
+                ) from None
+            except InferenceError as e:
+                raise await self._inference_error(e) from None
         finally:
             await responses.aclose()  # cancels the request on the server unless it finished
 
@@ -241,27 +251,50 @@ class Gateway:
             raise
         metrics = self.metrics
 
+        interval = self.settings.stream_interval_s
+
         async def body() -> AsyncIterator[str]:
-            last: float | None = None  # when the last chunk with generated text went out
+            last: float | None = None  # when the last write with generated text went out
+            held: list[str] = []  # chunks not written yet
+            generated = 0  # how many of them carry generated text
             record.outcome = "cancelled"  # until it ends otherwise
 
-            def sent(event: Event) -> str:
-                nonlocal last
-                chunk, generated = event
+            def written() -> str:
+                """The chunks held, as one write. The latency metrics see what the client sees: the first text's
+                time, then one inter-token latency per chunk of text, those of a write sharing its time since the
+                last (the first write's others: 0)."""
+                nonlocal last, generated
                 if generated:
                     now = time.monotonic()
                     if last is None:
                         metrics.time_to_first_token.observe(now - record.started)
+                        gaps = [0.0] * (generated - 1)
                     else:
-                        metrics.inter_token_latency.observe(now - last)
-                    last = now
-                return chunk
+                        gaps = [(now - last) / generated] * generated
+                    for gap in gaps:
+                        metrics.inter_token_latency.observe(gap)
+                    last, generated = now, 0
+                out = "".join(held)
+                held.clear()
+                return out
+
+            def take(event: Event) -> None:
+                nonlocal generated
+                held.append(event[0])
+                generated += event[1]
 
             try:
                 if first is not None:
-                    yield sent(first)
+                    take(first)
+                    if generated:
+                        yield written()
                     async for event in events:
-                        yield sent(event)
+                        take(event)
+                        # The first text goes out at once; later chunks together, at most once per interval.
+                        if generated and (last is None or time.monotonic() - last >= interval):
+                            yield written()
+                    if held:
+                        yield written()
                 if plan.include_usage:
                     kind = Completion if plan.kind == "completion" else ChatCompletionChunk
                     usage = kind(id=plan.id, created=plan.created, model=plan.model, choices=[], usage=plan.usage())
@@ -269,6 +302,8 @@ class Gateway:
                 record.outcome = "completed"
             except APIError as e:
                 record.outcome = "timed_out" if e.status == 504 else "failed"
+                if held:
+                    yield written()
                 yield sse_event(e.response().model_dump_json())
             finally:
                 with anyio.CancelScope(shield=True):
@@ -286,9 +321,12 @@ class _ChatChunks:
         self.deltas = ChatDeltas(plan)
         self.started = False
         self.pending: list[Answer] = []  # pieces whose log probabilities no chunk has carried yet
+        self.content = _ContentChunk(self._chunk(Delta(content=_ContentChunk.MARKER)))
 
     def feed(self, piece: Answer) -> list[Event]:
         out = self._start()
+        if not self.plan.logprobs and self.deltas.plain:  # the common case: text only, from a template
+            return out + ([(self.content.event(piece.text), True)] if piece.text else [])
         self.pending.append(piece)
         return out + [(self._chunk(delta), True) for delta in self.deltas.feed(piece.text)]
 
@@ -313,15 +351,33 @@ class _ChatChunks:
         return sse_event(chunk.model_dump_json(exclude=None if plan.include_usage else {"usage"}, exclude_none=False))
 
 
+class _ContentChunk:
+    """A choice's streamed events that carry text only, made from one serialized chunk (the choice's, with MARKER as
+    its text) by putting each text in its place: the same JSON as the chunk's model would give, at the cost of one
+    string escape per event."""
+
+    MARKER = "\x00"
+
+    def __init__(self, event: str):
+        self.prefix, self.suffix = event.split(json.dumps(self.MARKER), 1)
+
+    def event(self, text: str) -> str:
+        return self.prefix + json.dumps(text, ensure_ascii=False) + self.suffix
+
+
 class _CompletionChunks:
     """A streamed text completion's chunks: its text (the echoed prompt first), then the finish."""
 
     def __init__(self, plan: Plan, run: ChoiceRun, tokens: TokenTexts):
         self.plan, self.run, self.tokens = plan, run, tokens
         self.offset = 0  # characters of the choice's text sent so far
+        self.content = _ContentChunk(self._chunk(_ContentChunk.MARKER, None))
 
     def feed(self, piece: Answer) -> list[Event]:
         text = piece.text
+        if self.offset and not self.plan.logprobs:  # the common case: text only, from a template
+            self.offset += len(text)
+            return [(self.content.event(text), True)] if text else []
         if self.offset == 0 and self.plan.echo:
             text = self.plan.echo + text
             self.offset = len(self.plan.echo)
@@ -371,7 +427,8 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     """The gateway's app; readiness: as Gateway takes it."""
     metrics = GatewayMetrics()
     planner = Planner(settings)
-    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer), readiness)
+    detokenizer = Detokenizer.from_model_dir(settings.model_dir, planner.tokenizer)
+    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer), detokenizer, readiness)
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 

@@ -36,8 +36,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ...detokenize import Detokenizer
 from ...errors import ServingError
-from .. import interface
 from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
 from ..ports import DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, host_port
 from .metrics import GatewayMetrics
@@ -259,12 +259,14 @@ class Fleet:
     def __init__(
         self,
         target: FleetTarget,
-        model: str = interface.ENSEMBLE,
+        model: str | None = None,
         refresh_s: float = DEFAULT_TRITON_REFRESH_S,
         metrics: GatewayMetrics | None = None,
         probe: ReplicaProbe | None = None,
+        detokenizer: Detokenizer | None = None,
     ):
-        self.target, self.model, self.refresh_s = target, model, refresh_s
+        """model and detokenizer: as AsyncClient takes them, for every replica."""
+        self.target, self.model, self.refresh_s, self.detokenizer = target, model, refresh_s, detokenizer
         self.url = target.text
         self.metrics = metrics
         self.probe = probe or GrpcProbe()
@@ -405,7 +407,7 @@ class Fleet:
             _log(f"{self.url} resolves again")
             self._unresolved = False
         for address in sorted(addresses - self.replicas.keys()):
-            self.replicas[address] = Replica(address, AsyncClient(address, self.model))
+            self.replicas[address] = Replica(address, AsyncClient(address, self.model, self.detokenizer))
             if self._watcher is not None:
                 _log(f"replica {address} found; in the rotation once ready")
         for address in sorted(self.replicas.keys() - addresses):

@@ -8,6 +8,7 @@ URLs are fetched here when the gateway allows them."""
 
 from __future__ import annotations
 
+import functools
 import time
 import urllib.request
 import uuid
@@ -37,6 +38,10 @@ from .protocol import (
 )
 from .reasoning import CLOSE as THINK_END
 from .settings import GatewaySettings
+
+# Prompts up to this many characters (and no video) are counted on the event loop: a millisecond or less, below the
+# cost of handing them to a worker thread and back.
+INLINE_COUNT_CHARS = 2048
 
 
 @dataclass
@@ -156,8 +161,11 @@ class Planner:
             if _text_chars(chat.messages) + _text_chars(tools) > self.max_prompt_chars:
                 raise self._too_many_chars()
             kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-            # On a worker thread: tens of milliseconds for a long prompt would stall every stream on the loop.
-            prompt_tokens = await anyio.to_thread.run_sync(lambda: self.preprocessor.count_tokens(chat, **kwargs))
+            count = functools.partial(self.preprocessor.count_tokens, chat, **kwargs)
+            # A long prompt on a worker thread: tens of milliseconds would stall every stream on the loop. A short
+            # one here: its count takes less than handing it to a thread and back.
+            short = _text_chars(chat.messages) + _text_chars(tools) <= INLINE_COUNT_CHARS and not chat.videos
+            prompt_tokens = count() if short else await anyio.to_thread.run_sync(count)
         except RequestError as e:
             raise request_error(e) from None
         asked = body.max_completion_tokens or body.max_tokens
@@ -191,7 +199,9 @@ class Planner:
         if len(prompt) > self.max_prompt_chars:
             raise request_error(self._too_many_chars())
         try:
-            prompt_tokens = await anyio.to_thread.run_sync(lambda: self.preprocessor.count_tokens(prompt=prompt))
+            count = functools.partial(self.preprocessor.count_tokens, prompt=prompt)
+            short = len(prompt) <= INLINE_COUNT_CHARS
+            prompt_tokens = count() if short else await anyio.to_thread.run_sync(count)
         except RequestError as e:
             raise request_error(e) from None
         return Plan(

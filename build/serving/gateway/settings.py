@@ -20,6 +20,10 @@ from .auth import NO_API_KEYS, APIKeys
 from .fleet import FleetTarget
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# A streamed answer's chunks after its first text are written together at most this often: one socket write and one
+# pass through the HTTP stack for several tokens, which a GPU decoding 8B at 10 ms a step makes two or three; the first
+# text and the end are never held (scripts/bench_plane.py measures the CPU saved and the latency it adds).
+DEFAULT_STREAM_INTERVAL_MS = 20.0
 DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 DEFAULT_REMOTE_MEDIA_TIMEOUT_S = 10.0  # for each http(s) image or video a request names
 # Besides its images, a request's body holds text, which the prompt's token limit bounds far below this.
@@ -56,6 +60,7 @@ class GatewaySettings:
     open_metrics: bool = False
     reasoning_parser: str = "auto"
     replica_ready_port: int = 0
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_MS / 1000
 
     @classmethod
     def resolve(
@@ -86,6 +91,7 @@ class GatewaySettings:
             api_keys=APIKeys.load(options.api_keys, options.api_key_files),
             open_metrics=options.open_metrics,
             reasoning_parser=options.reasoning_parser,
+            stream_interval_s=_given(options.stream_interval_ms, DEFAULT_STREAM_INTERVAL_MS) / 1000,
         )
 
     @classmethod

@@ -1,12 +1,12 @@
 """`qwen3vl-trt write-repo`: a build directory -> a Triton model repository.
 
-Models: `preprocessing`, `vision_encoder`, `llm`, `postprocessing` and the ensemble `qwen3vl`
-(serving.interface). Target `cpu` serves the ONNX vision encoder with ONNX Runtime and the LLM
-checkpoint with the reference runtime (decoupled python models); target `gpu` serves the TensorRT-LLM
-engine with the tensorrtllm backend and decodes images into device memory. Every config.pbtxt is a
-ModelConfig message whose batching numbers come from the build's EngineLimits. The python models
-find the build and the checkpoint's tokenizer/processor files by the absolute paths recorded in
-their parameters: after moving either, write the repository again.
+Models: `preprocessing`, `vision_encoder`, `llm`, `postprocessing` and the ensembles `qwen3vl` (text) and
+`qwen3vl_tokens` (token ids, for clients that decode them) (serving.interface). Target `cpu` serves the ONNX vision
+encoder with ONNX Runtime and the LLM checkpoint with the reference runtime (decoupled python models); target `gpu`
+serves the TensorRT-LLM engine with the tensorrtllm backend and decodes images into device memory. Every
+config.pbtxt is a ModelConfig message whose batching numbers come from the build's EngineLimits. The python models
+find the build and the checkpoint's tokenizer/processor files by the absolute paths recorded in their parameters:
+after moving either, write the repository again.
 """
 
 from __future__ import annotations
@@ -382,31 +382,32 @@ def model_configs(
         interface.VISION_ENCODER: _vision_encoder(models),
         interface.LLM: _llm(models),
         interface.POSTPROCESSING: _postprocessing(models),
-        interface.ENSEMBLE: _ensemble(limits),
+        interface.ENSEMBLE: _ensemble(limits, interface.ENSEMBLE),
+        interface.TOKENS_ENSEMBLE: _ensemble(limits, interface.TOKENS_ENSEMBLE),
     }
     for config in configs.values():
         cfg.parse(cfg.to_text(config))
     return configs
 
 
-def _ensemble(limits: EngineLimits) -> mc.ModelConfig:
-    config = mc.ModelConfig(name=interface.ENSEMBLE, platform="ensemble", max_batch_size=limits.max_batch_size)
+def _ensemble(limits: EngineLimits, name: str) -> mc.ModelConfig:
+    """The ensemble that answers text (interface.ENSEMBLE: preprocessing -> llm -> postprocessing), or the one that
+    answers the llm's token ids (interface.TOKENS_ENSEMBLE: preprocessing -> llm)."""
+    config = mc.ModelConfig(name=name, platform="ensemble", max_batch_size=limits.max_batch_size)
     EnsembleParameters().apply(config)
     # All optional here: an ensemble whose request lacks a required input never runs its first step and
     # answers with nothing, so preprocessing checks the required ones and says what is missing.
     config.input.extend(cfg.model_input(t, optional=True) for t in interface.REQUEST_INPUTS)
-    config.output.extend(cfg.model_output(t) for t in interface.REQUEST_OUTPUTS)
     pre = {t.name: _internal(interface.PREPROCESSING, t) for t in interface.PREPROCESSING_OUTPUTS}
-    generated = {t.name: _internal(interface.LLM, t) for t in interface.LLM_OUTPUTS}
-    steps = [
-        (interface.PREPROCESSING, {t.name: t.name for t in interface.REQUEST_INPUTS}, pre),
-        (interface.LLM, pre, generated),
-        (
-            interface.POSTPROCESSING,
-            generated,
-            {t.name: t.name for t in interface.REQUEST_OUTPUTS},
-        ),
-    ]
+    steps = [(interface.PREPROCESSING, {t.name: t.name for t in interface.REQUEST_INPUTS}, pre)]
+    if name == interface.TOKENS_ENSEMBLE:
+        config.output.extend(cfg.model_output(t) for t in interface.LLM_OUTPUTS)
+        steps.append((interface.LLM, pre, {t.name: t.name for t in interface.LLM_OUTPUTS}))
+    else:
+        config.output.extend(cfg.model_output(t) for t in interface.REQUEST_OUTPUTS)
+        generated = {t.name: _internal(interface.LLM, t) for t in interface.LLM_OUTPUTS}
+        steps.append((interface.LLM, pre, generated))
+        steps.append((interface.POSTPROCESSING, generated, {t.name: t.name for t in interface.REQUEST_OUTPUTS}))
     for model, inputs, outputs in steps:
         step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
         step.input_map.update(inputs)
