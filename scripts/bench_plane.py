@@ -15,8 +15,9 @@ It counts the CPU time (user + system, psutil) of every process a request crosse
 stub by model, the gateway (`qwen3vl-trt openai` in its own process) or the relay. Workloads, each after an
 untimed pass, at --concurrency:
 
-- streamed text, --stream-tokens tokens a request, through gRPC (this package's Client) and through the
-  OpenAI gateway (the official client, stream on), on the plane and on the floor;
+- streamed text, --stream-tokens tokens a request, through gRPC (this package's Client, decoding the tokens
+  ensemble's ids) and through the OpenAI gateway (the official client, stream on; again with
+  --stream-interval-ms 0, every chunk written as it comes), on the plane and on the floor;
 - image requests (one or two JPEGs of different sizes, --max-tokens tokens, not streamed), through gRPC and
   the gateway, with the visual cache off and the vision encoder's CPU time reported apart (a GPU host runs the
   encoder on the GPU);
@@ -47,7 +48,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ from bench_serving import (
     warm_up,
     workload,
 )
+from qwen3vl_trt.detokenize import Detokenizer
 from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
@@ -224,14 +226,16 @@ class Timings:
 
 
 class StreamedGrpc(GrpcRoute):
-    """Streamed requests through this package's gRPC client: the ensemble's responses as they arrive."""
+    """Streamed requests through this package's gRPC client, which decodes the tokens ensemble's responses as
+    they arrive (the served checkpoint's detokenizer)."""
 
-    def __init__(self, url: str, max_tokens: int):
+    def __init__(self, url: str, max_tokens: int, detokenizer: Detokenizer):
         super().__init__(url, max_tokens)
+        self.detokenizer = detokenizer
         self.timings = Timings()
 
     def sender(self) -> Send:
-        client = Client(self.url)
+        client = Client(self.url, detokenizer=self.detokenizer)
         self._clients.append(client)
 
         def send(request: Request) -> Reply:
@@ -304,8 +308,8 @@ class PlaneGateway(GatewayRoute):
 
     streaming = True
 
-    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path):
-        super().__init__(triton_url, repo, max_tokens, log_path)
+    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path, options: Sequence[str] = ()):
+        super().__init__(triton_url, repo, max_tokens, log_path, options)
         self.timings = Timings()
 
     def sender(self) -> Send:
@@ -529,17 +533,28 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
     with _server(plane, scratch / "plane.log") as server:
         processes = Processes(server.pid)
         result["server_cores"] = len(psutil.Process(server.pid).cpu_affinity() or [])
-        grpc_route = StreamedGrpc(server.url, args.stream_tokens)
+        grpc_route = StreamedGrpc(server.url, args.stream_tokens, Detokenizer.from_model_dir(model_dir))
         gateway = PlaneGateway(server.url, plane, args.stream_tokens, scratch / "gateway.log")
+        # The same gateway writing each chunk as it comes: what writing them together saves, and adds to latency.
+        uncoalesced = PlaneGateway(
+            server.url, plane, args.stream_tokens, scratch / "gateway-0.log", ["--stream-interval-ms", "0"]
+        )
         try:
             processes.add(GATEWAY_PROCESS, gateway.process.pid)
             workloads["plane grpc"] = measure("plane, streamed, gRPC", grpc_route, processes, text, args, streamed=True)
             workloads["plane gateway"] = measure(
                 "plane, streamed, gateway", gateway, processes, text, args, streamed=True
             )
+            processes.add(GATEWAY_PROCESS, uncoalesced.process.pid)
+            workloads["plane gateway, interval 0"] = measure(
+                "plane, streamed, gateway, interval 0", uncoalesced, processes, text, args, streamed=True
+            )
+            processes.add(GATEWAY_PROCESS, gateway.process.pid)
             if args.latency_requests:
                 result["concurrency_1"]["plane"] = concurrency_1(
-                    {"gRPC": grpc_route, "gateway": gateway}, text, args.latency_requests
+                    {"gRPC": grpc_route, "gateway": gateway, "gateway, interval 0": uncoalesced},
+                    text,
+                    args.latency_requests,
                 )
             gateway.streaming, gateway.max_tokens = False, args.max_tokens
             image_grpc = GrpcRoute(server.url, args.max_tokens)
@@ -554,6 +569,7 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
         finally:
             grpc_route.close()
             gateway.close()
+            uncoalesced.close()
 
     _log("the floor: the paced llm alone")
     with _server(floor, scratch / "floor.log") as server:
@@ -596,11 +612,18 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
 # -- report ------------------------------------------------------------------------------------------------------
 
 
-def cores_needed(gateway_tokens: Workload, gateway_images: Workload, gpu: PublishedDecode) -> float:
+def cores_needed(
+    gateway_tokens: Workload, gateway_images: Workload, gpu: PublishedDecode, apart: tuple[str, ...] = ()
+) -> float:
     """CPU cores that keep up with the GPU's decode rate: its tokens streamed through the gateway, and one image
-    request per output_length tokens (every request carrying images: the costly case), the encoder apart."""
-    per_token = gateway_tokens.plane_cpu_seconds / gateway_tokens.streamed_tokens
-    per_image_request = gateway_images.plane_cpu_seconds / gateway_images.requests
+    request per output_length tokens (every request carrying images: the costly case), the encoder apart (and the
+    processes `apart` names)."""
+
+    def cpu(workload: Workload) -> float:
+        return workload.plane_cpu_seconds - sum(workload.cpu.get(role, 0.0) for role in apart)
+
+    per_token = cpu(gateway_tokens) / gateway_tokens.streamed_tokens
+    per_image_request = cpu(gateway_images) / gateway_images.requests
     return gpu.tokens_per_s * per_token + gpu.tokens_per_s / gpu.output_length * per_image_request
 
 
@@ -613,6 +636,10 @@ def summary(w: dict[str, Workload], result: dict) -> dict:
         "images_grpc_per_cpu_s": w["images grpc"].per_cpu_second(),
         "images_gateway_per_cpu_s": w["images gateway"].per_cpu_second(),
         "cores_per_h200": cores_needed(w["plane gateway"], w["images gateway"], H200_8B),
+        # The stand-in's own stub apart: its python responses stand for the tensorrtllm backend's, made in C++ in
+        # tritonserver's process (their handling there stays counted).
+        "cores_per_h200_llm_apart": cores_needed(w["plane gateway"], w["images gateway"], H200_8B, (interface.LLM,)),
+        "gateway_interval_0_tokens_per_cpu_s": w["plane gateway, interval 0"].per_cpu_second(),
     }
     out["grpc_plane_over_floor"] = out["grpc_tokens_per_cpu_s"] / out["floor_grpc_tokens_per_cpu_s"]
     out["gateway_plane_over_floor"] = out["gateway_tokens_per_cpu_s"] / out["floor_gateway_tokens_per_cpu_s"]
@@ -630,14 +657,14 @@ def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload
         f"the plane with a paced llm ({args.step_ms:g} ms a decode step), concurrency {args.concurrency}, "
         f"server on {result['server_cores']} cores; CPU of every process a request crosses"
     )
-    print(f"{'workload':<28} {'items/s':>9} {'p50 ms':>8} {'CPU s':>7} {'per CPU-s':>10}   CPU us per item, by process")
+    print(f"{'workload':<38} {'items/s':>9} {'p50 ms':>8} {'CPU s':>7} {'per CPU-s':>10}   CPU us per item, by process")
     for w in workloads.values():
         level = w.level
         rate = level.tokens_per_s if w.streamed_tokens else level.requests_per_s
         shares = ", ".join(f"{role} {us:.0f}" for role, us in w.per_item_us().items() if us >= 0.5)
         apart = f" (apart: {', '.join(w.apart)})" if w.apart else ""
         print(
-            f"{w.name:<28} {rate:>9.1f} {level.p50_ms:>8.0f} {w.plane_cpu_seconds:>7.2f} "
+            f"{w.name:<38} {rate:>9.1f} {level.p50_ms:>8.0f} {w.plane_cpu_seconds:>7.2f} "
             f"{w.per_cpu_second():>10.0f}   {shares}{apart}"
         )
     print(
@@ -671,6 +698,7 @@ def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload
     print(
         f"cores per H200 so that the plane keeps up (every token streamed through the gateway, every "
         f"{H200_8B.output_length}-token request with images like these, encoder on the GPU): {s['cores_per_h200']:.2f}"
+        f"; the llm stand-in's own stub apart: {s['cores_per_h200_llm_apart']:.2f}"
     )
 
 

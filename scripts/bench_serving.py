@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -225,7 +225,8 @@ class GatewayRoute(Route):
     """The OpenAI-compatible gateway, run as `qwen3vl-trt openai` in its own process in front of the server
     (as `serve --openai-port` runs it beside tritonserver), called over HTTP with the official client."""
 
-    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path):
+    def __init__(self, triton_url: str, repo: Path, max_tokens: int, log_path: Path, options: Sequence[str] = ()):
+        """options: more of `qwen3vl-trt openai`'s options."""
         import subprocess
         import urllib.request
 
@@ -237,7 +238,7 @@ class GatewayRoute(Route):
         self._log = open(log_path, "wb")
         command = [sys.executable, "-m", "qwen3vl_trt.cli", "openai", "--repo", str(repo)]
         command += ["--triton-url", triton_url, "--port", str(port), "--served-model-name", "bench"]
-        command += ["--replica-ready-port", "0"]  # a plain tritonserver: its own readiness over gRPC
+        command += ["--replica-ready-port", "0", *options]  # a plain tritonserver: its own readiness over gRPC
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:
