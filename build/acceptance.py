@@ -742,16 +742,24 @@ def _tokens_ensemble(
 
     detokenizer = Detokenizer.from_model_dir(BuildManifest.read(build_dir).model)
     decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=detokenizer)
+    # And one that ends on the end id at once (a +100 bias): the engine's last streamed response then carries no
+    # token ([1, 1, 0]), which both ensembles' decoding must take.
+    Case = tuple[str, list[bytes], list[bytes], dict[str, Any]]
+    ends: dict[str, Case] = {
+        "ends on the end id": ("Say nothing.", [], [], {"logit_bias": {min(detokenizer.end_ids): 100.0}})
+    }
+    cases: dict[str, Case] = {kind: (*request, {}) for kind, request in requests.items()} | ends
     try:
-        for kind, (prompt, images, videos) in requests.items():
-            expected = client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos)
+        for kind, (prompt, images, videos, options) in cases.items():
             for stream in (False, True):
-                got = decoding.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos, stream=stream)
+                sent = dict(max_tokens=NEW_TOKENS, videos=videos, stream=stream, **options)
+                expected = client.generate(prompt, images, **sent)
+                got = decoding.generate(prompt, images, **sent)
                 if (got.text, got.token_ids) != (expected.text, expected.token_ids):
                     return False, f"{kind}, stream {stream}: {got.text[:80]!r} against {expected.text[:80]!r}"
     finally:
         decoding.close()
-    return True, f"{len(requests)} requests, streamed and not: the same text and ids"
+    return True, f"{len(cases)} requests, streamed and not: the same text and ids"
 
 
 def _checked(check: Callable[[Any], tuple[bool, str]], client: Any) -> tuple[bool, str]:

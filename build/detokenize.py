@@ -106,7 +106,9 @@ class TextStream:
         those of every token generated so far (as the tensorrtllm backend streams them), or None."""
         d = self.detokenizer
         ids = np.asarray(output_ids)
-        ids = ids.reshape(-1, ids.shape[-1])[0]  # the first beam (under a batch dimension, where a client gets it)
+        # The first beam, under a batch dimension where a client gets one; the engine's last streamed response may
+        # carry none ([1, 1, 0]: the end id adds no token, TensorRT-LLM's LlmRequest and updateRequests).
+        ids = ids[(0,) * (ids.ndim - 1)]
         length = int(np.asarray(sequence_length).reshape(-1)[0])
         # In Python: a streamed response holds a token or a few, for which numpy's per-call cost is the larger part.
         received = [d.image_token_id if t >= d.vocab_size else t for t in ids[:length].tolist()]
@@ -117,12 +119,14 @@ class TextStream:
             return Answer(text, tokens)
         # The last ones are this response's: its tokens, which end the ids (an echoed prompt comes first).
         generated = np.asarray(log_probs, np.float32)
-        generated = generated.reshape(-1, generated.shape[-1])[0].tolist()
+        generated = generated[(0,) * (generated.ndim - 1)].tolist()
         count = min(len(generated), len(received))
         pairs = zip(generated[len(generated) - count :], shown[len(received) - count :], strict=True)
         mine = [p for p, keep in pairs if keep]
         return Answer(text, tokens, tuple(mine))
 
     def finish(self) -> str:
-        """The text held back at the end (see StreamingDetokenizer.finish)."""
+        """The text held back at the end (see StreamingDetokenizer.finish). Streams keyed by request id in
+        postprocessing, and so the clients that decode as it does, never call it: an answer cut inside a UTF-8
+        character ends before that character rather than with U+FFFD."""
         return self.text.finish()
