@@ -3,10 +3,12 @@
 
 It makes a tiny checkpoint (or takes --model), builds it for the CPU target and writes two repositories:
 
-- the plane: the deployment with its `llm` replaced by scripts/bench_plane_llm/model.py, which decodes at a
-  GPU's pace without computing (every --step-ms one step gives each request it holds its next token, as an
-  inflight-batching engine does), so that what batching or coalescing saves is what a GPU's decode loop would
-  let it save; preprocessing, the vision encoder, the ensemble, the server and the gateway are what is measured;
+- the plane: the deployment with its `llm` replaced by scripts/bench_plane_llm/paced_llm.cc, a Triton C++ backend
+  (compiled here with g++) which decodes at a GPU's pace without computing (every --step-ms one step gives each
+  request it holds its next token, as an inflight-batching engine does), so that what batching or coalescing saves
+  is what a GPU's decode loop would let it save. Like the tensorrtllm backend it runs inside tritonserver's process
+  and answers in its protocol, so the server's share per token is what it is on a GPU host; preprocessing, the
+  vision encoder, the ensemble, the server and the gateway are what is measured;
 - the floor: that same model alone, which clients call straight over gRPC (no other step), and for the
   gateway route the same behind scripts/bench_plane_relay.py (a bare ASGI app relaying each response as one
   server-sent event).
@@ -79,9 +81,10 @@ from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.repository import model_config as cfg
 
 SCRIPTS = Path(__file__).parent
-PACED_LLM = SCRIPTS / "bench_plane_llm" / "model.py"
+PACED_LLM = SCRIPTS / "bench_plane_llm" / "paced_llm.cc"
+PACED_BACKEND = "bench_paced_llm"  # Triton loads libtriton_<backend>.so from the model's directory
 RELAY = SCRIPTS / "bench_plane_relay.py"
-STEP_MS_PARAMETER = "bench_step_ms"  # scripts/bench_plane_llm/model.py reads it
+STEP_MS_PARAMETER = "bench_step_ms"  # scripts/bench_plane_llm/paced_llm.cc reads it
 GATEWAY_PROCESS, RELAY_PROCESS, TRITONSERVER = "gateway", "relay", "tritonserver"
 PROFILES: dict[str, dict[str, list[tuple[str, float]]]] = {}  # by workload, by process (--profile)
 
@@ -450,9 +453,11 @@ def measure(
     *,
     streamed: bool,
     apart: tuple[str, ...] = (),
+    front_end: bool = False,
 ) -> Workload:
-    """One workload at --concurrency after an untimed pass, with the CPU time of every process over it (and their
-    profiles, with --profile)."""
+    """One workload at --concurrency after an untimed pass, with the CPU time of every process it crosses (the front
+    end's process only when `front_end`: a route straight over gRPC does not cross it) and their profiles, with
+    --profile."""
     answers = Answers()
     warm_up(route, name, requests, answers)
     timings: Timings | None = getattr(route, "timings", None)
@@ -467,7 +472,8 @@ def measure(
         PROFILES[name] = profiles.stop()
     if answers.mismatches:
         raise Qwen3VLTrtError(f"{name}: answers differ between runs: {answers.mismatches[:3]}")
-    cpu = {role: after[role] - before.get(role, 0.0) for role in after}
+    crossed = [role for role in after if front_end or role not in processes.extra]
+    cpu = {role: after[role] - before.get(role, 0.0) for role in crossed}
     tokens = level.tokens if streamed else 0
     return Workload(name, level, cpu, tokens, 0 if streamed else level.requests, apart)
 
@@ -495,12 +501,27 @@ def _server(repo: Path, log_path: Path) -> Iterator:
         yield server
 
 
-def paced(repo: Path, step_ms: float) -> None:
+def compile_paced_llm(scratch: Path) -> Path:
+    """The paced stand-in's backend library, compiled with g++ (no headers needed: it declares the C API)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise Qwen3VLTrtError("bench_plane.py compiles its llm stand-in (a Triton C++ backend) with g++: install g++")
+    library = scratch / f"libtriton_{PACED_BACKEND}.so"
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(library), str(PACED_LLM), "-lpthread"]
+    subprocess.run(command, check=True)
+    return library
+
+
+def paced(repo: Path, library: Path, step_ms: float) -> None:
     """Replaces the repository's llm with the paced stand-in, at step_ms per decode step."""
-    shutil.copyfile(PACED_LLM, repo / interface.LLM / "1" / "model.py")
-    config = cfg.read(repo / interface.LLM)
+    llm = repo / interface.LLM
+    for path in (llm / "1").iterdir():
+        path.unlink()
+    shutil.copyfile(library, llm / library.name)
+    config = cfg.read(llm)
+    config.backend = PACED_BACKEND
     cfg.parameters(config, {STEP_MS_PARAMETER: step_ms})
-    cfg.write(repo / interface.LLM, config)
+    cfg.write(llm, config)
 
 
 def floor_repository(plane: Path, floor: Path) -> Path:
@@ -521,7 +542,7 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
     settings = RepositorySettings(visual_cache="off")
     served = write_repository(scratch / "build", scratch / "served", "cpu", settings=settings, log=lambda *_: None)
     plane = write_repository(scratch / "build", scratch / "plane", "cpu", settings=settings, log=lambda *_: None)
-    paced(plane, args.step_ms)
+    paced(plane, compile_paced_llm(scratch), args.step_ms)
     floor = floor_repository(plane, scratch / "floor")
     cycle = workload()
     text = [r for r in cycle if not r.images]
@@ -543,11 +564,17 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
             processes.add(GATEWAY_PROCESS, gateway.process.pid)
             workloads["plane grpc"] = measure("plane, streamed, gRPC", grpc_route, processes, text, args, streamed=True)
             workloads["plane gateway"] = measure(
-                "plane, streamed, gateway", gateway, processes, text, args, streamed=True
+                "plane, streamed, gateway", gateway, processes, text, args, streamed=True, front_end=True
             )
             processes.add(GATEWAY_PROCESS, uncoalesced.process.pid)
             workloads["plane gateway, interval 0"] = measure(
-                "plane, streamed, gateway, interval 0", uncoalesced, processes, text, args, streamed=True
+                "plane, streamed, gateway, interval 0",
+                uncoalesced,
+                processes,
+                text,
+                args,
+                streamed=True,
+                front_end=True,
             )
             processes.add(GATEWAY_PROCESS, gateway.process.pid)
             if args.latency_requests:
@@ -563,7 +590,7 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
                 "plane, images, gRPC", image_grpc, processes, images, args, streamed=False, apart=vision
             )
             workloads["images gateway"] = measure(
-                "plane, images, gateway", gateway, processes, images, args, streamed=False, apart=vision
+                "plane, images, gateway", gateway, processes, images, args, streamed=False, apart=vision, front_end=True
             )
             image_grpc.close()
         finally:
@@ -579,7 +606,9 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
         try:
             processes.add(RELAY_PROCESS, relay.process.pid)
             workloads["floor grpc"] = measure("floor, streamed, gRPC", floor_grpc, processes, text, args, streamed=True)
-            workloads["floor gateway"] = measure("floor, streamed, relay", relay, processes, text, args, streamed=True)
+            workloads["floor gateway"] = measure(
+                "floor, streamed, relay", relay, processes, text, args, streamed=True, front_end=True
+            )
             if args.latency_requests:
                 result["concurrency_1"]["floor"] = concurrency_1(
                     {"gRPC": floor_grpc, "gateway": relay}, text, args.latency_requests
@@ -612,18 +641,11 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
 # -- report ------------------------------------------------------------------------------------------------------
 
 
-def cores_needed(
-    gateway_tokens: Workload, gateway_images: Workload, gpu: PublishedDecode, apart: tuple[str, ...] = ()
-) -> float:
+def cores_needed(gateway_tokens: Workload, gateway_images: Workload, gpu: PublishedDecode) -> float:
     """CPU cores that keep up with the GPU's decode rate: its tokens streamed through the gateway, and one image
-    request per output_length tokens (every request carrying images: the costly case), the encoder apart (and the
-    processes `apart` names)."""
-
-    def cpu(workload: Workload) -> float:
-        return workload.plane_cpu_seconds - sum(workload.cpu.get(role, 0.0) for role in apart)
-
-    per_token = cpu(gateway_tokens) / gateway_tokens.streamed_tokens
-    per_image_request = cpu(gateway_images) / gateway_images.requests
+    request per output_length tokens (every request carrying images: the costly case), the encoder apart."""
+    per_token = gateway_tokens.plane_cpu_seconds / gateway_tokens.streamed_tokens
+    per_image_request = gateway_images.plane_cpu_seconds / gateway_images.requests
     return gpu.tokens_per_s * per_token + gpu.tokens_per_s / gpu.output_length * per_image_request
 
 
@@ -636,9 +658,6 @@ def summary(w: dict[str, Workload], result: dict) -> dict:
         "images_grpc_per_cpu_s": w["images grpc"].per_cpu_second(),
         "images_gateway_per_cpu_s": w["images gateway"].per_cpu_second(),
         "cores_per_h200": cores_needed(w["plane gateway"], w["images gateway"], H200_8B),
-        # The stand-in's own stub apart: its python responses stand for the tensorrtllm backend's, made in C++ in
-        # tritonserver's process (their handling there stays counted).
-        "cores_per_h200_llm_apart": cores_needed(w["plane gateway"], w["images gateway"], H200_8B, (interface.LLM,)),
         "gateway_interval_0_tokens_per_cpu_s": w["plane gateway, interval 0"].per_cpu_second(),
     }
     out["grpc_plane_over_floor"] = out["grpc_tokens_per_cpu_s"] / out["floor_grpc_tokens_per_cpu_s"]
@@ -698,7 +717,6 @@ def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload
     print(
         f"cores per H200 so that the plane keeps up (every token streamed through the gateway, every "
         f"{H200_8B.output_length}-token request with images like these, encoder on the GPU): {s['cores_per_h200']:.2f}"
-        f"; the llm stand-in's own stub apart: {s['cores_per_h200_llm_apart']:.2f}"
     )
 
 
