@@ -302,8 +302,8 @@ class Planner:
             schema = response_format.json_schema.schema_ or {"type": "object"}
             return json_schema_guide(schema, think_end=think_end)
 
-        try:
-            guide = await anyio.to_thread.run_sync(build)
+        try:  # a thread only for a grammar to build: the round trip costs more than a request without one
+            guide = await anyio.to_thread.run_sync(build) if forced or formats else None
         except GuideError as e:
             raise APIError(400, str(e), param="tools" if forced else "response_format", code="invalid_schema") from None
         if choice == "none":
