@@ -2,11 +2,15 @@
 // it in its own copies of a repository as the model's backend, libtriton_bench_paced_llm.so; no repository
 // users build holds it). It decodes at a GPU's pace without computing: every `bench_step_ms` (a parameter of
 // the model's config) one decode step gives each request it holds its next token, as an inflight-batching
-// engine does; a request joins at the next step. It answers in the llm's decoupled protocol as the
-// tensorrtllm backend does (streaming: one response per step, the last one final; else one final response
-// with every token; output_ids [1, 1, tokens] and sequence_length [1, 1], as its executor's results are
-// written), and like that backend it is C++ inside tritonserver's process: what the plane around it costs
-// per token is what a GPU host's plane costs, not a python model's sends.
+// engine does; a request joins at the next step. Like the tensorrtllm backend it is C++ inside tritonserver's
+// process, so what the plane around it costs per token is what a GPU host's plane costs, and it answers as that
+// backend does (NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src: fillTritonResponse,
+// WaitForResponse, handleStopRequest, WaitForCancel):
+// - streaming: one response per step, output_ids [1, 1, 1] and sequence_length [1, 1], the last one final;
+// - not streaming: one final response, the prompt first unless exclude_input_in_output;
+// - a `stop` request ends the held request with its id and is answered empty; a cancelled request is ended at
+//   the next poll (every 100 ms).
+// Unlike it, it reports no statistics to Triton (the llm's statistics read zero).
 //
 // Declared against Triton's C API (include/triton/core/tritonbackend.h and tritonserver.h, r24.10: the
 // server nvidia-pytriton bundles); the functions resolve from that server's libtritonserver at load.
@@ -17,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -41,13 +46,18 @@ const uint32_t REQUEST_RELEASE_ALL = 1;   // TRITONSERVER_REQUEST_RELEASE_ALL
 const int ERROR_INVALID_ARG = 3;          // TRITONSERVER_ERROR_INVALID_ARG
 
 TRITONSERVER_Error* TRITONSERVER_ErrorNew(int code, const char* msg);
+void TRITONSERVER_ErrorDelete(TRITONSERVER_Error*);
 TRITONSERVER_Error* TRITONSERVER_MessageSerializeToJson(TRITONSERVER_Message*, const char** base, size_t* size);
 TRITONSERVER_Error* TRITONSERVER_MessageDelete(TRITONSERVER_Message*);
 TRITONSERVER_Error* TRITONBACKEND_ModelInstanceModel(TRITONBACKEND_ModelInstance*, TRITONBACKEND_Model**);
 TRITONSERVER_Error* TRITONBACKEND_ModelConfig(TRITONBACKEND_Model*, uint32_t version, TRITONSERVER_Message**);
 TRITONSERVER_Error* TRITONBACKEND_ModelInstanceSetState(TRITONBACKEND_ModelInstance*, void* state);
 TRITONSERVER_Error* TRITONBACKEND_ModelInstanceState(TRITONBACKEND_ModelInstance*, void** state);
+TRITONSERVER_Error* TRITONBACKEND_RequestId(TRITONBACKEND_Request*, const char** id);
 TRITONSERVER_Error* TRITONBACKEND_RequestInput(TRITONBACKEND_Request*, const char* name, TRITONBACKEND_Input**);
+TRITONSERVER_Error* TRITONBACKEND_InputProperties(
+    TRITONBACKEND_Input*, const char** name, int* datatype, const int64_t** shape, uint32_t* dims_count,
+    uint64_t* byte_size, uint32_t* buffer_count);
 TRITONSERVER_Error* TRITONBACKEND_InputBuffer(
     TRITONBACKEND_Input*, uint32_t index, const void** buffer, uint64_t* byte_size, int* memory_type,
     int64_t* memory_type_id);
@@ -55,6 +65,7 @@ TRITONSERVER_Error* TRITONBACKEND_RequestRelease(TRITONBACKEND_Request*, uint32_
 TRITONSERVER_Error* TRITONBACKEND_ResponseFactoryNew(TRITONBACKEND_ResponseFactory**, TRITONBACKEND_Request*);
 TRITONSERVER_Error* TRITONBACKEND_ResponseFactoryDelete(TRITONBACKEND_ResponseFactory*);
 TRITONSERVER_Error* TRITONBACKEND_ResponseFactorySendFlags(TRITONBACKEND_ResponseFactory*, uint32_t flags);
+TRITONSERVER_Error* TRITONBACKEND_ResponseFactoryIsCancelled(TRITONBACKEND_ResponseFactory*, bool* cancelled);
 TRITONSERVER_Error* TRITONBACKEND_ResponseNewFromFactory(TRITONBACKEND_Response**, TRITONBACKEND_ResponseFactory*);
 TRITONSERVER_Error* TRITONBACKEND_ResponseOutput(
     TRITONBACKEND_Response*, TRITONBACKEND_Output**, const char* name, int datatype, const int64_t* shape,
@@ -67,30 +78,56 @@ TRITONSERVER_Error* TRITONBACKEND_ResponseSend(TRITONBACKEND_Response*, uint32_t
 namespace {
 
 const int32_t FIRST_TOKEN = 1000;  // ordinary text ids, so the text decodes to real words
+// How often a held request's cancellation is asked (the tensorrtllm backend's WaitForCancel polls every 100 ms).
+const std::chrono::milliseconds CANCEL_POLL(100);
+
+void Drop(TRITONSERVER_Error* error)
+{
+  if (error != nullptr) TRITONSERVER_ErrorDelete(error);
+}
 
 struct Held {
   TRITONBACKEND_ResponseFactory* factory;
-  int32_t count;
+  std::string id;
+  int32_t count;  // tokens to generate
   bool streaming;
-  std::vector<int32_t> ids;
+  std::vector<int32_t> ids;  // what the final response of a request not streamed holds: its prompt unless excluded
+  int32_t generated = 0;
 };
 
-// A scalar input's value, or `absent` when the request does not carry it (optional inputs).
+// An input's values (BOOL read as uint8_t); empty when the request does not carry it (optional inputs).
+template <typename T>
+std::vector<T> Values(TRITONBACKEND_Request* request, const char* name)
+{
+  std::vector<T> values;
+  TRITONBACKEND_Input* input = nullptr;
+  uint32_t buffers = 0;
+  if (TRITONSERVER_Error* error = TRITONBACKEND_RequestInput(request, name, &input)) {
+    TRITONSERVER_ErrorDelete(error);
+    return values;
+  }
+  Drop(TRITONBACKEND_InputProperties(input, nullptr, nullptr, nullptr, nullptr, nullptr, &buffers));
+  for (uint32_t i = 0; i < buffers; ++i) {
+    const void* buffer = nullptr;
+    uint64_t size = 0;
+    int memory_type = MEMORY_CPU;
+    int64_t memory_id = 0;
+    if (TRITONSERVER_Error* error = TRITONBACKEND_InputBuffer(input, i, &buffer, &size, &memory_type, &memory_id)) {
+      TRITONSERVER_ErrorDelete(error);
+      break;
+    }
+    const size_t first = values.size();
+    values.resize(first + size / sizeof(T));
+    std::memcpy(values.data() + first, buffer, (values.size() - first) * sizeof(T));
+  }
+  return values;
+}
+
 template <typename T>
 T Scalar(TRITONBACKEND_Request* request, const char* name, T absent)
 {
-  TRITONBACKEND_Input* input = nullptr;
-  if (TRITONBACKEND_RequestInput(request, name, &input) != nullptr || input == nullptr) return absent;
-  const void* buffer = nullptr;
-  uint64_t size = 0;
-  int memory_type = MEMORY_CPU;
-  int64_t memory_id = 0;
-  if (TRITONBACKEND_InputBuffer(input, 0, &buffer, &size, &memory_type, &memory_id) != nullptr ||
-      size < sizeof(T))
-    return absent;
-  T value;
-  std::memcpy(&value, buffer, sizeof(T));
-  return value;
+  const std::vector<T> values = Values<T>(request, name);
+  return values.empty() ? absent : values[0];
 }
 
 // The step from the model config's JSON: parameters { key: "bench_step_ms" value { string_value: "10" } }.
@@ -106,7 +143,10 @@ double StepMs(const std::string& json)
 void SendTokens(TRITONBACKEND_ResponseFactory* factory, const std::vector<int32_t>& ids, uint32_t flags)
 {
   TRITONBACKEND_Response* response = nullptr;
-  if (TRITONBACKEND_ResponseNewFromFactory(&response, factory) != nullptr) return;
+  if (TRITONSERVER_Error* error = TRITONBACKEND_ResponseNewFromFactory(&response, factory)) {
+    TRITONSERVER_ErrorDelete(error);
+    return;
+  }
   const int64_t ids_shape[3] = {1, 1, static_cast<int64_t>(ids.size())};
   const int64_t length_shape[2] = {1, 1};
   const int32_t length = static_cast<int32_t>(ids.size());
@@ -125,11 +165,33 @@ void SendTokens(TRITONBACKEND_ResponseFactory* factory, const std::vector<int32_
     void* buffer = nullptr;
     int memory_type = MEMORY_CPU;
     int64_t memory_id = 0;
-    if (TRITONBACKEND_ResponseOutput(response, &output, out.name, TYPE_INT32, out.shape, out.dims) == nullptr &&
-        TRITONBACKEND_OutputBuffer(output, &buffer, out.bytes, &memory_type, &memory_id) == nullptr)
-      std::memcpy(buffer, out.data, out.bytes);
+    TRITONSERVER_Error* error = TRITONBACKEND_ResponseOutput(response, &output, out.name, TYPE_INT32, out.shape, out.dims);
+    if (error == nullptr) error = TRITONBACKEND_OutputBuffer(output, &buffer, out.bytes, &memory_type, &memory_id);
+    if (error == nullptr) std::memcpy(buffer, out.data, out.bytes);
+    Drop(error);
   }
-  TRITONBACKEND_ResponseSend(response, flags, nullptr);
+  Drop(TRITONBACKEND_ResponseSend(response, flags, nullptr));
+}
+
+// A final response: empty (a stop's answer), or the request's error.
+void SendFinal(TRITONBACKEND_ResponseFactory* factory, TRITONSERVER_Error* error = nullptr)
+{
+  TRITONBACKEND_Response* response = nullptr;
+  if (TRITONSERVER_Error* failed = TRITONBACKEND_ResponseNewFromFactory(&response, factory)) {
+    TRITONSERVER_ErrorDelete(failed);
+    Drop(TRITONBACKEND_ResponseFactorySendFlags(factory, RESPONSE_FINAL));
+  } else {
+    Drop(TRITONBACKEND_ResponseSend(response, RESPONSE_FINAL, error));
+  }
+  Drop(error);  // ResponseSend does not take it (the backend utilities' RESPOND_AND_SET_NULL_IF_ERROR deletes it)
+}
+
+// Ends a held request early (stopped or cancelled): the tensorrtllm backend ends its stream with a final flag.
+void End(Held& held)
+{
+  Drop(TRITONBACKEND_ResponseFactorySendFlags(held.factory, RESPONSE_FINAL));
+  Drop(TRITONBACKEND_ResponseFactoryDelete(held.factory));
+  held.factory = nullptr;
 }
 
 class Instance {
@@ -152,66 +214,92 @@ class Instance {
   void Add(TRITONBACKEND_Request* request)
   {
     TRITONBACKEND_ResponseFactory* factory = nullptr;
-    if (TRITONBACKEND_ResponseFactoryNew(&factory, request) != nullptr) {
-      TRITONBACKEND_RequestRelease(request, REQUEST_RELEASE_ALL);
+    if (TRITONSERVER_Error* error = TRITONBACKEND_ResponseFactoryNew(&factory, request)) {
+      TRITONSERVER_ErrorDelete(error);
+      Drop(TRITONBACKEND_RequestRelease(request, REQUEST_RELEASE_ALL));
       return;
     }
-    const bool stop = Scalar<bool>(request, "stop", false);
-    Held held{factory, Scalar<int32_t>(request, "request_output_len", 1), Scalar<bool>(request, "streaming", false),
-              {}};
-    TRITONBACKEND_RequestRelease(request, REQUEST_RELEASE_ALL);  // the factory outlives the request
-    if (stop || held.count < 1) {  // a client's stop: nothing of ours is that long
-      TRITONBACKEND_ResponseFactorySendFlags(factory, RESPONSE_FINAL);
-      TRITONBACKEND_ResponseFactoryDelete(factory);
+    const char* id = nullptr;
+    Drop(TRITONBACKEND_RequestId(request, &id));
+    const bool stop = Scalar<uint8_t>(request, "stop", 0) != 0;
+    const int32_t count = Scalar<int32_t>(request, "request_output_len", -1);
+    Held held{factory, id == nullptr ? "" : id, count, Scalar<uint8_t>(request, "streaming", 0) != 0, {}};
+    // Not streamed, the answer holds the prompt first unless excluded (the tensorrtllm backend's default: false).
+    if (!held.streaming && Scalar<uint8_t>(request, "exclude_input_in_output", 0) == 0)
+      held.ids = Values<int32_t>(request, "input_ids");
+    Drop(TRITONBACKEND_RequestRelease(request, REQUEST_RELEASE_ALL));  // the factory outlives the request
+    if (stop) {  // the tensorrtllm backend's stop: ends the request with this id, answers empty
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stops_.push_back(held.id);
+      }
+      SendFinal(factory);
+    } else if (count < 1) {
+      SendFinal(factory, TRITONSERVER_ErrorNew(ERROR_INVALID_ARG, "request_output_len: a positive number is needed"));
+    } else {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_.push_back(std::move(held));
+      cond_.notify_one();
       return;
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    held_.push_back(std::move(held));
-    cond_.notify_one();
+    Drop(TRITONBACKEND_ResponseFactoryDelete(factory));
   }
 
  private:
   void Decode()
   {
     auto next_step = std::chrono::steady_clock::now();
+    auto next_poll = next_step + CANCEL_POLL;
     std::vector<Held> batch;
+    std::vector<std::string> stops;
     while (true) {
       {
         std::unique_lock<std::mutex> lock(mutex_);
         while (held_.empty() && batch.empty() && !closing_) {
+          stops_.clear();  // nothing held to stop
           cond_.wait(lock);
           next_step = std::chrono::steady_clock::now() + step_;  // a request that arrives idle waits one step
         }
         if (closing_) break;
         std::move(held_.begin(), held_.end(), std::back_inserter(batch));  // joins at this step
         held_.clear();
+        stops.swap(stops_);
       }
+      const bool poll = std::chrono::steady_clock::now() >= next_poll;
+      if (poll) next_poll = std::chrono::steady_clock::now() + CANCEL_POLL;
+      for (Held& held : batch) {
+        bool cancelled = false;
+        if (poll) Drop(TRITONBACKEND_ResponseFactoryIsCancelled(held.factory, &cancelled));
+        if (cancelled || std::find(stops.begin(), stops.end(), held.id) != stops.end()) End(held);
+      }
+      stops.clear();
       std::this_thread::sleep_until(next_step);
       next_step += step_;
       for (Held& held : batch) {
-        held.ids.push_back(FIRST_TOKEN + static_cast<int32_t>(held.ids.size()));
-        const bool done = static_cast<int32_t>(held.ids.size()) >= held.count;
+        if (held.factory == nullptr) continue;
+        const int32_t token = FIRST_TOKEN + held.generated++;
+        held.ids.push_back(token);
+        const bool done = held.generated >= held.count;
         if (held.streaming)
-          SendTokens(held.factory, {held.ids.back()}, done ? RESPONSE_FINAL : 0);
+          SendTokens(held.factory, {token}, done ? RESPONSE_FINAL : 0);
         else if (done)
           SendTokens(held.factory, held.ids, RESPONSE_FINAL);
-        if (done) TRITONBACKEND_ResponseFactoryDelete(held.factory);
+        if (done) {
+          Drop(TRITONBACKEND_ResponseFactoryDelete(held.factory));
+          held.factory = nullptr;
+        }
       }
       batch.erase(
-          std::remove_if(
-              batch.begin(), batch.end(), [](const Held& h) { return static_cast<int32_t>(h.ids.size()) >= h.count; }),
-          batch.end());
+          std::remove_if(batch.begin(), batch.end(), [](const Held& h) { return h.factory == nullptr; }), batch.end());
     }
-    for (Held& held : batch) {
-      TRITONBACKEND_ResponseFactorySendFlags(held.factory, RESPONSE_FINAL);
-      TRITONBACKEND_ResponseFactoryDelete(held.factory);
-    }
+    for (Held& held : batch) End(held);
   }
 
   const std::chrono::microseconds step_;
   std::mutex mutex_;
   std::condition_variable cond_;
   std::vector<Held> held_;
+  std::vector<std::string> stops_;  // ids whose stop came since the last step
   bool closing_ = false;
   std::thread loop_;
 };
