@@ -502,12 +502,24 @@ def _server(repo: Path, log_path: Path) -> Iterator:
 
 
 def compile_paced_llm(scratch: Path) -> Path:
-    """The paced stand-in's backend library, compiled with g++ (no headers needed: it declares the C API)."""
+    """The paced stand-in's backend library, compiled with g++ (no headers needed: it declares the C API), with the
+    llm's tensor names from the interface."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise Qwen3VLTrtError("bench_plane.py compiles its llm stand-in (a Triton C++ backend) with g++: install g++")
     library = scratch / f"libtriton_{PACED_BACKEND}.so"
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(library), str(PACED_LLM), "-lpthread"]
+    names = {
+        "INPUT_IDS": interface.INPUT_IDS,
+        "REQUEST_OUTPUT_LEN": interface.REQUEST_OUTPUT_LEN,
+        "STREAMING": interface.STREAMING,
+        "EXCLUDE_INPUT": interface.EXCLUDE_INPUT,
+        "STOP": interface.STOP,
+        "OUTPUT_IDS": interface.LLM_OUTPUT_IDS,
+        "SEQUENCE_LENGTH": interface.SEQUENCE_LENGTH,
+    }
+    defines = [f'-D{macro}="{tensor.name}"' for macro, tensor in names.items()] + [f'-DSTEP_MS="{STEP_MS_PARAMETER}"']
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, "-o", str(library), str(PACED_LLM)]
+    command.append("-lpthread")
     subprocess.run(command, check=True)
     return library
 

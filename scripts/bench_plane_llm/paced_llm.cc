@@ -75,6 +75,13 @@ TRITONSERVER_Error* TRITONBACKEND_OutputBuffer(
 TRITONSERVER_Error* TRITONBACKEND_ResponseSend(TRITONBACKEND_Response*, uint32_t flags, TRITONSERVER_Error*);
 }
 
+// The llm's tensor names and the step's parameter: bench_plane.py passes them (-D) from qwen3vl_trt.serving.interface
+// and its own STEP_MS_PARAMETER, where they are declared.
+#if !defined(INPUT_IDS) || !defined(REQUEST_OUTPUT_LEN) || !defined(STREAMING) || !defined(EXCLUDE_INPUT) || \
+    !defined(STOP) || !defined(OUTPUT_IDS) || !defined(SEQUENCE_LENGTH) || !defined(STEP_MS)
+#error "compile with the llm's tensor names defined: scripts/bench_plane.py compile_paced_llm"
+#endif
+
 namespace {
 
 const int32_t FIRST_TOKEN = 1000;  // ordinary text ids, so the text decodes to real words
@@ -133,7 +140,7 @@ T Scalar(TRITONBACKEND_Request* request, const char* name, T absent)
 // The step from the model config's JSON: parameters { key: "bench_step_ms" value { string_value: "10" } }.
 double StepMs(const std::string& json)
 {
-  const size_t key = json.find("\"bench_step_ms\"");
+  const size_t key = json.find("\"" STEP_MS "\"");
   const size_t value = json.find("\"string_value\"", key == std::string::npos ? 0 : key);
   if (key == std::string::npos || value == std::string::npos) return -1;
   const size_t quote = json.find('"', json.find(':', value) + 1);
@@ -157,8 +164,8 @@ void SendTokens(TRITONBACKEND_ResponseFactory* factory, const std::vector<int32_
     const void* data;
     uint64_t bytes;
   } outputs[2] = {
-      {"output_ids", ids_shape, 3, ids.data(), ids.size() * sizeof(int32_t)},
-      {"sequence_length", length_shape, 2, &length, sizeof(int32_t)},
+      {OUTPUT_IDS, ids_shape, 3, ids.data(), ids.size() * sizeof(int32_t)},
+      {SEQUENCE_LENGTH, length_shape, 2, &length, sizeof(int32_t)},
   };
   for (const auto& out : outputs) {
     TRITONBACKEND_Output* output = nullptr;
@@ -221,12 +228,12 @@ class Instance {
     }
     const char* id = nullptr;
     Drop(TRITONBACKEND_RequestId(request, &id));
-    const bool stop = Scalar<uint8_t>(request, "stop", 0) != 0;
-    const int32_t count = Scalar<int32_t>(request, "request_output_len", -1);
-    Held held{factory, id == nullptr ? "" : id, count, Scalar<uint8_t>(request, "streaming", 0) != 0, {}};
+    const bool stop = Scalar<uint8_t>(request, STOP, 0) != 0;
+    const int32_t count = Scalar<int32_t>(request, REQUEST_OUTPUT_LEN, -1);
+    Held held{factory, id == nullptr ? "" : id, count, Scalar<uint8_t>(request, STREAMING, 0) != 0, {}};
     // Not streamed, the answer holds the prompt first unless excluded (the tensorrtllm backend's default: false).
-    if (!held.streaming && Scalar<uint8_t>(request, "exclude_input_in_output", 0) == 0)
-      held.ids = Values<int32_t>(request, "input_ids");
+    if (!held.streaming && Scalar<uint8_t>(request, EXCLUDE_INPUT, 0) == 0)
+      held.ids = Values<int32_t>(request, INPUT_IDS);
     Drop(TRITONBACKEND_RequestRelease(request, REQUEST_RELEASE_ALL));  // the factory outlives the request
     if (stop) {  // the tensorrtllm backend's stop: ends the request with this id, answers empty
       {
@@ -320,7 +327,7 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceInitialize(TRITONBACKEND_ModelIns
   TRITONSERVER_MessageSerializeToJson(config, &json, &size);
   const double step_ms = StepMs(std::string(json, size));
   TRITONSERVER_MessageDelete(config);
-  if (step_ms <= 0) return TRITONSERVER_ErrorNew(ERROR_INVALID_ARG, "parameter bench_step_ms: a positive number");
+  if (step_ms <= 0) return TRITONSERVER_ErrorNew(ERROR_INVALID_ARG, "parameter " STEP_MS ": a positive number");
   return TRITONBACKEND_ModelInstanceSetState(instance, new Instance(step_ms));
 }
 
