@@ -7,17 +7,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# Two workers: a serial pass keeps about one of two cores busy (much of it waits on tritonserver start-ups and
+# subprocesses). A test file stays on one worker, so a module's server is started once. QWEN3VL_TEST_WORKERS=0 runs
+# serially; extra arguments may name another -n.
+workers=(-n "${QWEN3VL_TEST_WORKERS:-2}" --dist loadfile)
 .venv/bin/ruff check build plugins triton_models tests scripts
 .venv/bin/mypy
 echo "== tests with transformers 5.x"
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${workers[@]}" "$@"
 # The deployment tests (marker server) run once, above: the served code does not use transformers, and
 # this pass checks the same chain against 4.57.3's generate in test_reference_llm. Nor do the kernel's
 # (marker once).
 echo "== tests with transformers 4.57.3"
-PYTHONPATH=.venv/overlay-tf457 .venv/bin/python -m pytest -m "not server and not once" "$@"
+PYTHONPATH=.venv/overlay-tf457 .venv/bin/python -m pytest "${workers[@]}" -m "not server and not once" "$@"
 echo "== GPU-side checks at the GPU image's versions (build/gpu_image.py)"
 image=(env PYTHONPATH=.venv/overlay-gpu-image QWEN3VL_GPU_IMAGE_PASS=1)
 # Among them tests/test_plugin_aot.py runs scripts/aot_report.py: zero spills for every shipped configuration, here
 # under Triton 3.5.1 as in the first pass under the development version.
-"${image[@]}" .venv/bin/python -m pytest -m gpu_image "$@"
+"${image[@]}" .venv/bin/python -m pytest "${workers[@]}" -m gpu_image "$@"

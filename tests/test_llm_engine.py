@@ -28,6 +28,9 @@ from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.engine_build import launcher_command, trtllm_build_flags
 from qwen3vl_trt.runtime import reference_llm
 
+# trtllm-build's flags, the launcher and the stand-in's loading: nothing here reads transformers.
+pytestmark = pytest.mark.once
+
 LIMITS = EngineLimits(
     max_batch_size=4, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192, max_visual_tokens=1024
 )

@@ -49,6 +49,9 @@ from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_
 from qwen3vl_trt.serving.server.warmup import WarmupError, WarmupRequest
 from tritonclient.grpc import model_config_pb2 as mc
 
+# The launcher and the bundled tritonserver over an echo repository: nothing here reads transformers.
+pytestmark = pytest.mark.once
+
 WHEEL_ROOT = tritonserver_install._pytriton_dir()
 
 
