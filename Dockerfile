@@ -9,8 +9,10 @@
 ARG TRITON_TAG=26.04
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3
 
-# The image's packages live in Ubuntu 24.04's system Python, which refuses pip installs by default (PEP 668).
-ENV PIP_BREAK_SYSTEM_PACKAGES=1
+# The image's Python packages live in its virtual environment /opt/venv-tritonserver (python3.12 -m venv), first on
+# PATH (tensorrtllm_backend r26.04 dockerfile/Dockerfile.triton.trt_llm_backend): python3 and pip below are its and
+# install into it, which PEP 668 leaves alone (it guards the system Python only). The first RUN stops the build when
+# python3 lacks the image's packages.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 WORKDIR /opt/qwen3vl-trt

@@ -79,13 +79,13 @@ IMAGE_PACKAGES: tuple[ImagePackage, ...] = (
         provider="resolved",
         tested_here=True,
     ),
-    # Not pinned by the image either. tritonclient 2.68.0's grpc extra takes protobuf >=6.30.0,<7, and onnx's generated
-    # code (onnx 1.19 and later, which the image's TensorRT-LLM and our export import in the same process) refuses a
-    # runtime older than 6.31.1: the oldest protobuf the image can run both with is tested.
+    # Not pinned by the image either, but bounded below by TensorRT-LLM 1.2.1 itself (its PKG-INFO: Requires-Dist
+    # protobuf>=6.33.5), above onnx's generated code (onnx 1.19 and later refuse a runtime older than 6.31.1) and within
+    # tritonclient 2.68.0's grpc extra (protobuf >=6.30.0,<7): the oldest protobuf the image can have is tested.
     ImagePackage(
         "protobuf",
-        "6.31.1",
-        "tritonclient 2.68.0 METADATA: protobuf <7.0,>=6.30.0; onnx_ml_pb2 gencode 6.31.1 needs runtime >= 6.31.1",
+        "6.33.5",
+        "tensorrt_llm 1.2.1 PKG-INFO: protobuf>=6.33.5; tritonclient 2.68.0 METADATA: protobuf <7.0,>=6.30.0",
         provider="resolved",
         tested_here=True,
     ),

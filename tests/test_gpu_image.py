@@ -71,7 +71,14 @@ def test_requirements_pin_what_qwen3vl_trt_brings_and_overlay_what_installs_here
         "PyNvVideoCodec==2.2.4",
     ]
     overlay = _run("overlay").stdout.split()
-    assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.31.1", "nvidia-nvjpeg==13.0.2.28"} <= set(overlay)
+    assert {"triton==3.5.1", "tritonclient==2.68.0", "protobuf==6.33.5", "nvidia-nvjpeg==13.0.2.28"} <= set(overlay)
+
+
+def test_protobuf_is_the_oldest_tensorrt_llm_takes():
+    """TensorRT-LLM 1.2.1 requires protobuf>=6.33.5 (its PKG-INFO), so the image never runs an older one: the config
+    generation tests run at that version, which tritonclient 2.68.0's grpc extra (>=6.30.0,<7) also takes."""
+    protobuf = gpu_image.package("protobuf")
+    assert protobuf.version == "6.33.5" and "protobuf>=6.33.5" in protobuf.source and protobuf.tested_here
 
 
 def test_check_stops_on_another_image():

@@ -1,5 +1,6 @@
 """The GPU target's memory plan (serving.repository.gpu_memory): the KV cache share that leaves room for the python
-models on their GPU, the CUDA memory pool sized for the tensors between models, from a build's engines and limits."""
+models when they share its GPU, their own GPU's room when they do not, the CUDA memory pool sized for the tensors
+between models, from a build's engines and limits."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _engine_dir(tmp_path, max_num_tokens=64, paged_context_fmha=True, rank0_byte
 def _plan(**changes) -> GpuMemoryPlan:
     values = dict(
         gpu=0,
+        llm_gpus=(0,),
         gpu_bytes=80 * GIB,
         llm_engine_bytes=16 * GIB,
         vision_engine_bytes=1 * GIB,
@@ -63,7 +65,7 @@ def _plan(**changes) -> GpuMemoryPlan:
 
 def test_kv_cache_share_leaves_room_for_the_python_models():
     plan = _plan()
-    contexts = gpu_memory.GPU_PROCESSES * gpu_memory.CUDA_CONTEXT_BYTES
+    contexts = 3 * gpu_memory.CUDA_CONTEXT_BYTES  # tritonserver and the two python stubs
     free = 80 * GIB - contexts - 16 * GIB
     room = free - 10 * GIB - int(0.05 * 80 * GIB)
     assert plan.free_at_llm_load == free and plan.python_models_bytes == 10 * GIB
@@ -104,12 +106,12 @@ def test_decode_memory_counts_the_largest_decoded_frame_and_the_resized_copies()
 
 def test_plan_reads_the_engine_sizes_of_a_build(tmp_path):
     engine = _engine_dir(tmp_path, max_num_tokens=64)
-    (engine / "rank1.engine").write_bytes(b"\0" * 5000)  # another GPU's rank: not counted here
+    (engine / "rank1.engine").write_bytes(b"\0" * 5000)  # another GPU's rank: not counted beside rank 0
     (tmp_path / "vision.plan").write_bytes(b"\0" * 300)
     limits = EngineLimits(max_batch_size=1, max_input_len=64, max_seq_len=128, max_visual_tokens=16)
     vision = tmp_path / "vision.plan"
     llm = replace(LLM_8B, hidden_size=64, intermediate_size=128, rotary_dim=16)
-    plan = gpu_memory.plan(0, 80 * GIB, limits, engine, vision, 77, 1536, 4, llm)
+    plan = gpu_memory.plan(0, (0,), 80 * GIB, limits, engine, vision, 77, 1536, 4, llm)
     assert (plan.llm_engine_bytes, plan.vision_engine_bytes, plan.vision_activation_bytes) == (1000, 300, 77)
     assert plan.transfer_pool_bytes == gpu_memory.transfer_pool_bytes(limits, 1536, 4, 4 * 64 * 2)
     # The rank's own allocations, from the engine's max_num_tokens (its config.json) and the limits.
@@ -117,8 +119,10 @@ def test_plan_reads_the_engine_sizes_of_a_build(tmp_path):
     assert plan.prompt_table_buffer_bytes == limits.prompt_table_rows(3) * 64 * 2
     assert plan.mrope_tables_bytes == 1 * (128 * 16 * 4 + 4)
     assert plan.llm_paged_context_fmha and plan.as_record()["llm_paged_context_fmha"] is True
+    # Beside rank 1 (GPU 1 of two), the plan counts that rank's weights.
+    assert gpu_memory.plan(1, (0, 1), 80 * GIB, limits, engine, vision, 77, 1536, 4, llm).llm_engine_bytes == 5000
     with pytest.raises(LimitsError, match="build the LLM engine first"):
-        gpu_memory.plan(0, GIB, limits, tmp_path, tmp_path / "vision.plan", 0, 1536, 4, llm)
+        gpu_memory.plan(0, (0,), GIB, limits, tmp_path, tmp_path / "vision.plan", 0, 1536, 4, llm)
 
 
 def test_the_engine_config_says_whether_it_has_paged_context_fmha(tmp_path):
@@ -165,3 +169,36 @@ def test_the_llm_rank_allocations_of_an_8b_build():
     assert gpu_memory.prompt_table_buffer_bytes(limits, two_way) == 2 * 2 * GIB
     moe = replace(LLM_8B, moe=MoeSettings(num_experts=128, top_k=8, intermediate_size=768, renormalize=True))
     assert gpu_memory.llm_activation_bytes(16384, moe) == 16384 * (3 * 4096 + 3 * 8 * 768) * 2
+
+
+def test_python_models_on_a_gpu_of_their_own_leave_the_llm_gpu_to_the_kv_cache():
+    """With the python models on GPU 1 and the LLM's rank 0 on GPU 0, the KV cache's GPU holds no python models (and
+    no python stubs' contexts), and the python models' GPU gets a check of its own."""
+    plan = _plan(gpu=1, mrope_tables_bytes=1 * GIB)
+    assert not plan.shares_llm_gpu and (plan.llm_rank, plan.llm_gpu) == (0, 0)
+    free = 80 * GIB - gpu_memory.CUDA_CONTEXT_BYTES - 16 * GIB  # tritonserver's context only
+    assert plan.free_at_llm_load == free and plan.kv_cache_fraction() == 0.9
+    small = _plan(gpu=1, gpu_bytes=20 * GIB, mrope_tables_bytes=1 * GIB)
+    free = 20 * GIB - gpu_memory.CUDA_CONTEXT_BYTES - 16 * GIB
+    assert small.kv_cache_fraction() == round((free - 1 * GIB - int(0.05 * 20 * GIB)) / free, 3)
+    # GPU 1: tritonserver's context and the stubs', the python models (10 GiB) and the margin.
+    assert plan.python_gpu_left_bytes == 80 * GIB - 3 * gpu_memory.CUDA_CONTEXT_BYTES - 10 * GIB - 4 * GIB
+    plan.check_python_models_gpu()
+    text = plan.describe()
+    assert text.startswith("GPU 0 (LLM rank 0): 80.00 GiB") and "\nGPU 1 (python models): 80.00 GiB" in text
+    assert "CUDA contexts (1 processes)" in text and "CUDA contexts (3 processes)" in text
+    cramped = _plan(gpu=1, gpu_bytes=12 * GIB, llm_engine_bytes=1 * GIB)
+    assert cramped.kv_cache_fraction() > 0.05
+    with pytest.raises(LimitsError, match="GPU 1 .* has no room for the python models") as error:
+        cramped.check_python_models_gpu()
+    assert "no room for the python models" in str(error.value).splitlines()[-2]
+    _plan(gpu_bytes=12 * GIB, llm_engine_bytes=1 * GIB).check_python_models_gpu()  # beside a rank: the fraction's
+
+
+def test_every_rank_server_holds_a_context_on_the_gpus():
+    """Under MPI each rank's tritonserver creates Triton's default CUDA memory pool on every GPU; beside rank 1 of
+    two the plan counts both servers' contexts and the stubs'."""
+    plan = _plan(gpu=1, llm_gpus=(0, 1))
+    assert plan.shares_llm_gpu and (plan.llm_rank, plan.llm_gpu) == (1, 1)
+    assert plan.free_at_llm_load == 80 * GIB - 4 * gpu_memory.CUDA_CONTEXT_BYTES - 16 * GIB
+    assert plan.describe().startswith("GPU 1 (LLM rank 1, python models): 80.00 GiB")

@@ -4,6 +4,8 @@ write-repo command, and the request-level pieces the models run (word lists, sam
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +15,25 @@ from qwen3vl_trt.cli import main
 from qwen3vl_trt.contracts import BuildLayout
 from qwen3vl_trt.errors import CheckpointError, LimitsError
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.llm.checkpoint_format import TOKENIZER_INFO_FILE, read_trtllm_config
+from qwen3vl_trt.llm.checkpoint_format import TOKENIZER_INFO_FILE, ParallelLayout, read_trtllm_config
 from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.parameters import PreprocessingParameters, VisionEncoderParameters
+from qwen3vl_trt.serving.repository import gpu_memory
 from qwen3vl_trt.serving.repository import model_config as cfg
 from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
-from qwen3vl_trt.serving.repository.writer import REPOSITORY_FILE, RepositorySettings, model_configs, write_model_files
+from qwen3vl_trt.serving.repository.writer import (
+    REPOSITORY_FILE,
+    RepositorySettings,
+    gpu_memory_plan,
+    model_configs,
+    write_model_files,
+)
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
 from qwen3vl_trt.vision.metadata import vision_metadata
-from qwen3vl_trt.vision.sidecar import VisionSidecar
+from qwen3vl_trt.vision.sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
@@ -86,6 +95,7 @@ def test_gpu_and_cpu_targets_route_the_same_ensemble(built, tiny_dense):
 
 MEMORY = GpuMemoryPlan(
     gpu=0,
+    llm_gpus=(0,),
     gpu_bytes=80 << 30,
     llm_engine_bytes=16 << 30,
     vision_engine_bytes=1 << 30,
@@ -106,13 +116,15 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
     layout = BuildLayout(built)
     _, llm = read_trtllm_config(layout.llm_checkpoint)
     settings = RepositorySettings(python_models_gpu=gpu)
-    configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, settings, memory=MEMORY)
+    memory = replace(MEMORY, gpu=gpu)
+    configs = model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, settings, memory=memory)
     for name in (interface.PREPROCESSING, interface.VISION_ENCODER):
         (group,) = configs[name].instance_group
         assert group.kind == group.KIND_GPU and list(group.gpus) == [gpu] and group.count == 1
     assert configs[interface.POSTPROCESSING].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     llm_params = configs[interface.LLM].parameters
-    assert float(llm_params["kv_cache_free_gpu_mem_fraction"].string_value) == MEMORY.kv_cache_fraction() < 0.9
+    assert float(llm_params["kv_cache_free_gpu_mem_fraction"].string_value) == memory.kv_cache_fraction()
+    assert MEMORY.kv_cache_fraction() < 0.9  # beside the python models
     pool = PreprocessingParameters.from_model_config(configs[interface.PREPROCESSING]).cuda_memory_pool_bytes
     assert pool == MEMORY.transfer_pool_bytes
     given = RepositorySettings(kv_cache_free_gpu_mem_fraction=0.5)
@@ -120,6 +132,103 @@ def test_gpu_python_models_sit_on_one_stated_gpu_beside_a_planned_kv_cache(built
     assert configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value == "0.5"
     with pytest.raises(ValueError, match="GPU memory plan"):
         model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm)
+    with pytest.raises(ValueError, match="GPU memory plan puts the python models on GPU 0"):
+        model_configs(layout, tiny_dense, "gpu", EngineLimits(), llm, RepositorySettings(python_models_gpu=1), MEMORY)
+
+
+def _preserves_response_order(config: mc.ModelConfig) -> bool:
+    """Whether Triton core r26.04 delivers an ensemble step's responses in order: its response callbacks run on the
+    thread that sends them when this holds of the step model's config, else on a shared thread pool that may deliver
+    a stream's pieces out of order (triton-inference-server/core r26.04, ee0bc478,
+    src/ensemble_scheduler/ensemble_scheduler.cc: preserve_responses_order, EnsembleContext::ResponseComplete)."""
+    instances = sum(group.count for group in config.instance_group)
+    return (
+        config.HasField("sequence_batching")
+        or (not config.HasField("dynamic_batching") and instances <= 1)
+        or (config.HasField("dynamic_batching") and config.dynamic_batching.preserve_ordering)
+        or config.model_transaction_policy.decoupled
+    )
+
+
+@pytest.mark.parametrize("dynamic_batching", [True, False])
+def test_every_ensemble_step_delivers_its_responses_in_order(built, tiny_dense, dynamic_batching):
+    """A streamed answer's pieces pass the ensemble one response each; on the GPU image's Triton a step that batches
+    without preserve_ordering (and is not decoupled) hands them to a thread pool, which can reorder them. The CPU
+    tritonserver (2.51, core r24.10) has no such pool, so the written configs are checked against r26.04's rule."""
+    layout = BuildLayout(built)
+    _, llm = read_trtllm_config(layout.llm_checkpoint)
+    settings = RepositorySettings(dynamic_batching=dynamic_batching)
+    for target, memory in (("cpu", None), ("gpu", MEMORY)):
+        configs = model_configs(layout, tiny_dense, target, EngineLimits(), llm, settings, memory=memory)
+        for ensemble in (interface.ENSEMBLE, interface.TOKENS_ENSEMBLE):
+            for step in configs[ensemble].ensemble_scheduling.step:
+                assert _preserves_response_order(configs[step.model_name]), (target, ensemble, step.model_name)
+
+
+def _gpu_build(built: Path, root: Path, rank_bytes: tuple[int, ...]) -> BuildLayout:
+    """What a GPU memory plan reads of a build, engines standing in by their sizes: the vision export's sidecar, the
+    vision engine's sidecar (3 GiB of activations) and plan, and the LLM engine's config.json and one file per rank."""
+    layout = BuildLayout(root)
+    shutil.copytree(BuildLayout(built).vision, layout.vision)
+    layout.vision_engine.mkdir()
+    profile = VisionEngineProfile()
+    sidecar = VisionEngineSidecar.of_build(
+        VisionSidecar.load(layout.vision), profile, "10.14.1.48", "NVIDIA H100 80GB HBM3", (9, 0), 90, 3, "", 3 << 30
+    )
+    sidecar.write(layout.vision_engine)
+    (layout.vision_engine / sidecar.engine_file).write_bytes(b"\0" * 1000)
+    layout.llm_engine.mkdir()
+    build_config = {"max_num_tokens": 64, "plugin_config": {"use_paged_context_fmha": True}}
+    (layout.llm_engine / gpu_memory.ENGINE_CONFIG_FILE).write_text(json.dumps({"build_config": build_config}))
+    for rank, size in enumerate(rank_bytes):
+        (layout.llm_engine / f"rank{rank}.engine").write_bytes(b"\0" * size)
+    return layout
+
+
+def _device_ids(configs) -> str:
+    return configs[interface.LLM].parameters["gpu_device_ids"].string_value
+
+
+def test_the_kv_cache_is_planned_on_the_llm_gpu_and_the_python_models_on_theirs(built, tiny_dense, tmp_path):
+    """The LLM's rank r runs on GPU r (gpu_device_ids, written out), its KV cache sized on rank 0's GPU; python models
+    on another GPU leave that one whole to the LLM and are checked to fit on their own."""
+    layout = _gpu_build(built, tmp_path / "build", (2000,))
+    _, llm = read_trtllm_config(BuildLayout(built).llm_checkpoint)
+    limits = EngineLimits(max_batch_size=2, max_visual_tokens=1024)
+    settings = {gpu: RepositorySettings(python_models_gpu=gpu, gpu_memory_bytes=24 << 30) for gpu in (0, 1)}
+    beside, apart = (gpu_memory_plan(layout, limits, llm, settings[gpu]) for gpu in (0, 1))
+    configs = {gpu: model_configs(layout, tiny_dense, "gpu", limits, llm, settings[gpu], plan)
+               for gpu, plan in ((0, beside), (1, apart))}  # fmt: skip
+    assert _device_ids(configs[0]) == _device_ids(configs[1]) == "0"
+    fraction = {gpu: float(c[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value)
+                for gpu, c in configs.items()}  # fmt: skip
+    # Alone on GPU 0 the rank keeps the backend's default share; beside the python models it leaves them room.
+    assert fraction[1] == 0.9 and fraction[0] < 0.9
+    assert (1 - fraction[0]) * beside.free_at_kv_cache >= beside.python_models_bytes
+    # Only the tritonserver process holds a CUDA context on the LLM's own GPU; the python models' stubs hold theirs.
+    assert apart.free_at_llm_load == (24 << 30) - gpu_memory.CUDA_CONTEXT_BYTES - 2000
+    assert beside.free_at_llm_load == apart.free_at_llm_load - 2 * gpu_memory.CUDA_CONTEXT_BYTES
+    assert "GPU 1 (python models)" in apart.describe() and "GPU 0 (python models" not in apart.describe()
+    # Their own GPU must hold them: the vision engine, its activations, decoding and the CUDA memory pool.
+    small = RepositorySettings(python_models_gpu=1, gpu_memory_bytes=apart.python_models_bytes)
+    with pytest.raises(LimitsError, match="GPU 1 .* has no room for the python models"):
+        gpu_memory_plan(layout, limits, llm, small)
+
+
+def test_with_tensor_parallelism_the_python_models_plan_beside_the_rank_on_their_gpu(built, tiny_dense, tmp_path):
+    layout = _gpu_build(built, tmp_path / "build", (2000, 3000))
+    _, llm = read_trtllm_config(BuildLayout(built).llm_checkpoint)
+    llm = replace(llm, mapping=ParallelLayout(tp_size=2))
+    limits = EngineLimits(max_batch_size=2, max_visual_tokens=1024)
+    settings = RepositorySettings(python_models_gpu=1, gpu_memory_bytes=24 << 30)
+    plan = gpu_memory_plan(layout, limits, llm, settings)
+    assert plan.llm_gpus == (0, 1) and plan.llm_rank == 1 and plan.llm_engine_bytes == 3000
+    # Both ranks' tritonserver processes hold a context on every GPU (Triton's default CUDA memory pool), and the
+    # python stubs theirs.
+    assert plan.free_at_llm_load == (24 << 30) - 4 * gpu_memory.CUDA_CONTEXT_BYTES - 3000
+    configs = model_configs(layout, tiny_dense, "gpu", limits, llm, settings, plan)
+    assert _device_ids(configs) == "0,1"
+    assert float(configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value) < 0.9
 
 
 def test_the_gpu_vision_encoder_warms_up_at_three_sizes_on_what_preprocessing_sends(built, tiny_dense, tmp_path):

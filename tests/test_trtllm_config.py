@@ -122,7 +122,7 @@ def test_parameters_with_fallbacks_are_set_to_values_that_parse(tmp_path):
     assert int(params["max_beam_width"]) == 1
     assert params["FORCE_CPU_ONLY_INPUT_TENSORS"] == "no"
     assert "gpu_device_ids" not in params  # the backend chooses (model_state.cc LoadParameters)
-    assert _params(_config(tmp_path, instance_gpus=[2, 3]))["gpu_device_ids"] == "2,3"
+    assert _params(_config(tmp_path, rank_gpus=[2, 3]))["gpu_device_ids"] == "2,3"
 
 
 def test_reuse_and_chunked_context_follow_the_engine_paged_context_fmha(tmp_path):
@@ -207,8 +207,8 @@ def test_outputs_are_upstreams(tmp_path):
         (dict(kv_cache_free_gpu_mem_fraction=0.0), LimitsError),
         (dict(kv_cache_free_gpu_mem_fraction=1.5), LimitsError),
         (dict(batch_scheduler_policy="fifo"), Qwen3VLTrtError),
-        (dict(instance_gpus=[0, 0]), Qwen3VLTrtError),
-        (dict(instance_gpus=[-1]), Qwen3VLTrtError),
+        (dict(rank_gpus=[0, 0]), Qwen3VLTrtError),
+        (dict(rank_gpus=[-1]), Qwen3VLTrtError),
     ],
 )
 def test_bad_arguments_are_typed_errors(tmp_path, kwargs, error):

@@ -1,29 +1,40 @@
-"""GPU memory of the GPU target on the GPU its python models run on: placement, the KV cache budget and Triton's
-CUDA memory pool, from the build's limits and engines.
+"""GPU memory of the GPU target: placement, the KV cache budget and Triton's CUDA memory pool, from the build's
+limits and engines.
 
-Placement. A KIND_GPU instance group without `gpus` gets one instance on every visible GPU (Triton's
-model_configuration.md; under the MPI launch rank 0 sees every GPU), so the python models' groups name one GPU
-(default 0, where the LLM's rank 0 runs too), and each model uses its `model_instance_device_id`.
+Placement. The LLM's rank r runs on GPU r: the tensorrtllm backend passes `gpu_device_ids` to the executor, whose
+WorldConfig gives rank r device ids[r % len(ids)] and, without them, ids 0 .. gpus_per_node - 1 (NVIDIA/TensorRT-LLM
+triton_backend/inflight_batcher_llm/src/model_state.cc LoadParameters and model_instance_state.cc at 0c8de69a, 1.2.0rc8;
+cpp/tensorrt_llm/executor/executorImpl.cpp loadModel at 036a60f7; runtime/worldConfig.cpp and worldConfig.h
+getDevice). The repository writes that default out (trtllm_config), so the plan and the placement agree. A KIND_GPU
+instance group without `gpus` gets one instance on every visible GPU (Triton's model_configuration.md; under the MPI
+launch rank 0 sees every GPU), so the python models' groups name one GPU (`python_models_gpu`, default 0, rank 0's),
+and each model uses its `model_instance_device_id`.
+
+CUDA contexts. Every rank's tritonserver holds one on every GPU it sees (Triton core creates its default 64 MiB CUDA
+memory pool on each: triton-inference-server/core r26.04 src/server.cc InferenceServer::Init), and the python stubs of
+preprocessing and vision_encoder one each on theirs.
 
 The KV cache. Each TensorRT-LLM rank gives its KV cache `kv_cache_free_gpu_mem_fraction` of the memory free when it
-loads (tensorrtllm backend docs/model_config.md: "fraction of GPU memory (after loading the model)"). Triton loads
-models concurrently, so on the python models' GPU the LLM may load before or after them. Planned for the worse case,
-the LLM first:
+loads (tensorrtllm backend docs/model_config.md: "fraction of GPU memory (after loading the model)"), every rank the
+same fraction. It is planned on the GPU of the rank beside the python models, or rank 0's when they have a GPU of
+their own. Triton loads models concurrently, so beside the python models the LLM may load before or after them.
+Planned for the worse case, the LLM first:
 
-    free   = total - CUDA contexts - LLM engine (rank 0's weights)
+    free   = total - CUDA contexts - LLM engine (the rank's weights)
              - the engine's activations - the prompt-table buffer
     python = vision engine (weights + its activations at the profile's largest run)
              + decoding and resizing a full batch of the largest images + the CUDA memory pool
     fraction = min(0.9, (free - python - mrope tables - margin) / free)
 
-(margin: 5% of the GPU for allocator fragmentation and cuBLAS/cuDNN workspaces). The rank allocates its activations
-(createRuntimeContexts) and its runtime buffers, the prompt-table buffer among them (createBuffers), before it reads
-the free memory its KV cache takes the fraction of (BaseKVCacheManager::calculateFreeMemBytes), so they come off
-`free`; the per-request mrope tables are sized on the first steps (RuntimeBuffers::reshape), after the KV cache, so
-they share the rest with the python models (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/:
-trtGptModelInflightBatching.cpp's constructor at b35ac1b6, 1.2.0rc2; runtimeBuffers.cpp and promptTuningBuffers.cpp
-at 2a9abd95). Were the python models first, the LLM's share of what is then free is smaller still, so the plan holds
-both ways.
+(python: 0 on a GPU without the python models; margin: 5% of the GPU for allocator fragmentation and cuBLAS/cuDNN
+workspaces). The rank allocates its activations (createRuntimeContexts) and its runtime buffers, the prompt-table
+buffer among them (createBuffers), before it reads the free memory its KV cache takes the fraction of
+(BaseKVCacheManager::calculateFreeMemBytes), so they come off `free`; the per-request mrope tables are sized on the
+first steps (RuntimeBuffers::reshape), after the KV cache, so they share the rest with the python models
+(NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/: trtGptModelInflightBatching.cpp's constructor at b35ac1b6,
+1.2.0rc2; runtimeBuffers.cpp and promptTuningBuffers.cpp at 2a9abd95). Were the python models first, the LLM's share
+of what is then free is smaller still, so the plan holds both ways. On a GPU of their own the python models must fit
+beside the contexts and the margin.
 
 The CUDA memory pool. Device tensors that pass between models (pixels and their metadata from preprocessing to
 vision_encoder and its rows back, by BLS; prompt tables from preprocessing to llm) come from Triton's CUDA memory
@@ -49,10 +60,9 @@ from ...llm.checkpoint_format import LLMConfig
 KV_CACHE_FRACTION_CEILING = 0.9  # the tensorrtllm backend's default
 MARGIN_FRACTION = 0.05
 # A CUDA context with cuBLAS/cuDNN handles (measured 500-600 MiB on Hopper with CUDA 12-13); one per process using the
-# GPU: tritonserver (the tensorrtllm backend's rank 0 runs in it) and the python stubs of preprocessing and
-# vision_encoder.
+# GPU (see CUDA contexts above).
 CUDA_CONTEXT_BYTES = 600 * 2**20
-GPU_PROCESSES = 3
+PYTHON_STUBS = 2  # preprocessing's and vision_encoder's
 _BATCHES_IN_POOL = 2
 PATCH_PIXELS = 16 * 16  # released Qwen3-VL: patch 16, so one patch is 16 x 16 pixels (x 2 temporal copies)
 # Per patch on the way from preprocessing to vision_encoder (serving.interface.VISION_REQUEST): fp32 pixels
@@ -100,14 +110,15 @@ class LLMEngineBuild:
 
 @dataclass(frozen=True)
 class GpuMemoryPlan:
-    gpu: int
-    gpu_bytes: int
-    llm_engine_bytes: int
+    gpu: int  # the python models'
+    llm_gpus: tuple[int, ...]  # rank r's at [r]: the llm's gpu_device_ids
+    gpu_bytes: int  # each GPU's memory
+    llm_engine_bytes: int  # the weights of the rank the KV cache is planned for (llm_rank)
     vision_engine_bytes: int
     vision_activation_bytes: int
     decode_bytes: int
     transfer_pool_bytes: int
-    # Rank 0's allocations besides its weights: before its KV cache is sized (activations, the prompt-table buffer),
+    # The rank's allocations besides its weights: before its KV cache is sized (activations, the prompt-table buffer),
     # and after it (the mrope tables); plan() fills them in from the engine.
     llm_activation_bytes: int
     prompt_table_buffer_bytes: int
@@ -115,58 +126,112 @@ class GpuMemoryPlan:
     # The engine's use_paged_context_fmha (LLMEngineBuild), read here with its sizes: the llm model's KV-cache reuse
     # and chunked context need it.
     llm_paged_context_fmha: bool
-    contexts_bytes: int = GPU_PROCESSES * CUDA_CONTEXT_BYTES
+
+    @property
+    def shares_llm_gpu(self) -> bool:
+        """Whether the python models run beside an LLM rank."""
+        return self.gpu in self.llm_gpus
+
+    @property
+    def llm_rank(self) -> int:
+        """The rank whose GPU the KV cache is planned on: the one beside the python models, else rank 0."""
+        return self.llm_gpus.index(self.gpu) if self.shares_llm_gpu else 0
+
+    @property
+    def llm_gpu(self) -> int:
+        return self.llm_gpus[self.llm_rank]
+
+    def _contexts_bytes(self, python_models: bool) -> int:
+        return (len(self.llm_gpus) + (PYTHON_STUBS if python_models else 0)) * CUDA_CONTEXT_BYTES
 
     @property
     def python_models_bytes(self) -> int:
         return self.vision_engine_bytes + self.vision_activation_bytes + self.decode_bytes + self.transfer_pool_bytes
 
     @property
+    def margin_bytes(self) -> int:
+        return int(MARGIN_FRACTION * self.gpu_bytes)
+
+    @property
     def free_at_llm_load(self) -> int:
-        return self.gpu_bytes - self.contexts_bytes - self.llm_engine_bytes
+        return self.gpu_bytes - self._contexts_bytes(self.shares_llm_gpu) - self.llm_engine_bytes
 
     @property
     def free_at_kv_cache(self) -> int:
         """What the rank finds free when it sizes its KV cache: the fraction applies to this."""
         return self.free_at_llm_load - self.llm_activation_bytes - self.prompt_table_buffer_bytes
 
+    @property
+    def python_gpu_left_bytes(self) -> int:
+        """What the python models' GPU keeps beside them, their stubs' contexts and the margin, when no rank is on it
+        (beside a rank, the KV cache fraction leaves their room)."""
+        return self.gpu_bytes - self._contexts_bytes(True) - self.python_models_bytes - self.margin_bytes
+
     def _fraction(self) -> float:
-        taken = self.python_models_bytes + self.mrope_tables_bytes + int(MARGIN_FRACTION * self.gpu_bytes)
+        beside = self.python_models_bytes if self.shares_llm_gpu else 0
+        taken = beside + self.mrope_tables_bytes + self.margin_bytes
         return round(min(KV_CACHE_FRACTION_CEILING, (self.free_at_kv_cache - taken) / max(self.free_at_kv_cache, 1)), 3)
 
     def kv_cache_fraction(self) -> float:
-        """The share of free memory the LLM's KV cache may take beside the python models (at most 0.9)."""
+        """The share of free memory the LLM's KV cache may take (at most 0.9), beside the python models when they
+        share its GPU."""
         if self._fraction() < 0.05:
+            beside = " and the python models" if self.shares_llm_gpu else ""
             raise LimitsError(
-                f"GPU {self.gpu} ({_gib(self.gpu_bytes)}) has no room for a KV cache beside the LLM engine and the "
-                f"python models:\n{self.describe()}\nlower --max-batch-size or --max-visual-tokens, or use a larger GPU"
+                f"GPU {self.llm_gpu} ({_gib(self.gpu_bytes)}) has no room for a KV cache beside the LLM engine{beside}:"
+                f"\n{self.describe()}\nlower --max-batch-size or --max-visual-tokens, or use a larger GPU"
             )
         return self._fraction()
 
+    def check_python_models_gpu(self) -> None:
+        """Refuses python models that do not fit on a GPU of their own."""
+        if not self.shares_llm_gpu and self.python_gpu_left_bytes < 0:
+            raise LimitsError(
+                f"GPU {self.gpu} ({_gib(self.gpu_bytes)}) has no room for the python models:\n{self.describe()}\n"
+                "lower --max-batch-size or --max-visual-tokens, or use a larger GPU"
+            )
+
     def describe(self) -> str:
         """The arithmetic, line by line, as write-repo prints it."""
-        lines = [
-            f"GPU {self.gpu}: {_gib(self.gpu_bytes)}",
-            f"  - CUDA contexts ({GPU_PROCESSES} processes): {_gib(self.contexts_bytes)}",
-            f"  - LLM engine, rank 0: {_gib(self.llm_engine_bytes)}",
-            f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
-            f"  - its activations (estimated from max_num_tokens): {_gib(self.llm_activation_bytes)}",
-            f"  - its prompt-table buffer: {_gib(self.prompt_table_buffer_bytes)}",
-            f"  = free when it sizes its KV cache: {_gib(self.free_at_kv_cache)}",
-            f"  python models: {_gib(self.python_models_bytes)}",
+        shared = self.shares_llm_gpu
+        servers = len(self.llm_gpus)
+        python = [
             f"    vision engine {_gib(self.vision_engine_bytes)}"
             f" + its activations {_gib(self.vision_activation_bytes)}",
             f"    decoding a full batch {_gib(self.decode_bytes)}",
             f"    CUDA memory pool (tensors between models, two full batches) {_gib(self.transfer_pool_bytes)}",
+        ]
+        lines = [
+            f"GPU {self.llm_gpu} (LLM rank {self.llm_rank}{', python models' if shared else ''}): "
+            f"{_gib(self.gpu_bytes)}",
+            f"  - CUDA contexts ({servers + (PYTHON_STUBS if shared else 0)} processes): "
+            f"{_gib(self._contexts_bytes(shared))}",
+            f"  - LLM engine, rank {self.llm_rank}: {_gib(self.llm_engine_bytes)}",
+            f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
+            f"  - its activations (estimated from max_num_tokens): {_gib(self.llm_activation_bytes)}",
+            f"  - its prompt-table buffer: {_gib(self.prompt_table_buffer_bytes)}",
+            f"  = free when it sizes its KV cache: {_gib(self.free_at_kv_cache)}",
+            *([f"  python models: {_gib(self.python_models_bytes)}", *python] if shared else []),
             f"  LLM mrope tables of a full batch: {_gib(self.mrope_tables_bytes)}",
             f"  margin {MARGIN_FRACTION:.0%} of the GPU",
         ]
         fraction = self._fraction()
-        enough = fraction >= 0.05
-        lines.append(f"  kv_cache_free_gpu_mem_fraction = {fraction}" if enough else "  no room for a KV cache")
+        lines.append(
+            f"  kv_cache_free_gpu_mem_fraction = {fraction}" if fraction >= 0.05 else "  no room for a KV cache"
+        )
+        if not shared:
+            left = self.python_gpu_left_bytes
+            lines += [
+                f"GPU {self.gpu} (python models): {_gib(self.gpu_bytes)}",
+                f"  - CUDA contexts ({servers + PYTHON_STUBS} processes): {_gib(self._contexts_bytes(True))}",
+                f"  - python models: {_gib(self.python_models_bytes)}",
+                *python,
+                f"  - margin {MARGIN_FRACTION:.0%} of the GPU",
+                f"  = left: {_gib(left)}" if left >= 0 else "  no room for the python models",
+            ]
         return "\n".join(lines)
 
-    def as_record(self) -> dict[str, int]:
+    def as_record(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -192,6 +257,7 @@ def decode_bytes(limits: EngineLimits, images: ImageLimits | None = None) -> int
 
 def plan(
     gpu: int,
+    llm_gpus: tuple[int, ...],
     gpu_bytes: int,
     limits: EngineLimits,
     llm_engine_dir: Path,
@@ -201,17 +267,20 @@ def plan(
     merge_unit: int,
     llm: LLMConfig,
 ) -> GpuMemoryPlan:
-    """The plan for a build's engines (rank 0's LLM engine file and its config.json, the vision plan) on a GPU of
-    gpu_bytes; `llm` is the LLM checkpoint's configuration."""
-    rank0 = llm_engine_dir / "rank0.engine"
-    if not rank0.is_file():
-        raise LimitsError(f"{rank0} does not exist: build the LLM engine first")
+    """The plan for a build's engines (the LLM engine's config.json and the file of the rank the KV cache is planned
+    for, the vision plan), the python models on GPU `gpu` and rank r on llm_gpus[r], each GPU of gpu_bytes; `llm` is
+    the LLM checkpoint's configuration."""
+    rank = llm_gpus.index(gpu) if gpu in llm_gpus else 0
+    weights = llm_engine_dir / f"rank{rank}.engine"
+    if not weights.is_file():
+        raise LimitsError(f"{weights} does not exist: build the LLM engine first")
     engine = LLMEngineBuild.read(llm_engine_dir)
     row_bytes = prompt_table_token_bytes(llm.dtype, llm.hidden_size, llm.deepstack_count)
     return GpuMemoryPlan(
         gpu=gpu,
+        llm_gpus=llm_gpus,
         gpu_bytes=gpu_bytes,
-        llm_engine_bytes=rank0.stat().st_size,
+        llm_engine_bytes=weights.stat().st_size,
         vision_engine_bytes=vision_engine_file.stat().st_size,
         vision_activation_bytes=vision_activation_bytes,
         decode_bytes=decode_bytes(limits),
@@ -235,7 +304,7 @@ def llm_activation_bytes(max_num_tokens: int, llm: LLMConfig) -> int:
 
 
 def prompt_table_buffer_bytes(limits: EngineLimits, llm: LLMConfig) -> int:
-    """Rank 0's prompt-table buffer: PromptTuningBuffers allocates max_prompt_embedding_table_size rows of the whole
+    """A rank's prompt-table buffer: PromptTuningBuffers allocates max_prompt_embedding_table_size rows of the whole
     hidden size (hidden x TP) in the model's dtype, once per runtime buffer set; the fused in-flight batcher keeps one
     set per micro-batch, as many as pipeline stages (trtGptModelInflightBatching.cpp mNumBuffers, TRT overlap off)."""
     rows = limits.prompt_table_rows(llm.deepstack_count)

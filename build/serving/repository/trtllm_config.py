@@ -34,6 +34,11 @@ belongs to (read at NVIDIA/TensorRT-LLM commit 0c8de69a, tensorrt_llm/version.py
 - all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: input names, types, dims, the
   `reshape: { shape: [ ] }` of per-request scalars and allow_ragged_batch; instance_group KIND_CPU
   count 1 (the backend places the engine on its devices itself, gpu_device_ids).
+- gpu_device_ids (model_state.cc LoadParameters): `;` separates model instances, `,` the devices of
+  one instance's ranks; ModelInstanceState hands instance i its list (i modulo their count) as the
+  executor's ParallelConfig device ids, and rank r runs on ids[r % len(ids)]. Without the key the
+  executor's WorldConfig takes 0 .. gpus_per_node - 1, so rank r runs on GPU r (executorImpl.cpp
+  loadModel at 036a60f7; runtime/worldConfig.cpp and worldConfig.h getDevice).
 - exclude_input_in_output: the request input of that name overrides the parameter whenever it is sent
   (utils.cc: "If specified in request, set from request"), and preprocessing always sends it (the client's
   value, default false), so no parameter is written.
@@ -104,15 +109,15 @@ def tensorrt_llm_model_config(
     max_queue_delay_us: int,
     paged_context_fmha: bool,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
-    instance_gpus: Sequence[int] = (),
+    rank_gpus: Sequence[int] = (),
     batch_scheduler_policy: str = "guaranteed_no_evict",
 ) -> mc.ModelConfig:
     """The `llm` model for the tensorrtllm backend. model_data_type: the LLM's Triton dtype (FP16,
-    BF16, FP32), the prompt table's. instance_gpus: the devices of the engine's ranks (gpu_device_ids);
-    empty lets the backend choose. paged_context_fmha: the engine's (gpu_memory.LLMEngineBuild), which
-    KV-cache reuse and chunked context need. tokenizer_info: the xgrammar tokenizer info file guided decoding
-    reads (llm.checkpoint_format.TOKENIZER_INFO_FILE). Paths are written absolute: the backend resolves them
-    against tritonserver's working directory."""
+    BF16, FP32), the prompt table's. rank_gpus: rank r's GPU at [r], the one instance's gpu_device_ids;
+    empty lets the backend choose (rank r on GPU r). paged_context_fmha: the engine's
+    (gpu_memory.LLMEngineBuild), which KV-cache reuse and chunked context need. tokenizer_info: the
+    xgrammar tokenizer info file guided decoding reads (llm.checkpoint_format.TOKENIZER_INFO_FILE).
+    Paths are written absolute: the backend resolves them against tritonserver's working directory."""
     if model_data_type not in MODEL_DATA_TYPES.values():
         raise UnsupportedModelError(
             f"LLM data type {model_data_type!r} has no TensorRT-LLM prompt table type; "
@@ -126,9 +131,9 @@ def tensorrt_llm_model_config(
         raise Qwen3VLTrtError(
             f"batch_scheduler_policy {batch_scheduler_policy!r} is not one of {', '.join(BATCH_SCHEDULER_POLICIES)}"
         )
-    gpus = list(instance_gpus)
+    gpus = list(rank_gpus)
     if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
-        raise Qwen3VLTrtError(f"instance_gpus must be distinct non-negative device ids, got {gpus!r}")
+        raise Qwen3VLTrtError(f"rank_gpus must be distinct non-negative device ids, got {gpus!r}")
 
     config = mc.ModelConfig(name=interface.LLM, backend=BACKEND, max_batch_size=limits.max_batch_size)
     config.model_transaction_policy.decoupled = True

@@ -67,9 +67,9 @@ class RepositorySettings:
     visual_cache: where preprocessing keeps images' features (serving.stages.visual_cache): "memory" (an LRU in its
     process within visual_cache_bytes, None: sized from the build by visual_cache_bytes()), a Redis URL
     shared by replicas (entries expire after visual_cache_ttl_s), or "off".
-    GPU target (repository.gpu_memory): python_models_gpu is the GPU of the python models' instances;
-    kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes None
-    reads the GPU's memory where torch sees it."""
+    GPU target (repository.gpu_memory): python_models_gpu is the GPU of the python models' instances (the LLM's
+    rank r runs on GPU r); kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes
+    None reads each GPU's memory where torch sees it (the smallest of those the plan covers)."""
 
     max_queue_delay_us: int = 0
     dynamic_batching: bool = True
@@ -111,7 +111,7 @@ class RepositoryRecord:
     target: Target
     build_dir: Path
     model_dir: Path
-    gpu_memory: dict[str, int] | None = None
+    gpu_memory: dict[str, object] | None = None
     qwen3vl_trt: str = __version__
 
     def write(self, repo: Path) -> None:
@@ -335,6 +335,8 @@ def _llm(m: _Models) -> mc.ModelConfig:
             max_queue_delay_us=m.settings.max_queue_delay_us,
             kv_cache_free_gpu_mem_fraction=m.memory.kv_cache_fraction() if fraction is None else fraction,
             paged_context_fmha=m.memory.llm_paged_context_fmha,
+            # Written out, the backend's own default: the plan sized the KV cache for these GPUs.
+            rank_gpus=m.memory.llm_gpus,
         )
     return _python_model(
         m,
@@ -348,7 +350,7 @@ def _llm(m: _Models) -> mc.ModelConfig:
 
 
 def _postprocessing(m: _Models) -> mc.ModelConfig:
-    return _python_model(
+    config = _python_model(
         m,
         interface.POSTPROCESSING,
         [_ragged(t) for t in interface.LLM_OUTPUTS],
@@ -359,6 +361,13 @@ def _postprocessing(m: _Models) -> mc.ModelConfig:
         # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
         bounded_queue=False,
     )
+    if m.settings.dynamic_batching:
+        # Each streamed piece of an answer is a request of its own. Triton core r26.04 hands the responses of an
+        # ensemble step that batches, is not decoupled and does not preserve ordering to a shared thread pool, which
+        # can deliver a stream's pieces out of order (src/ensemble_scheduler/ensemble_scheduler.cc
+        # preserve_responses_order); the other steps are decoupled.
+        config.dynamic_batching.preserve_ordering = True
+    return config
 
 
 def model_configs(
@@ -376,6 +385,9 @@ def model_configs(
         raise CheckpointError(f"{build.llm_checkpoint}: dtype {llm.dtype!r} cannot be served")
     if target == "gpu" and memory is None:
         raise ValueError("a gpu-target repository needs the GPU memory plan")
+    if target == "gpu" and memory is not None and memory.gpu != settings.python_models_gpu:
+        planned, placed = memory.gpu, settings.python_models_gpu
+        raise ValueError(f"the GPU memory plan puts the python models on GPU {planned}, the settings on GPU {placed}")
     models = _Models(build, model_dir, target, limits, llm, settings, memory)
     configs = {
         interface.PREPROCESSING: _preprocessing(models),
@@ -439,18 +451,26 @@ def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
 def gpu_memory_plan(
     files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings
 ) -> GpuMemoryPlan:
-    """The GPU memory plan of a build's engines (read from `files`, the build as it is on disk now)."""
+    """The GPU memory plan of a build's engines (read from `files`, the build as it is on disk now): the python models
+    on settings.python_models_gpu, the LLM's rank r on GPU r. Refuses python models that do not fit on a GPU of their
+    own."""
     gpu = settings.python_models_gpu
-    total = settings.gpu_memory_bytes or gpu_memory.device_memory_bytes(gpu)
+    llm_gpus = tuple(range(llm.mapping.world_size))
+    total = settings.gpu_memory_bytes
     if total is None:
-        raise LimitsError(
-            f"no GPU {gpu} is visible here to plan its memory (the KV cache beside the python models, the CUDA "
-            "memory pool): give the GPU's memory with --gpu-memory-gib"
-        )
+        sizes = {g: gpu_memory.device_memory_bytes(g) for g in sorted({gpu, *llm_gpus})}
+        missing = [g for g, size in sizes.items() if size is None]
+        if missing:
+            raise LimitsError(
+                f"no GPU {missing[0]} is visible here to plan its memory (the KV cache, the python models, the CUDA "
+                "memory pool): give the GPU's memory with --gpu-memory-gib"
+            )
+        total = min(size for size in sizes.values() if size is not None)
     vision = VisionSidecar.load(files.vision)
     engine = VisionEngineSidecar.load(files.vision_engine)
-    return gpu_memory.plan(
+    memory = gpu_memory.plan(
         gpu=gpu,
+        llm_gpus=llm_gpus,
         gpu_bytes=total,
         limits=limits,
         llm_engine_dir=files.llm_engine,
@@ -460,6 +480,8 @@ def gpu_memory_plan(
         merge_unit=vision.spatial_merge_size**2,
         llm=llm,
     )
+    memory.check_python_models_gpu()
+    return memory
 
 
 def default_target() -> Target:

@@ -214,6 +214,19 @@ def _tensor(name: str, value: Any) -> Any:
     return pb_utils.Tensor(name, np.ascontiguousarray(np.asarray(value)[None]))
 
 
+def owned_copy(tensor: Any) -> torch.Tensor:
+    """A copy of a python-backend tensor (a BLS response's output) without its batch dimension, which outlives the
+    tensor. The tensor's buffer goes back to Triton for reuse as soon as the tensor is gone (python_backend r24.10 and
+    r26.04: src/pb_memory.cc PbMemory's release callback; README, the BLS output tensors' lifetime), which the DLPack
+    view delays only until it is dropped on return; a device copy is merely queued on the current CUDA stream by
+    then, so that stream is synchronized first. A host copy is done when clone returns."""
+    view = torch.from_dlpack(tensor.to_dlpack())[0]
+    copy = view.clone()
+    if copy.is_cuda:
+        torch.cuda.current_stream(copy.device).synchronize()
+    return copy
+
+
 def response(outputs: Mapping[str, Any]) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[_tensor(name, value) for name, value in outputs.items()])
 
@@ -364,10 +377,9 @@ class PreprocessingModel(_Model):
         answer = await request.async_exec()
         if answer.has_error():
             return StageError(f"the vision encoder failed: {answer.error().message()}")
-        output = pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name)
         # A copy of its own, so the response's buffer (on the GPU target a block of Triton's CUDA memory pool, which
         # the DLPack capsule would hold) goes back at once.
-        return torch.from_dlpack(output.to_dlpack())[0].clone()
+        return owned_copy(pb_utils.get_output_tensor_by_name(answer, interface.PROMPT_TABLE.name))
 
     def _answer(self, received: _Received, result: Mapping[str, Any] | Exception) -> None:
         if isinstance(result, Exception) and received.counted:
