@@ -299,7 +299,7 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-gib",
         type=float,
-        help="GPU target: that GPU's memory, for the plan (default: read from the GPU, where one is visible)",
+        help="GPU target: each GPU's memory, for the plan (default: read from the GPUs, the smallest, where they are visible)",
     )
 
 
