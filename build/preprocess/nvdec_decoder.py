@@ -105,20 +105,19 @@ class NvdecVideoDecoder:
                     # another GOP, else decodes on (SeekUtils::GetFramesByIdxList); the codec's and size's support
                     # is checked as the sequence starts, so an unsupported stream fails here.
                     frames = decoder.get_batch_frames_by_index(unique)
+                except IndexError as e:  # SimpleDecoder (2.2.4) maps the frames asked for onto those decoded: fewer
+                    raise VideoDecodeError(
+                        f"NVDEC decoded fewer frames than the container lists ({total}): the video is truncated"
+                    ) from e
                 except Exception as e:
                     raise VideoDecodeError(f"NVDEC failed decoding the video: {_first_line(e)}") from e
-                if len(frames) != len(unique):
-                    raise VideoDecodeError(
-                        f"NVDEC returned {len(frames)} of {len(unique)} frames: truncated or corrupt"
-                    )
                 # torch.from_dlpack passes torch's current stream to DecodedFrame.__dlpack__, which makes it wait on
                 # the frame's decode event (ExternalBuffer::dlpack). The frames live in the decoder's buffers, reused
                 # by its next call, so they are copied (stack) and the copy awaited before the next call.
                 decoded = [torch.from_dlpack(frame) for frame in frames]
-                # Surfaces of odd-sized streams are rounded up (NvDecoder::GetWidth: NV12 needs even sizes): crop.
-                if any(t.dim() != 3 or t.shape[0] < height or t.shape[1] < width or t.shape[2] != 3 for t in decoded):
-                    shapes = [tuple(t.shape) for t in decoded]
-                    raise VideoDecodeError(f"NVDEC frames {shapes} do not hold the stream's {width}x{height}")
+                # Every frame has the first sequence's size, which is the stream's (FFmpeg's stream info decodes it;
+                # NvDecoder::ReconfigureDecoder scales later sequences to it), its width rounded up to even for NV12
+                # (NvDecoder::GetWidth): crop.
                 position = {index: k for k, index in enumerate(unique)}
                 out = torch.stack([decoded[position[i]][:height, :width] for i in chunk])
                 torch.cuda.current_stream(self.device).synchronize()

@@ -80,12 +80,9 @@ class NvImageCodecDecoder:
         self._nv = nv
 
     def decode(self, data: Sequence[bytes], headers: Sequence[ImageHeader]) -> list[torch.Tensor]:
-        streams = []
-        for blob, header in zip(data, headers, strict=True):
-            try:
-                streams.append(self._nv.CodeStream(bytes(blob)))
-            except RuntimeError as e:
-                raise ImageDecodeError(f"image {header.index}: nvImageCodec cannot parse it ({e})") from e
+        # A CodeStream over bytes only wraps them; parsing waits for decode, which returns None for what it cannot
+        # parse or decode (python/code_stream.cpp and decoder.cpp, NVIDIA/nvImageCodec v0.8.0; so does 0.9.0.20).
+        streams = [self._nv.CodeStream(bytes(blob)) for blob in data]
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         decoded = self._decoder.decode(streams, params=self._params, cuda_stream=stream)
         frames = []

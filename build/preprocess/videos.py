@@ -151,7 +151,8 @@ def probe_video(data: bytes, index: int, limits: VideoLimits) -> VideoHeader:
             kinds = sorted({s.type for s in container.streams})
             raise VideoDecodeError(f"{where}: the file has no video stream (streams: {', '.join(kinds) or 'none'})")
         stream = container.streams.video[0]
-        codec = stream.codec_context.name if stream.codec_context is not None else "unknown"
+        # The codec's own name: the decoder's can differ (PyAV's wheels decode AV1 with libdav1d).
+        codec = stream.codec_context.codec.canonical_name if stream.codec_context is not None else "unknown"
         if codec not in ACCEPTED_CODECS:
             raise VideoDecodeError(f"{where}: codec {codec!r} is not supported; send {', '.join(ACCEPTED_CODECS)}")
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
