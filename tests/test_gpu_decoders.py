@@ -11,9 +11,7 @@ from __future__ import annotations
 import io
 import sys
 import types
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import av
 import numpy as np
@@ -30,31 +28,17 @@ from qwen3vl_trt.preprocess.nvdec_decoder import CHUNK_FRAMES, NvdecVideoDecoder
 from qwen3vl_trt.preprocess.nvimgcodec_decoder import NvImageCodecDecoder
 from qwen3vl_trt.preprocess.videos import decode_frames, probe_video
 from qwen3vl_trt.testing.tiny import synthetic_video
-from tensorrt_standin.host_cuda import HostCuda, host_cuda
+from tensorrt_standin.host_cuda import host_cuda
 from videos import clip, corrupt_middle
 
 pytest.importorskip("nvidia.nvimgcodec")
 STANDINS = Path(__file__).parent / "decoder_standins"
 
 
-def _keeping_cuda_devices(mode: Callable) -> Callable:
-    """HostCuda's torch function mode, but torch.device("cuda") stays a CUDA device: host_cuda maps it to the CPU, so
-    code that branches on its device's type would take its CPU path (tensors still live on the host)."""
-
-    def __torch_function__(self, func: Callable, kinds: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.device:
-            return func(*args, **(kwargs or {}))
-        return mode(self, func, kinds, args, kwargs)
-
-    return __torch_function__
-
-
 @pytest.fixture
 def cuda():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(HostCuda, "__torch_function__", _keeping_cuda_devices(HostCuda.__torch_function__))
-        with host_cuda() as device:
-            yield device
+    with host_cuda() as device:
+        yield device
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """build-vision-engine and the engine runner where TensorRT is absent: input checks first (exit 2), then a clear
 GPU-stack message (exit 3); the profile's shapes; the sidecar checks the runner makes before loading an engine; and
-`qwen3vl-trt build` recording the stage as skipped. The build itself runs on GPU hosts (scripts/device_check.sh)."""
+`qwen3vl-trt build` recording the stage as skipped. The build and the runner themselves run through the TensorRT
+stand-in in test_vision_trt_standin.py, and for real on GPU hosts (scripts/device_check.sh)."""
 
 from __future__ import annotations
 

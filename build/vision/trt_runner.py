@@ -25,7 +25,6 @@ from ..contracts import (
     DEEPSTACK_EMBEDS,
     IMAGE_EMBEDS,
     MAX_SEQLEN_CARRIER,
-    PLUGIN,
     SEGMENT_START,
     VISION_GRAPH_INPUTS,
     VISION_INPUTS,
@@ -100,11 +99,16 @@ class VisionEngine:
             )
         self._stream.wait_stream(caller)
         with torch.cuda.stream(self._stream):
-            feeds = {spec.name: self._device_tensor(spec.name, per_patch[spec.name]) for spec in VISION_INPUTS}
-            if self.variant == PLUGIN:
-                del feeds[SEGMENT_START.name]
-                feeds[CU_SEQLENS.name] = self._device_tensor(CU_SEQLENS.name, segments[CU_SEQLENS.name])
-                feeds[MAX_SEQLEN_CARRIER.name] = self._carrier[: segments[MAX_SEQLEN_CARRIER.name].shape[0]]
+            # The graph's own inputs: the plugin variant takes cu_seqlens and the carrier instead of segment_start.
+            sources = {**per_patch, CU_SEQLENS.name: segments[CU_SEQLENS.name]}
+            feeds = {
+                spec.name: (
+                    self._carrier[: segments[MAX_SEQLEN_CARRIER.name].shape[0]]
+                    if spec.name == MAX_SEQLEN_CARRIER.name
+                    else self._device_tensor(spec.name, sources[spec.name])
+                )
+                for spec in VISION_GRAPH_INPUTS[self.variant]
+            }
             # An input the caller made is read on the engine's stream from here on, also if a step below raises:
             # the caching allocator must not hand its memory out again before the engine's stream is past it.
             for tensor in feeds.values():
