@@ -5,12 +5,15 @@ uses (preprocessing, the vision tower, the reference runtime's layers, the conve
 The prompts (a built-in set of chat turns, each with or without an image; or the user's) are preprocessed as
 requests are, their images encoded by the checkpoint's vision tower (PyTorch, float32), and the language model runs
 them one decoder layer at a time: a layer's weights are read from the checkpoint (dequantized if stored in FP8),
-its inputs' and its keys' and values' absolute maxima are recorded (runtime.reference_llm.Observer), and the layer
-is freed before the next is read, so memory holds one layer and the prompts' hidden states whatever the model
+its inputs' and its queries', keys' and values' absolute maxima are recorded (runtime.reference_llm.Observer), and
+the layer is freed before the next is read, so memory holds one layer and the prompts' hidden states whatever the model
 size (a 235B-A22B layer is 3 GB in bf16). The built-in set is small and synthetic (images of smooth colour fields
 and edges, short English prompts): it bounds ranges well enough for the weights' own scales to dominate, but a
 user's own images and prompts (`--calibration-data`) give the ranges their traffic has; docs/model.md says when
 that matters.
+
+The KV-cache scale covers the layer's keys and values, and its queries too where the engine runs FP8 context FMHA
+(FP8 weights with an FP8 cache: llm.kv_cache.fp8_context_fmha), whose context phase quantizes the queries with it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .errors import CheckpointError, UnsupportedModelError
 from .llm.checkpoint_format import LLMWeights, ParallelLayout, layer_params, layer_weights, parse_trtllm_config
 from .llm.checkpoint_format import trtllm_config as make_trtllm_config
 from .llm.convert import CheckpointSources, check_llm_options, convert_llm
+from .llm.kv_cache import fp8_context_fmha
 from .llm.ranges import Ranges
 from .torch_dtypes import TORCH_DTYPES
 
@@ -106,8 +110,11 @@ def read_prompts(path: str | os.PathLike[str]) -> list[CalibrationPrompt]:
     return prompts
 
 
-def calibrate(ckpt: Checkpoint, dtype: torch.dtype, prompts: list[CalibrationPrompt]) -> Ranges:
-    """The ranges of the language model's activations over `prompts`, one decoder layer in memory at a time."""
+def calibrate(
+    ckpt: Checkpoint, dtype: torch.dtype, prompts: list[CalibrationPrompt], kv_covers_queries: bool = False
+) -> Ranges:
+    """The ranges of the language model's activations over `prompts`, one decoder layer in memory at a time; with
+    `kv_covers_queries` (FP8 context FMHA), the "kv" range of a layer is that of its queries, keys and values."""
     from .llm.inputs import prompt_table_row
     from .preprocess import Preprocessor
     from .runtime.reference_llm import LLMRequest, ReferenceLLM
@@ -162,6 +169,8 @@ def calibrate(ckpt: Checkpoint, dtype: torch.dtype, prompts: list[CalibrationPro
             h, _, _ = llm.prefill_layer(w, h, cos, sin, spans, observe)
             for (a, b), item in zip(spans, checked, strict=True):
                 llm._deepstack(h[a:b], item, layer)
+            if kv_covers_queries:
+                seen["kv"] = max(seen["kv"], seen["q"])
             ranges.amax.append(dict(seen))
             del w
     return ranges
@@ -195,7 +204,8 @@ def convert_calibrated(
         prompts = read_prompts(calibration_data) if calibration_data is not None else builtin_prompts()
         if log is not None:
             log(f"convert-llm: calibrating activation ranges over {len(prompts)} prompts, one decoder layer at a time")
-        ranges = calibrate(ckpt, TORCH_DTYPES[options.dtype], prompts)
+        queries = fp8_context_fmha(options.config.quant_algo, options.config.kv_cache_quant_algo)
+        ranges = calibrate(ckpt, TORCH_DTYPES[options.dtype], prompts, kv_covers_queries=queries)
     return convert_llm(
         ckpt,
         output,

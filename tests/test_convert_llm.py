@@ -17,7 +17,7 @@ from qwen3vl_trt.cli import main as cli
 from qwen3vl_trt.errors import CheckpointError, OutputExistsError, UnsupportedModelError
 from qwen3vl_trt.fsutil import OUTPUT_MARKER
 from qwen3vl_trt.llm import convert as convert_module
-from qwen3vl_trt.llm.checkpoint_format import Split, read_trtllm_config
+from qwen3vl_trt.llm.checkpoint_format import LLMConfig, ParallelLayout, Split, layer_params, merge, read_trtllm_config
 from qwen3vl_trt.llm.convert import Source, convert_llm
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM
 from qwen3vl_trt.safetensors_io import StreamingWriter
@@ -200,6 +200,51 @@ def test_lm_head_rows_are_padded_for_tp():
 
     rows = Source(Location(), rows=12).read(9, 12, torch.float32)  # type: ignore[arg-type]
     assert rows[:, 0].tolist() == [9.0, 0.0, 0.0]
+
+
+def _layout(heads: int, kv_heads: int, tp: int) -> LLMConfig:
+    return LLMConfig(
+        dtype="bfloat16",
+        vocab_size=16,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_size=2,
+        intermediate_size=8,
+        norm_epsilon=1e-6,
+        rotary_base=1e4,
+        rotary_dim=2,
+        max_position_embeddings=8,
+        deepstack_count=0,
+        mapping=ParallelLayout(tp),
+    )
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,rank0",
+    [
+        (4, 2, 2, [(0, 4), (8, 10), (12, 14)]),  # 2 query heads, 1 key/value head: [Q; K; V]
+        (
+            4,
+            4,
+            1,
+            [(0, 2), (8, 10), (16, 18), (2, 4), (10, 12), (18, 20), (4, 6), (12, 14), (20, 22), (6, 8)]
+            + [(14, 16), (22, 24)],
+        ),  # as many of each: head by head
+        (4, 4, 2, [(0, 2), (8, 10), (16, 18), (2, 4), (10, 12), (18, 20)]),
+        (4, 2, 4, [(0, 2), (8, 10), (12, 14)]),  # one of each: the two layouts are the same
+    ],
+)
+def test_qkv_rows_per_rank_are_in_the_order_tensorrt_llms_attention_reads(heads, kv_heads, tp, rank0):
+    """TensorRT-LLM's Attention (layers/attention.py, `if self.qk_layernorm:`) cuts a rank's fused qkv as [Q; K; V]
+    when its query and key/value head counts differ and as [heads, 3, head_size] when they are equal; merge() puts
+    any rank order back."""
+    param = layer_params(_layout(heads, kv_heads, tp), 0)["qkv"]
+    assert param.split.ranges(0, tp) == rank0
+    whole = torch.arange(param.shape[0]).float()[:, None].expand(param.shape)
+    parts = [torch.cat([whole[a:b] for a, b in param.split.ranges(r, tp)]) for r in range(tp)]
+    assert torch.equal(merge(param, parts, tp), whole)
 
 
 def test_unsupported_splits_are_refused_before_writing(checkpoints, tmp_path):

@@ -260,7 +260,7 @@ def test_layer_at_a_time_calibration_matches_a_whole_model_run(checkpoints, cali
     ckpt = Checkpoint(checkpoints[kind])
     ranges = calibrate(ckpt, torch.bfloat16, read_prompts(calibration_file))
     want = file_ranges[kind]
-    expected_names = {"qkv", "kv", "dense", *{v for v in LINEAR_INPUTS[kind].values()}}
+    expected_names = {"qkv", "kv", "q", "dense", *{v for v in LINEAR_INPUTS[kind].values()}}
     assert all(set(layer) == expected_names for layer in want)
     assert_same_ranges(ranges.amax, want)
 
@@ -269,6 +269,8 @@ def test_layer_at_a_time_calibration_matches_a_whole_model_run(checkpoints, cali
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 def test_stored_activation_and_kv_scales_are_calibrated_amax_over_levels(fp8_converted, file_ranges, kind, kv):
+    """Each activation scale is its input's amax / 448; the KV-cache scale is the keys' and values' amax over the
+    cache's levels, and the queries' where they are larger under an FP8 cache (FP8 context FMHA)."""
     tensors = rank_tensors(fp8_converted(kind, kv=kv))
     levels = {"fp8": 448.0, "int8": 127.0}[kv]
     for layer, amax in enumerate(file_ranges[kind]):
@@ -277,8 +279,10 @@ def test_stored_activation_and_kv_scales_are_calibrated_amax_over_levels(fp8_con
             stored = tensors[p + linear_name + ".activation_scaling_factor"]
             assert stored.dtype == torch.float32 and stored.shape == (1,)
             assert stored.item() == pytest.approx(amax[observed] / E4M3, rel=1e-2), (layer, linear_name)
+        # Beside FP8 weights an FP8 cache runs FP8 context FMHA, which quantizes the queries with its scale too.
+        covered = max(amax["kv"], amax["q"]) if kv == "fp8" else amax["kv"]
         kv_scale = tensors[p + "attention.kv_cache_scaling_factor"].item()
-        assert kv_scale == pytest.approx(amax["kv"] / levels, rel=1e-2), layer
+        assert kv_scale == pytest.approx(covered / levels, rel=1e-2), layer
 
 
 @pytest.mark.once
@@ -299,7 +303,9 @@ def test_calibration_data_replaces_the_builtin_prompts(checkpoints, fp8_converte
         assert builtin[p + "mlp.proj.activation_scaling_factor"].item() == pytest.approx(
             ranges["down"] / E4M3, rel=1e-2
         )
-        assert builtin[p + "attention.kv_cache_scaling_factor"].item() == pytest.approx(ranges["kv"] / E4M3, rel=1e-2)
+        assert builtin[p + "attention.kv_cache_scaling_factor"].item() == pytest.approx(
+            max(ranges["kv"], ranges["q"]) / E4M3, rel=1e-2
+        )
     for name in builtin:  # the weights do not depend on the prompts
         if not name.endswith(("activation_scaling_factor", "kv_cache_scaling_factor")):
             assert torch.equal(bits(builtin[name]), bits(own[name])), name
@@ -405,17 +411,27 @@ def test_kv_cache_round_trip_on_known_values(kv):
 
 class RoundsTheCacheByHand(ReferenceLLM):
     """The runtime with no KV-cache quantization configured, whose cache holds keys and values rounded by the test's
-    own cache_round with the given per-layer scales (where the engine stores them: after the context phase attended
-    unrounded, and each decoded token's before it is attended)."""
+    own cache_round with the given per-layer scales (where the engine stores them: after the context phase attended,
+    and each decoded token's before it is attended); with an fp8 cache beside the FP8 weights, its context phase
+    also attends with the rotated queries, keys and values rounded so (FP8 context FMHA)."""
 
     def __init__(self, weights, scales: list[torch.Tensor], kv_dtype: str):
         super().__init__(weights)
         self.scales, self.kv_dtype = scales, kv_dtype
 
+    def _layer(self, w) -> int:
+        return next(i for i, layer in enumerate(self.w.layers) if layer is w)
+
     def _round_kv(self, w, k, v):
-        layer = next(i for i, layer in enumerate(self.w.layers) if layer is w)
-        k.copy_(cache_round(k, self.scales[layer], self.kv_dtype))
-        v.copy_(cache_round(v, self.scales[layer], self.kv_dtype))
+        scale = self.scales[self._layer(w)]
+        k.copy_(cache_round(k, scale, self.kv_dtype))
+        v.copy_(cache_round(v, scale, self.kv_dtype))
+
+    def _context_qkv(self, w, q, k, v):
+        if self.kv_dtype != "fp8":
+            return q, k, v
+        scale = self.scales[self._layer(w)]
+        return tuple(cache_round(t, scale, "fp8") for t in (q, k, v))
 
 
 def greedy_decode(llm: ReferenceLLM, ids: np.ndarray, steps: int):
@@ -434,10 +450,12 @@ def greedy_decode(llm: ReferenceLLM, ids: np.ndarray, steps: int):
 @pytest.mark.once
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
-def test_quantized_kv_cache_changes_only_the_cache(fp8_converted, kind, kv):
+def test_quantized_kv_cache_changes_the_cache_and_fp8_context_attention(fp8_converted, kind, kv):
     """The kv-quantized checkpoint is the unquantized-KV one plus the layers' KV scales (the same calibration, so
-    the same weights); its prompt logits are the same; its 8 greedy decode steps equal, logits included, those of
-    the unquantized-KV model whose cache is rounded here by hand, and its cache holds the rounded prompt keys."""
+    the same weights). Its prompt logits and 8 greedy decode steps equal, logits included, those of the
+    unquantized-KV model whose cache (and, beside these FP8 weights an fp8 cache, whose context attention's q, k and
+    v: FP8 context FMHA) is rounded here by hand; with an int8 cache the prompt logits are the unquantized-KV
+    model's, with an fp8 one they are not; its cache holds the rounded prompt keys and values."""
     steps = 8
     quantized_ckpt, plain_ckpt = fp8_converted(kind, kv=kv), fp8_converted(kind)
     with_scales, without = rank_tensors(quantized_ckpt), rank_tensors(plain_ckpt)
@@ -449,7 +467,10 @@ def test_quantized_kv_cache_changes_only_the_cache(fp8_converted, kind, kv):
     served = ReferenceLLM.from_checkpoint(quantized_ckpt)
     plain = ReferenceLLM.from_checkpoint(plain_ckpt)
     by_hand = RoundsTheCacheByHand(load_llm_weights(plain_ckpt), scales, kv)
-    assert torch.equal(served.prompt_logits(LLMRequest(PROMPT)), plain.prompt_logits(LLMRequest(PROMPT)))
+    assert served.fp8_context_fmha == (kv == "fp8")
+    served_prompt = served.prompt_logits(LLMRequest(PROMPT))
+    assert torch.equal(served_prompt, by_hand.prompt_logits(LLMRequest(PROMPT)))
+    assert torch.equal(served_prompt, plain.prompt_logits(LLMRequest(PROMPT))) == (kv == "int8")
 
     tokens = served.generate([LLMRequest(PROMPT, sampling=SamplingParams(max_new_tokens=steps))])[0].output_ids
     served_logits, served_cache = greedy_decode(served, PROMPT, steps)
@@ -457,23 +478,20 @@ def test_quantized_kv_cache_changes_only_the_cache(fp8_converted, kind, kv):
     plain_logits, _ = greedy_decode(plain, PROMPT, steps)
     assert len(tokens) == steps and served_logits.argmax(-1).tolist() == tokens
     torch.testing.assert_close(served_logits, hand_logits, rtol=0, atol=0)
-    assert torch.equal(served_logits[0], plain_logits[0])
     assert (served_logits[1:] - plain_logits[1:]).abs().max() > 0  # decoding reads the rounded cache
 
-    _, keys, values = plain._prefill([plain._check(LLMRequest(PROMPT))], all_logits=False)
+    # by_hand's prefill returns its keys and values as its cache holds them: rounded by cache_round.
+    _, keys, values = by_hand._prefill([by_hand._check(LLMRequest(PROMPT))], all_logits=False)
     n = len(PROMPT)
     for layer in range(layers):
-        want_k = cache_round(keys[layer], scales[layer], kv).transpose(0, 1)
-        want_v = cache_round(values[layer], scales[layer], kv).transpose(0, 1)
+        want_k, want_v = keys[layer].transpose(0, 1), values[layer].transpose(0, 1)
+        assert torch.equal(want_k, cache_round(want_k, scales[layer], kv)), layer  # on the cache's grid
         assert torch.equal(served_cache.keys[layer, 0, :, :n], want_k), layer
         assert torch.equal(served_cache.values[layer, 0, :, :n], want_v), layer
 
 
-# -- 5. agreement with transformers --------------------------------------------------------------------------------
-
-
-def louder_head(model_dir, out):
-    """A copy of the checkpoint whose lm_head is 40 times larger, so random weights give logits that are not flat."""
+def scaled_copy(model_dir, out, suffix: str, factor: float):
+    """A copy of the checkpoint whose tensors named *suffix are `factor` times larger."""
     import shutil
 
     shutil.copytree(model_dir, out)
@@ -481,10 +499,93 @@ def louder_head(model_dir, out):
     for shard in sorted(shards):
         with safe_open(str(out / shard), framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-        if "lm_head.weight" in tensors:
-            tensors["lm_head.weight"] = (tensors["lm_head.weight"].float() * 40).to(tensors["lm_head.weight"].dtype)
+        scaled = [name for name in tensors if name.endswith(suffix)]
+        for name in scaled:
+            tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+        if scaled:
             save_file(tensors, str(out / shard), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def loud_queries(checkpoints, calibration_file, tmp_path_factory):
+    """The dense checkpoint with its q_norm weights 4 times larger (queries beyond keys and values), and its
+    conversions with FP8 weights over an FP8 cache ("fp8") and over an unquantized one ("auto")."""
+    root = tmp_path_factory.mktemp("loud-queries")
+    model = scaled_copy(checkpoints["dense"], root / "model", "self_attn.q_norm.weight", 4.0)
+    converted = {
+        kv: convert_calibrated(
+            model, root / kv, quant="fp8", kv_cache_dtype=kv, gpu_arch=90, calibration_data=calibration_file
+        )
+        for kv in ("fp8", "auto")
+    }
+    return model, converted
+
+
+def rotated_queries(llm: ReferenceLLM, ids: np.ndarray) -> list[torch.Tensor]:
+    """Each layer's rotated queries over a prompt (what the context phase quantizes under FP8 context FMHA)."""
+    prompt = llm._check(LLMRequest(ids))
+    h = llm._embed(prompt)
+    out: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for w in llm.w.layers:
+
+            def record(name, x):
+                if name == "q":
+                    out.append(x.clone())
+
+            h, _, _ = llm.prefill_layer(w, h, prompt.cos, prompt.sin, [(0, h.shape[0])], record)
+    return out
+
+
+def saturated_queries(llm: ReferenceLLM) -> list[float]:
+    """Per layer, the fraction of PROMPT's rotated queries that e4m3 saturates under the layer's KV-cache scale."""
+    return [
+        float((q.float().abs() >= E4M3 * w.kv_scale).float().mean())
+        for q, w in zip(rotated_queries(llm, PROMPT), llm.w.layers, strict=True)
+    ]
+
+
+@pytest.mark.once
+def test_fp8_context_fmha_kv_scale_covers_the_queries(loud_queries, calibration_file):
+    """FP8 weights with an FP8 cache: the builder turns FP8 context FMHA on, and the context phase quantizes the
+    rotated queries with the KV-cache scale (attentionOp.cpp, enqueueContext). On a model whose queries are about 4
+    times larger than its keys and values, the stored scale is the queries' amax / 448. With the keys' and values'
+    scale alone (what calibration stored before), the queries saturate at 448 times it, and the prompt logits move
+    from those of the same FP8 weights over an unquantized cache several times further than with the stored scale
+    (mean absolute differences: measured 0.019 and 0.059, the logits' spread 0.16)."""
+    model, converted = loud_queries
+    plain = calibrate(Checkpoint(model), torch.bfloat16, read_prompts(calibration_file))  # "kv": keys and values
+    stored = rank_tensors(converted["fp8"])
+    kv_only = []
+    for layer, amax in enumerate(plain.amax):
+        assert amax["q"] > 2 * amax["kv"], layer
+        scale = stored[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"]
+        assert scale.item() == pytest.approx(amax["q"] / E4M3, rel=1e-2), layer
+        kv_only.append(torch.tensor([amax["kv"] / E4M3]))
+
+    served = ReferenceLLM.from_checkpoint(converted["fp8"])
+    old_weights = load_llm_weights(converted["fp8"])
+    for w, scale in zip(old_weights.layers, kv_only, strict=True):
+        w.kv_scale = scale
+    old = ReferenceLLM(old_weights)
+    # PROMPT's queries: hardly any saturates under the stored scale, a good part of every layer's under the old one.
+    stored_saturated, old_saturated = saturated_queries(served), saturated_queries(old)
+    assert max(stored_saturated) < 0.01 and min(old_saturated) > 0.2, (stored_saturated, old_saturated)
+
+    unquantized_cache = ReferenceLLM.from_checkpoint(converted["auto"]).prompt_logits(LLMRequest(PROMPT))
+    spread = unquantized_cache.std().item()
+    close = (served.prompt_logits(LLMRequest(PROMPT)) - unquantized_cache).abs().mean().item()
+    far = (old.prompt_logits(LLMRequest(PROMPT)) - unquantized_cache).abs().mean().item()
+    assert close < 0.2 * spread and far > 2.5 * close, (close, far, spread)
+
+
+# -- 5. agreement with transformers --------------------------------------------------------------------------------
+
+
+def louder_head(model_dir, out):
+    """A copy of the checkpoint whose lm_head is 40 times larger, so random weights give logits that are not flat."""
+    return scaled_copy(model_dir, out, "lm_head.weight", 40.0)
 
 
 def test_fp8_agrees_with_transformers_full_precision_teacher_forced(checkpoints, calibration_file, tmp_path, capsys):
@@ -630,3 +731,33 @@ def test_malformed_calibration_data_is_refused_before_any_output(checkpoints, tm
     with pytest.raises(UnsupportedModelError, match="--calibration-data"):  # nothing to calibrate
         convert_calibrated(checkpoints["dense"], out, quant="none", calibration_data=bad)
     assert not out.exists()
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("quant", ["int8-wo", "int4-wo"])
+@pytest.mark.parametrize("arch", ["sm100", "sm103", "sm110"])
+def test_weight_only_on_sm100_to_sm119_is_refused_before_any_output(checkpoints, tmp_path, capsys, quant, arch):
+    """TensorRT-LLM 1.2.1's builder refuses INT8/INT4 weight-only on sm100-sm119 once the weights are loaded
+    (builder.py, build); convert-llm refuses it first, naming the option to change. sm120 and sm90 build it."""
+    out = tmp_path / "never"
+    code = convert_cli(checkpoints["dense"], out, "--llm-quant", quant, "--gpu-arch", arch)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"no INT8/INT4 weight-only engine for {arch}" in err and "use --llm-quant fp8 or none" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    for fine in (90, 120):
+        assert choose_llm_quant(quant, False, fine)[0] == quant
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_kv_cache_of_an_fp32_engine_is_refused_before_any_output(checkpoints, tmp_path, capsys, kv):
+    out = tmp_path / "never"
+    code = convert_cli(checkpoints["dense"], out, "--dtype", "fp32", "--kv-cache-dtype", kv, "--gpu-arch", "sm90")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"--kv-cache-dtype {kv} quantizes the KV cache of a bf16 or fp16 engine, not fp32" in err
+    assert "--kv-cache-dtype auto" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(UnsupportedModelError, match="not fp32"):  # with no target GPU either
+        check_llm_options(Checkpoint(checkpoints["dense"]), "fp32", None, 1, 1, kv, gpu_arch=None)
+    assert check_llm_options(Checkpoint(checkpoints["dense"]), "bf16", None, 1, 1, kv, gpu_arch=90).kv_cache

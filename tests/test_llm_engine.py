@@ -70,6 +70,7 @@ def test_flags_derive_from_the_build_config(name, bf16_checkpoints):
         "--use_paged_context_fmha": fused_context,
         "--context_fmha": fused_context,
         "--remove_input_padding": "enable",
+        "--output_timing_cache": "/engine/timing.cache",  # not trtllm-build's default, ./model.cache
         "--gpt_attention_plugin": dtype,
         "--gemm_plugin": dtype,
         "--workers": str(config.mapping.world_size),  # one build process per rank
@@ -166,13 +167,14 @@ sys.exit(code)
 """
 
 
-def _launch(argv: list[str], standin: Path, gpus: int = 1) -> subprocess.CompletedProcess[str]:
+def _launch(argv: list[str], standin: Path, gpus: int = 1, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(standin), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-c", _LAUNCH, str(gpus), *argv],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": path},
+        cwd=cwd,
     )
 
 
@@ -243,6 +245,66 @@ def test_parallel_build_workers_build_each_rank_from_our_class(bf16_checkpoints,
     assert all(r["model_class"].endswith("engine_model.Qwen3VLForCausalLM") for r in ranks.values())
     assert engine["pretrained_config"]["mapping"]["world_size"] == 2
     assert engine["pretrained_config"]["architecture"] == trtllm_model.ARCHITECTURE
+
+
+def test_timing_cache_is_written_into_the_engine_directory(bf16_checkpoints, trtllm_standin, tmp_path):
+    """trtllm-build's build() saves TensorRT's timing cache from rank 0 to BuildConfig.output_timing_cache, by default
+    "model.cache" in the working directory, after TensorRT built and before the engine is saved (builder.py): a
+    read-only working directory lost the engine. The launcher passes a path in the output directory; the working
+    directory stays untouched."""
+    ckpt = bf16_checkpoints["dense"]
+    _, config = read_trtllm_config(ckpt)
+    engine_dir, cwd = tmp_path / "engine", tmp_path / "cwd"
+    cwd.mkdir()
+    argv = launcher_command(str(ckpt), str(engine_dir), config, LIMITS)[3:]
+    result = _launch(argv, trtllm_standin, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(cwd.iterdir()) == []
+    assert (engine_dir / engine_build.TIMING_CACHE_FILE).is_file()
+    engine, _ = _engine(engine_dir)
+    assert engine["build_config"]["output_timing_cache"] == str(engine_dir / engine_build.TIMING_CACHE_FILE)
+
+
+def _converted_as(checkpoint: Path, out: Path, quant_algo: str | None, kv_cache_quant_algo: str | None) -> Path:
+    """A copy of a converted checkpoint whose config.json declares other quantization (what the build checks
+    before reading any weights)."""
+    shutil.copytree(checkpoint, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization"] |= {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize(
+    "quant_algo, kv, refused",
+    [("W8A16", None, "weight-only"), ("W4A16", None, "weight-only"), (None, "INT8", "INT8 KV cache")],
+)
+def test_build_refuses_int8_int4_for_sm100_to_sm119_before_trtllm_build(
+    bf16_checkpoints, tmp_path, monkeypatch, quant_algo, kv, refused
+):
+    """A checkpoint converted for another GPU (or with no --gpu-arch): on a GPU host of sm100-sm119 build-llm-engine
+    refuses what TensorRT-LLM's builder refuses there only after loading the weights (builder.py, build), before
+    launching it; on sm90 and sm120 it launches."""
+    ckpt = _converted_as(bf16_checkpoints["dense"], tmp_path / "ckpt", quant_algo, kv)
+    launched: list[list[str]] = []
+
+    def run(command, check):
+        launched.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(engine_build, "gpu_stack_problem", lambda: None)
+    monkeypatch.setattr(engine_build.subprocess, "run", run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU host's device, as CUDA reports it
+    for arch in (100, 103):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, arch=arch: divmod(arch, 10))
+        with pytest.raises(UnsupportedModelError, match=f"builds no INT8/INT4 {refused}|builds no {refused}") as e:
+            engine_build.build_llm_engine(ckpt, tmp_path / "engine", LIMITS)
+        assert f"sm{arch}" in str(e.value) and "convert it again with --" in str(e.value)
+    assert launched == [] and not (tmp_path / "engine").exists()
+    for arch in (90, 120):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, arch=arch: divmod(arch, 10))
+        engine_build.build_llm_engine(ckpt, tmp_path / f"engine{arch}", LIMITS)
+    assert len(launched) == 2
 
 
 def test_launcher_refuses_flags_it_does_not_apply(bf16_checkpoints, trtllm_standin, tmp_path):

@@ -137,6 +137,16 @@ def test_qk_norms_use_the_checkpoint_epsilon(engine_model, checkpoints, dense_ch
             assert torch.allclose(norm(x), expected, rtol=1e-5, atol=0)
 
 
+def test_from_checkpoint_without_a_config_builds_ours_for_the_rank(engine_model, dense_checkpoint):
+    """Upstream's from_checkpoint without a config reads config.json through MODEL_MAP, which lacks our
+    architecture; ours builds its own config class and loads the rank asked for into the layers."""
+    model = engine_model.Qwen3VLForCausalLM.from_checkpoint(str(dense_checkpoint), rank=0)
+    assert isinstance(model.config, engine_model.Qwen3VLForCausalLM.config_class)
+    assert model.weights_file.endswith("rank0.safetensors")
+    qkv = model.loaded_weights["transformer.layers.4.attention.qkv.weight"]
+    assert model.transformer.layers[4].attention.qkv.weight is qkv
+
+
 def test_splits_without_all_deepstack_layers_first_are_refused(engine_model, dense_checkpoint):
     with pytest.raises(UnsupportedModelError, match=r"pp=3 puts DeepStack layer\(s\) \[2\].*use pp <= 2"):
         engine_model.Qwen3VLForCausalLM(_engine_config(engine_model, dense_checkpoint, pp_size=3, pp_rank=1))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from qwen3vl_trt.errors import UnsupportedModelError
+from qwen3vl_trt.llm import convert as convert_module
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
 from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.weight_only import WeightOnly
@@ -20,7 +21,8 @@ from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-# Text dims the weight-only GEMM takes at tp 1 and 2 (per-rank features multiples of 64).
+# Text dims the weight-only layers take unpadded at tp 1 and 2 (split features multiples of 64 per rank, the hidden
+# size of 64 * tp).
 TEXT = dict(hidden_size=128, num_key_value_heads=4, intermediate_size=256)
 MOE_TEXT = dict(TEXT, moe_intermediate_size=128)
 
@@ -108,6 +110,25 @@ def test_every_rank_loads_into_the_standins_quantized_layers(converted, standin_
 
 
 @pytest.mark.once
+def test_a_given_preprocess_weights_hook_runs_before_the_gpu_layout(converted, standin_engine_model):
+    """from_checkpoint's hook argument (as trtllm-build's callers pass one) still runs, first, on the rank's
+    weights; the GPU layout is applied after it."""
+    from tensorrt_llm.quantization import functional
+
+    seen = []
+
+    def hook(weights):
+        seen.append((len(functional.CALLS), weights["transformer.layers.0.attention.qkv.weight"].dtype))
+        return weights
+
+    functional.CALLS.clear()
+    standin_engine_model.Qwen3VLForCausalLM.from_checkpoint(
+        str(converted("dense", "int8-wo")), rank=0, preprocess_weights_hook=hook
+    )
+    assert seen == [(0, torch.int8)] and functional.CALLS
+
+
+@pytest.mark.once
 def test_float_weights_would_need_cuda_in_the_standin(converted, standin_engine_model, tmp_path):
     """The stand-in models what upstream does with a float weight under W8A16 (quantize it with CUDA ops): our
     checkpoints never rely on it."""
@@ -126,6 +147,24 @@ def test_splits_the_weight_only_gemm_would_pad_are_refused_with_the_tp_that_work
         convert_llm(checkpoints["moe"], out, quant="int8-wo", progress=False)  # experts of 48
     assert "--llm-quant none" in str(e.value)
     assert not out.exists()
+
+
+@pytest.mark.once
+def test_a_hidden_size_the_layers_would_pad_for_tp_is_refused(checkpoints, standin_engine_model, tmp_path, monkeypatch):
+    """WeightOnlyQuant{Column,Row}Linear pad the features every rank holds whole (the hidden size, 64 here) to a
+    multiple of 64 * tp, though each rank's split ones (64) would fit: tp 2 is refused, and a checkpoint written past
+    the check does not load into the stand-in's quantized layers."""
+    with pytest.raises(
+        UnsupportedModelError, match=r"at tp=2.*64\*tp=128.*attention.dense.weight \[64, 64\].*use --tp 1$"
+    ):
+        convert_llm(checkpoints["dense"], tmp_path / "never", quant="int8-wo", tp=2, progress=False)
+    assert not (tmp_path / "never").exists()
+    monkeypatch.setattr(convert_module, "check_weight_only", lambda *_: None)
+    ckpt = convert_llm(checkpoints["dense"], tmp_path / "unchecked", quant="int8-wo", tp=2, progress=False)
+    cfg, _ = read_trtllm_config(ckpt)
+    config = standin_engine_model.Qwen3VLForCausalLM.config_class(**cfg)
+    with pytest.raises(RuntimeError, match=r"qkv.weight: shape \[64, 128\] is not the declared \[128, 128\]"):
+        standin_engine_model.Qwen3VLForCausalLM.from_checkpoint(str(ckpt), config=config)
 
 
 @pytest.mark.once

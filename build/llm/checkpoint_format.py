@@ -7,7 +7,9 @@ converter (`tensorrt_llm/models/qwen/convert.py`, `model_weights_loader.py`, `ma
 - `config.json` (PretrainedConfig + QWenConfig fields) and `rank{r}.safetensors`, r = pp_rank * tp + tp_rank;
 - pipeline stage p holds the layers `tensor_split(range(L), pp)[p]` under local indices 0..n-1, the
   embedding on the first stage, ln_f and lm_head on the last (lm_head written even when tied);
-- attention `qkv` per rank is [q_r; k_r; v_r] (k/v heads repeated when tp > kv heads); `dense` split
+- attention `qkv` per rank is [q_r; k_r; v_r] (k/v heads repeated when tp > kv heads), or, where a rank
+  holds as many query heads as key/value heads, head by head [q_0; k_0; v_0; q_1; ...]: the layout
+  TensorRT-LLM's Attention reads then (`layers/attention.py`, the qk_layernorm block); `dense` split
   on its input dim; dense MLP `fc` = gate_proj (activated), `gate` = up_proj, `proj` = down_proj;
   MoE `router` in float32, unsplit, `fc` [E, 2 * I/tp, H] = [up_r; gate_r], `proj` [E, H, I/tp];
   lm_head rows padded with zeros to a multiple of tp, then split.
@@ -318,11 +320,14 @@ def read_trtllm_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict, LL
 class Split:
     """How a parameter is cut across tensor-parallel ranks: along `dim`, into consecutive groups
     (q, k, v of qkv; up, gate of MoE fc) of `unit`-sized blocks (heads), each group split evenly,
-    or repeated when it has fewer blocks than ranks (key/value heads). dim None: every rank has it all."""
+    or repeated when it has fewer blocks than ranks (key/value heads). dim None: every rank has it all.
+    `interleaved`: each rank orders its part block by block across the groups (q_0, k_0, v_0, q_1, ...), which
+    needs every group to give the rank as many blocks."""
 
     dim: int | None = None
     groups: tuple[int, ...] = ()
     unit: int = 1
+    interleaved: bool = False
 
     def ranges(self, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
         """[start, stop) along `dim` of the whole tensor that rank tp_rank holds, in its order."""
@@ -336,7 +341,10 @@ class Split:
                 block = tp_rank // (tp_size // blocks)
                 out.append((offset + block * self.unit, offset + (block + 1) * self.unit))
             offset += size
-        return out
+        if not self.interleaved:
+            return out
+        per_group = [[(a, a + self.unit) for a in range(start, stop, self.unit)] for start, stop in out]
+        return [block for blocks in zip(*per_group, strict=True) for block in blocks]
 
 
 REPLICATED = Split()
@@ -398,9 +406,16 @@ def layer_params(config: LLMConfig, local: int) -> dict[str, Param]:
     p = f"transformer.layers.{local}."
     hd, d = c.head_size, c.hidden_size
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    # Attention.forward (tensorrt_llm/layers/attention.py, `if self.qk_layernorm:`) splits a rank's fused qkv as
+    # [Q; K; V] when its query and key/value head counts differ, and views it as [heads, 3, head_size] when they
+    # are equal (with one head each, the two layouts coincide).
+    tp = c.mapping.tp_size
+    per_head = c.num_attention_heads // tp == max(c.num_key_value_heads // tp, 1)
     params = {
         "input_layernorm": Param(p + "input_layernorm.weight", (d,)),
-        "qkv": Param(p + "attention.qkv.weight", (q + 2 * kv, d), Split(0, (q, kv, kv), hd), quantizable=True),
+        "qkv": Param(
+            p + "attention.qkv.weight", (q + 2 * kv, d), Split(0, (q, kv, kv), hd, per_head), quantizable=True
+        ),
         "q_norm": Param(p + "attention.q_layernorm.weight", (hd,)),
         "k_norm": Param(p + "attention.k_layernorm.weight", (hd,)),
         "dense": Param(p + "attention.dense.weight", (d, q), Split(1, (q,)), quantizable=True),
@@ -462,7 +477,7 @@ class MoEWeights:
 @dataclass
 class LayerWeights:
     input_layernorm: torch.Tensor
-    qkv: torch.Tensor | FP8Weight  # [(H + 2 KV) * head_size, hidden]: q, k, v heads
+    qkv: torch.Tensor | FP8Weight  # [(H + 2 KV) * head_size, hidden]: q, k, v heads (merge undoes any rank order)
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     dense: torch.Tensor | FP8Weight

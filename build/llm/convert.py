@@ -46,7 +46,7 @@ from .weight_only import WEIGHT_ONLY_MODES, WeightOnly
 TEXT_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
 CHUNK_BYTES = 32 * 2**20  # source bytes per read
-WEIGHT_ONLY_MULTIPLE = 64  # per-rank features of a weight-only linear (quantization/layers.py pads to 64 * tp)
+WEIGHT_ONLY_MULTIPLE = 64  # what the weight-only layers round features up to, per rank (quantization/layers.py)
 
 
 @dataclass(frozen=True)
@@ -251,10 +251,22 @@ def _param_chunks(
             yield tp_rank, torch.cat(pieces, dim=split.dim)
 
 
+def _weight_only_multiples(param: Param, tp: int) -> tuple[int, int]:
+    """What a quantized parameter's per-rank [out, in] features must be multiples of for the weight-only layers to
+    declare exactly its stored shapes. WeightOnlyQuant{Column,Row}Linear (quantization/layers.py) round a linear's
+    whole in and out features up to a multiple of 64 * tp before splitting one of them: 64 per rank on the split
+    side, 64 * tp on the side every rank holds whole (the hidden size). The MoE experts' weights are not padded
+    (layers/moe.py, MOEWeightWrapper); each rank's are held to 64 on both sides, the alignment the dense layers give
+    their GEMM."""
+    multiples = [WEIGHT_ONLY_MULTIPLE, WEIGHT_ONLY_MULTIPLE]
+    if len(param.shape) == 2 and param.split.dim is not None:
+        multiples[1 - param.split.dim] *= tp
+    return multiples[0], multiples[1]
+
+
 def check_weight_only(config: LLMConfig, scheme: WeightOnly, mode: str) -> None:
-    """Refuses a tensor-parallel split whose quantized weights the weight-only layers would pad: they round each
-    rank's in and out features up to a multiple of 64 (WeightOnlyQuantLinear, quantization/layers.py), so the
-    stored shapes would not load. The message names the --tp values that work."""
+    """Refuses a tensor-parallel split whose quantized weights the weight-only layers would pad
+    (_weight_only_multiples): the stored shapes would not load. The message names the --tp values that work."""
 
     def misfits(tp: int) -> list[str]:
         layout = replace(config.mapping, tp_size=tp)
@@ -263,20 +275,24 @@ def check_weight_only(config: LLMConfig, scheme: WeightOnly, mode: str) -> None:
         for param in stage_params(trial, 0).values():
             if not param.quantizable:
                 continue
+            out_multiple, in_multiple = _weight_only_multiples(param, tp)
             for tp_rank in range(tp):
                 *_, n, k = param.rank_shape(tp_rank, tp)
-                if n % WEIGHT_ONLY_MULTIPLE or k % WEIGHT_ONLY_MULTIPLE:
+                if n % out_multiple or k % in_multiple:
                     bad.append(f"{param.name.split('.', 3)[-1]} [{n}, {k}]")
                     break
         return sorted(set(bad))
 
-    bad = misfits(config.mapping.tp_size)
+    tp = config.mapping.tp_size
+    bad = misfits(tp)
     if bad:
-        works = [tp for tp in (1, 2, 4, 8) if _tp_divides(config, tp) and not misfits(tp)]
+        works = [n for n in (1, 2, 4, 8) if _tp_divides(config, n) and not misfits(n)]
         hint = f"use --tp {' or '.join(map(str, works))}" if works else "no tp fits this model: use --llm-quant none"
         raise UnsupportedModelError(
-            f"--llm-quant {mode} at tp={config.mapping.tp_size}: the weight-only GEMM needs each rank's in and out "
-            f"features to be multiples of {WEIGHT_ONLY_MULTIPLE}, and {', '.join(bad[:4])} are not (per rank); {hint}"
+            f"--llm-quant {mode} at tp={tp}: TensorRT-LLM's weight-only layers pad a linear's features to multiples "
+            f"of {WEIGHT_ONLY_MULTIPLE} per rank and {WEIGHT_ONLY_MULTIPLE}*tp={WEIGHT_ONLY_MULTIPLE * tp} where "
+            f"every rank holds them whole (the hidden size), and {', '.join(bad[:4])} (per rank, [out, in]) do not "
+            f"fit; {hint}"
         )
 
 
@@ -435,7 +451,7 @@ def check_llm_options(
         raise UnsupportedModelError(f"--kv-cache-dtype must be one of {choices}, got {kv_cache_dtype!r}")
     arch = gpu_arch if gpu_arch is not None else visible_gpu_arch()
     quant, why = choose_llm_quant(quant, ckpt.info.quantization is not None, arch)
-    check_kv_cache(kv_cache_dtype, arch)
+    check_kv_cache(kv_cache_dtype, arch, dtype)
     kv_cache = KV_CACHE_DTYPES.get(kv_cache_dtype)
     quant_algo = FP8_ALGO if quant == "fp8" else WEIGHT_ONLY_MODES[quant][0] if quant in WEIGHT_ONLY_MODES else None
     if quant != "none" and dtype == "fp32":

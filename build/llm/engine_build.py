@@ -23,7 +23,10 @@ built with keyword arguments) with these differences, all made before the build:
 - the model config's max_position_embeddings is max_seq_len: the engine's per-request mrope table
   is max_position_embeddings x rotary_dim float32 values (262144 x 128 on the released models would
   be 128 MiB per request), and attention needs max_seq_len positions at most. The engine's
-  config.json records the value for the host.
+  config.json records the value for the host;
+- its BuildConfig's output_timing_cache is `--output_timing_cache`, a file in the output directory: the default,
+  "model.cache", is relative to the working directory, and build() writes it from rank 0 after TensorRT built the
+  engine and before the engine is saved (`builder.py`, build), so a read-only working directory lost the engine.
 
 The checkpoint's rotary scaling type is mrope already (checkpoint_format.trtllm_config), as
 QWenConfig writes it for qwen2_vl. tests/trtllm_standin models each of these upstream behaviours.
@@ -43,6 +46,7 @@ from ..errors import GpuStackMissingError, Qwen3VLTrtError
 from ..fsutil import atomic_output_dir
 from ..limits import EngineLimits
 from .checkpoint_format import LLMConfig, check_deepstack_stage, read_trtllm_config
+from .precision import check_engine_arch, visible_gpu_arch
 
 LAUNCHER = "qwen3vl_trt.llm.engine_build"
 # BuildConfig fields that the launcher reads from the trtllm-build flags of the same names.
@@ -54,6 +58,7 @@ BUILD_LIMIT_FIELDS = (
     "max_beam_width",
     "max_prompt_embedding_table_size",
 )
+TIMING_CACHE_FILE = "timing.cache"  # in the engine directory: TensorRT's timing cache of the build
 
 
 def check_buildable(config: LLMConfig, build: EngineLimits) -> None:
@@ -96,6 +101,7 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
         "--use_paged_context_fmha": paged_context,
         "--context_fmha": fused_context,
         "--remove_input_padding": "enable",
+        "--output_timing_cache": str(Path(output_dir) / TIMING_CACHE_FILE),
         "--gpt_attention_plugin": plugin_dtype,
         "--gemm_plugin": plugin_dtype,
         # One build process per rank; the launcher caps it at the GPUs it sees.
@@ -141,6 +147,9 @@ def build_llm_engine(
             "(pip install 'qwen3vl-trt[gpu]', or the NGC Triton TRT-LLM container); `qwen3vl-trt "
             "build-llm-engine ... --print-command` prints the exact command to run there"
         )
+    arch = visible_gpu_arch()
+    assert arch is not None  # gpu_stack_problem found a CUDA device
+    check_engine_arch(config.quant_algo, config.kv_cache_quant_algo, arch)
     with atomic_output_dir(output, force=force, inputs=[checkpoint_dir]) as tmp:
         command = launcher_command(str(Path(checkpoint_dir).absolute()), str(tmp), config, build)
         print("+ " + shlex.join(command), flush=True)
@@ -166,6 +175,7 @@ def launcher_arguments(
     for name in BUILD_LIMIT_FIELDS:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--kv_cache_type", choices=["paged"], required=True)
+    parser.add_argument("--output_timing_cache", required=True)
     parser.add_argument("--workers", type=int, default=1, help="build processes (capped at the visible GPUs)")
     add_plugin_argument(parser.add_argument_group("plugin config arguments"))
     return parser.parse_args(argv)
@@ -190,6 +200,8 @@ def launch(argv: Sequence[str] | None) -> int:
     from .engine_model import Qwen3VLForCausalLM
 
     args = launcher_arguments(argv, add_plugin_argument)
+    # As trtllm-build's main() does first: the build writes the timing cache into it before any engine is saved.
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     # from_json_file's one step besides from_dict reads quant_cfg.json for MIXED_PRECISION checkpoints; convert-llm
     # writes none (its quant_algo is null, W8A16, W4A16 or FP8), so there is nothing to read.
     checkpoint_config, _ = read_trtllm_config(args.checkpoint_dir)
@@ -200,6 +212,7 @@ def launch(argv: Sequence[str] | None) -> int:
     build_config = BuildConfig(
         **{name: getattr(args, name) for name in BUILD_LIMIT_FIELDS},
         kv_cache_type=KVCacheType(args.kv_cache_type),
+        output_timing_cache=args.output_timing_cache,
         use_mrope=True,
         plugin_config=plugin_config,
     )

@@ -11,7 +11,10 @@ llm/inputs.py). What the engine computes, it computes:
 - prompt positions rotate with the request's cos/sin table; a generated token at sequence index t
   rotates at position t + delta on every axis, from the model's own frequencies (as the
   generation-phase attention kernel does);
-- Qwen3 decoder layers (q/k RMSNorm per head, GQA, SwiGLU or top-k MoE with renormalized weights).
+- Qwen3 decoder layers (q/k RMSNorm per head, GQA, SwiGLU or top-k MoE with renormalized weights);
+- a quantized KV cache holds keys and values rounded as the engine stores them; the context phase attends over
+  them unrounded, except under FP8 context FMHA (FP8 weights with an FP8 cache, llm.kv_cache.fp8_context_fmha),
+  where it reads the rotated queries, keys and values as e4m3 with the KV-cache scale, as the engine's does.
 
 It is also the LLM of the CPU deployment: requests of different lengths decode together over one
 KV cache (DecodeBatch; new requests may join between steps, as with inflight batching), with greedy
@@ -36,6 +39,7 @@ from ..errors import InputError
 from ..llm.checkpoint_format import LayerWeights, LLMWeights, MoEWeights, load_llm_weights
 from ..llm.fp8 import linear
 from ..llm.inputs import prompt_table_row, rope_inv_freq
+from ..llm.kv_cache import fp8_context_fmha
 from .sampling import GuideFailed, SamplingParams, TokenSampler
 
 if TYPE_CHECKING:
@@ -47,7 +51,8 @@ StepCallback = Callable[[int, int, float | None], None]
 """Called as (request index, token id, its log prob or None without return_log_probs) for every generated token."""
 Observer = Callable[[str, torch.Tensor], None]
 """Called during a prefill with the input of each quantized linear of a layer ("qkv", "dense", "mlp", "down",
-"experts", "experts_down") and its keys and values ("kv"): what calibration measures."""
+"experts", "experts_down"), its keys and values ("kv") and its queries ("q"; rotated, as keys are): what
+calibration measures."""
 
 
 @dataclass
@@ -136,6 +141,7 @@ class ReferenceLLM:
         self.q_size = c.num_attention_heads * c.head_size
         self.kv_size = c.num_key_value_heads * c.head_size
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rotary_base).to(self.device)
+        self.fp8_context_fmha = fp8_context_fmha(c.quant_algo, c.kv_cache_quant_algo)
 
     @classmethod
     def from_checkpoint(
@@ -265,13 +271,27 @@ class ReferenceLLM:
         return self._logits(h if all_logits else h[[b - 1 for _, b in spans]]), keys, values
 
     def _round_kv(self, w: LayerWeights, k: torch.Tensor, v: torch.Tensor) -> None:
-        """With a quantized KV cache, keys and values become what the cache gives back (in place): the context
-        phase attends over them unrounded, as the engine's context attention does, and decoding over the cache."""
+        """With a quantized KV cache, keys and values become what the cache gives back (in place): decoding attends
+        over the cache (the context phase over _context_qkv's)."""
         kv = self.config.kv_cache
         if kv is not None:
             assert w.kv_scale is not None
             k.copy_(kv.round_trip(k, w.kv_scale))
             v.copy_(kv.round_trip(v, w.kv_scale))
+
+    def _context_qkv(
+        self, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the context phase attends with: q, k, v unrounded, as the engine's context attention reads them,
+        except under FP8 context FMHA, whose preprocessing kernel stores all three as e4m3 with the KV-cache scale
+        after RoPE and whose FMHA reads them back so (`attentionOp.cpp`, enqueueContext:
+        `qkv_scale_orig_quant = kv_scale_orig_quant`; `unfusedAttentionKernels_2_template.h`,
+        applyBiasRopeUpdateKVCache, FP8_OUTPUT; its bmm1 scale dequantizes q and k with the same scale)."""
+        kv = self.config.kv_cache
+        if not self.fp8_context_fmha:
+            return q, k, v
+        assert kv is not None and w.kv_scale is not None
+        return kv.round_trip(q, w.kv_scale), kv.round_trip(k, w.kv_scale), kv.round_trip(v, w.kv_scale)
 
     def prefill_layer(
         self,
@@ -290,8 +310,9 @@ class ReferenceLLM:
         if observe is not None:
             observe("qkv", x)
             observe("kv", torch.cat([k, v], dim=-1))
+            observe("q", q)
         keys, values = k, v
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # heads first
+        q, k, v = (t.transpose(0, 1) for t in self._context_qkv(w, q, k, v))  # heads first
         attended = (
             torch.cat(
                 [

@@ -1,6 +1,8 @@
 """tensorrt_llm/builder.py after PR #8330: BuildConfig is a pydantic model built with keyword arguments (no
 from_dict; every limit has a default); build() stands in for the TensorRT build: it asks the model for its inputs
-as upstream does and returns an engine that saves what it was given."""
+as upstream does and returns an engine that saves what it was given. The timing cache is written as upstream's
+build() writes it (`Builder.save_timing_cache` to build_config.output_timing_cache, default "model.cache", from rank
+0; builder.py read at 008b2b8d), with placeholder bytes for TensorRT's serialized cache."""
 
 import json
 import os
@@ -23,6 +25,7 @@ class BuildConfig(BaseModel):
     max_prompt_embedding_table_size: int = 0
     kv_cache_type: KVCacheType | None = None
     strongly_typed: bool = True
+    output_timing_cache: str | None = "model.cache"  # relative to the working directory, as upstream's default
     use_mrope: bool = False
     plugin_config: PluginConfig = Field(default_factory=PluginConfig)
 
@@ -63,4 +66,8 @@ def build(model, build_config):
     engine = Engine({"pretrained_config": pretrained, "build_config": build_config.model_dump(mode="json")}, declared)
     engine.model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     engine.gpu_id = None
+    # Upstream saves the builder's timing cache from rank 0 here, after TensorRT built and before the engine is saved.
+    if build_config.output_timing_cache is not None and model.config.mapping.rank == 0:
+        with open(build_config.output_timing_cache, "wb") as f:
+            f.write(b"timing cache")
     return engine

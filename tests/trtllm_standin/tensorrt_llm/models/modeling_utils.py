@@ -175,7 +175,8 @@ class PretrainedModel:
 
     def load(self, weights):
         """Upstream's load: every declared parameter provided (else "Required but not provided tensors"), each in
-        its declared shape (else an error); a dtype mismatch is a warning; extra tensors are a warning."""
+        its declared shape (else an error); a dtype mismatch is a warning; extra tensors are a warning. Then each
+        parameter's value is set; here on the modules the stand-in models (the attention's)."""
         declared = self.declared_parameters()
         missing = sorted(set(declared) - set(weights))
         if missing:
@@ -189,6 +190,13 @@ class PretrainedModel:
         if extra:
             warnings.warn(f"Provided but not required tensors: {extra}", stacklevel=2)
         self.loaded_weights = weights
+        for name in declared:
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part, None)
+            if owner is not None and hasattr(owner, leaf):
+                setattr(owner, leaf, weights[name])
 
 
 class DecoderLayerList(list):

@@ -1,6 +1,7 @@
 """tensorrt_llm/models/qwen/model.py: QWenDecoderLayer (Attention built without an eps), QWenModel, QWenForCausalLM
 (config_class QWenConfig) and its per-rank inputs (models/generation_mixin.py, prepare_basic_inputs). Decoder layers
-double their input, so outputs say after which layer something arrived."""
+double their input, so outputs say after which layer something arrived; their Attention, with the weights load()
+gives it, runs on its own (layers.Attention)."""
 
 from types import SimpleNamespace
 
@@ -18,7 +19,16 @@ class QWenDecoderLayer(Module):
     def __init__(self, config, layer_idx):
         self.layer_idx = layer_idx
         qk_layernorm = config.qwen_type in ("qwen3", "qwen3_moe")
-        self.attention = Attention(attention_head_size=config.head_size, qk_layernorm=qk_layernorm)
+        # Upstream's arguments that shape the attention (no eps); quant_mode here is the QuantConfig's quant_algo.
+        self.attention = Attention(
+            hidden_size=config.hidden_size,
+            attention_head_size=config.head_size,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            tp_size=config.mapping.tp_size,
+            quant_mode=config.quantization.quant_algo,
+            qk_layernorm=qk_layernorm,
+        )
         self.seen_mrope_params = None
 
     def forward(
@@ -76,8 +86,10 @@ class QWenForCausalLM(PretrainedModel):
         quantize(): ColumnLinear [out/tp, in], RowLinear [out, in/tp] (layers/linear.py); Attention's fused qkv with
         key/value heads repeated when tp exceeds them (layers/attention.py); MOE fc [E, 2I/tp, H] (up; gate) and
         proj [E, H, I/tp], the router [E, H] float32 (layers/moe.py). Weight-only (quantization/layers.py):
-        WeightOnlyQuant{Column,Row}Linear `weight` int8 [in, out * bits/8] with in and out padded to multiples of
-        64 per rank, and `per_channel_scale` [out]; MOE `weight` int8 [E, in, out * bits/8] and
+        WeightOnlyQuant{Column,Row}Linear `weight` int8 [in, out * bits/8] and `per_channel_scale` [out], the
+        layer's whole in and out features (the split one tp times a rank's) padded to multiples of 64 * tp before
+        the split (quantize.py, quantize_layers: a ColumnLinear's out_features * tp_size, a RowLinear's in_features
+        * tp_size); MOE `weight` int8 [E, in, out * bits/8] and
         `per_channel_scale` [E, out]. FP8 (FP8Linear / FP8RowLinear): `weight` e4m3 [out, in],
         `weights_scaling_factor` and `activation_scaling_factor` (1,) float32; MOE `weight` e4m3 [E, out, in],
         `weights_scaling_factor` (E, 1), `activation_scaling_factor` (1,). A quantized KV cache
@@ -98,9 +110,9 @@ class QWenForCausalLM(PretrainedModel):
         declared = {}
 
         def pad(n):
-            return math.ceil(n / 64) * 64
+            return math.ceil(n / (64 * tp)) * 64 * tp
 
-        def linear(name, out_r, in_r):
+        def linear(name, out_r, in_r, split_dim):
             if algo == "FP8":
                 declared[name + ".weight"] = (torch.float8_e4m3fn, (out_r, in_r))
                 declared[name + ".weights_scaling_factor"] = (torch.float32, (1,))
@@ -109,8 +121,12 @@ class QWenForCausalLM(PretrainedModel):
             if bits is None:
                 declared[name + ".weight"] = (dtype, (out_r, in_r))
                 return
-            declared[name + ".weight"] = (torch.int8, (pad(in_r), pad(out_r) * bits // 8))
-            declared[name + ".per_channel_scale"] = (dtype, (pad(out_r),))
+            if split_dim == 0:  # column: out split, in whole
+                out_r, in_r = pad(out_r * tp) // tp, pad(in_r)
+            else:  # row: in split, out whole
+                out_r, in_r = pad(out_r), pad(in_r * tp) // tp
+            declared[name + ".weight"] = (torch.int8, (in_r, out_r * bits // 8))
+            declared[name + ".per_channel_scale"] = (dtype, (out_r,))
 
         def experts(name, e, out_r, in_r):
             if algo == "FP8":
@@ -135,8 +151,8 @@ class QWenForCausalLM(PretrainedModel):
             if c.quantization.kv_cache_quant_algo in ("FP8", "INT8"):
                 declared[p + "attention.kv_cache_scaling_factor"] = (torch.float32, (1,))
                 declared[p + "attention.kv_cache_rcp_scaling_factor"] = (torch.float32, (1,))
-            linear(p + "attention.qkv", (c.num_attention_heads // tp + 2 * kv_r) * hd, d)
-            linear(p + "attention.dense", d, c.num_attention_heads * hd // tp)
+            linear(p + "attention.qkv", (c.num_attention_heads // tp + 2 * kv_r) * hd, d, 0)
+            linear(p + "attention.dense", d, c.num_attention_heads * hd // tp, 1)
             moe = c.moe if isinstance(c.moe, dict) else {}
             if moe.get("num_experts", 0):
                 e, i = moe["num_experts"], c.moe_intermediate_size // tp
@@ -145,9 +161,9 @@ class QWenForCausalLM(PretrainedModel):
                 experts(p + "mlp.proj", e, d, i)
             else:
                 i = c.intermediate_size // tp
-                linear(p + "mlp.fc", i, d)
-                linear(p + "mlp.gate", i, d)
-                linear(p + "mlp.proj", d, i)
+                linear(p + "mlp.fc", i, d, 0)
+                linear(p + "mlp.gate", i, d, 0)
+                linear(p + "mlp.proj", d, i, 1)
         if m.is_last_pp_rank():
             declared["transformer.ln_f.weight"] = (dtype, (d,))
             declared["lm_head.weight"] = (dtype, (math.ceil(c.vocab_size / tp), d))
