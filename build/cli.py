@@ -299,7 +299,7 @@ def _add_repository_options(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-gib",
         type=float,
-        help="GPU target: each GPU's memory, for the plan (default: read from the GPUs, the smallest, where they are visible)",
+        help="GPU target: each GPU's memory, for the plan (default: the smallest of the GPUs', where they are visible)",
     )
 
 
