@@ -251,7 +251,15 @@ def test_world_size_and_mpi_command(tmp_path):
         *server_command(INSTALL, repo, ports, log_verbose=2),
         "--disable-auto-complete-config",
         "--backend-config=python,shm-region-prefix-name=prefix0_",
+        "--model-control-mode=explicit",
+        "--load-model=*",
     ]
+    # serve loads the models with config overrides (--max-queue-size, --visual-cache) through the repository API,
+    # which Triton's default model control refuses: rank 0 starts under explicit control with nothing loaded.
+    later = launch_command(INSTALL, repo, ports, load_at_start=False)
+    later_rank0 = later[4 : later.index(":")]
+    assert "--model-control-mode=explicit" in later_rank0 and not any(a.startswith("--load-model") for a in later_rank0)
+    assert later[later.index(":") :] == command[separator:]
     assert rank1 == [
         *shared,
         "--disable-auto-complete-config",

@@ -95,17 +95,23 @@ def mpi_command(
     rank0_extra: Sequence[str] = (),
     drain_s: float | None = None,
     shm_prefix: str = "prefix",
+    load_at_start: bool = True,
 ) -> list[str]:
     """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
     triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
     the others load only `llm`, whose backend keeps them in its worker loop (leader mode), so they never get
     to open the ports they are given. Every rank gets its own python-backend shared-memory prefix (`shm_prefix`
     and its rank) and no config auto-completion; rank0_extra (the CUDA memory pool of the python models) goes to
-    rank 0 only, as launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes."""
+    rank 0 only, as launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes. Unlike upstream's, rank 0
+    runs under explicit model control (model_control_flags): in Triton's default mode the repository API refuses
+    every load (core r26.04, model_repository_manager.cc: "explicit model load / unload is not allowed if polling
+    is enabled"), and `serve` loads the models with config overrides through it (`load_at_start` False)."""
     command = ["mpirun", "--allow-run-as-root"]
     for rank in range(world):
         own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_"]
-        if rank > 0:
+        if rank == 0:
+            own += model_control_flags(load_at_start)
+        else:
             own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
         verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
         command += [":", "-n", "1"] if rank else ["-n", "1"]
@@ -151,17 +157,19 @@ def launch_command(
     drain_s: float | None = None,
     shm_prefix: str | None = None,
 ) -> list[str]:
-    """One server, or one per rank under MPI when the engine is split over several GPUs. The single server runs
-    under explicit model control (model_control_flags); the MPI ranks as TensorRT-LLM launches them. shm_prefix:
-    the python backend's shared-memory region prefix (None: its default, as upstream's launcher leaves it for a
-    single rank; under MPI, upstream's `prefix`), each rank's ending in its rank."""
+    """One server, or one per rank under MPI when the engine is split over several GPUs. The single server and MPI's
+    rank 0 run under explicit model control (model_control_flags); the other ranks as TensorRT-LLM launches them.
+    shm_prefix: the python backend's shared-memory region prefix (None: its default, as upstream's launcher leaves it
+    for a single rank; under MPI, upstream's `prefix`), each rank's ending in its rank."""
     world = world_size(repo)
     pool = cuda_pool_flags(repo)
     if world == 1:
         prefix = [] if shm_prefix is None else [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
         flags = [*model_control_flags(load_at_start), *pool, *prefix]
         return server_command(install, repo, ports, address, log_verbose, flags, drain_s)
-    return mpi_command(install, repo, ports, world, address, log_verbose, pool, drain_s, shm_prefix or "prefix")
+    return mpi_command(
+        install, repo, ports, world, address, log_verbose, pool, drain_s, shm_prefix or "prefix", load_at_start
+    )
 
 
 def repository_models(repo: Path) -> list[str]:
