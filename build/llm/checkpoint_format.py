@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,12 +73,6 @@ class ParallelLayout:
     def pp_layers(self, num_layers: int, pp_rank: int) -> list[int]:
         """Global layer indices of a pipeline stage; the first num_layers % pp stages get one more."""
         return [int(i) for i in np.array_split(np.arange(num_layers), self.pp_size)[pp_rank]]
-
-    def ranks(self) -> Iterator[tuple[int, int, int]]:
-        """(rank, tp_rank, pp_rank) of every rank, in rank order."""
-        for pp_rank in range(self.pp_size):
-            for tp_rank in range(self.tp_size):
-                yield self.rank(tp_rank, pp_rank), tp_rank, pp_rank
 
 
 @dataclass(frozen=True)
