@@ -10,7 +10,9 @@ and checks numbers, one row each:
 - tokens of the served deployment (nvImageCodec decoding, vision engine, tensorrtllm backend), text only and with an
   image, against transformers: every served token must be transformers' greedy choice at its position, up to a
   small logit gap (teacher-forced: transformers scores the served sequence), so near-ties of a random model cannot
-  fail the row and a wrong token always does.
+  fail the row and a wrong token always does;
+- the same for builds with other options (`variants`): every --llm-quant and quantized KV cache from a block-FP8
+  checkpoint (scored on its bf16 twin), an fp32 engine, chunked context, tp 2.
 
 A row whose needs are missing is SKIPPED with the reason (a GPU machine without TensorRT runs the kernel and decoding
 rows; a CPU machine runs none). The table and a JSON file say PASS, FAIL or SKIPPED with each row's figure.
@@ -29,13 +31,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .preprocess.preprocessor import VideoDecoderName
+    from .preprocess.videos import VideoFrameDecoder
+    from .serving.repository.gpu_memory import LLMEngineBuild
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
 RESULT_FILE = "acceptance.json"
+DEVICE_CHECK_FILE = "device_check.json"  # scripts/device_check.sh's
 
 # The kernel rows: Qwen3-VL 8B-and-up tower shapes (16 heads, head_dim 72), images of 1024-4096 patches.
 KERNEL_HEADS, KERNEL_HEAD_DIM = 16, 72
@@ -46,16 +54,43 @@ FLASH_ATTN_RATIO = 0.7  # the kernel's speed at least 0.7x flash-attn's varlen k
 # fixed-point; a fraction of a level on average, far below nearest-neighbour chroma (tests/test_preprocess_cuda.py).
 LEVEL = 2 / 255
 PIXEL_MEAN_LEVELS, PIXEL_MAX_LEVELS = 1.0, 24.0
+# NVDEC converts YUV to RGB with its own kernel, not FFmpeg's swscale: a few levels apart on average on these SD clips
+# (tests/test_video_cuda.py), and each frame nearest FFmpeg's frame of the same number.
+NVDEC_MEAN_LEVELS = 3.0
 VISION_TOLERANCE = 4e-2  # a bf16 engine against the fp32 tower (scripts/vision_engine_check.py)
 # A served token is transformers' greedy choice when its logit is within this share of the step's logit spread
 # (max - median) of the maximum: bf16 engines round differently from transformers' fp32.
 LOGIT_GAP = 0.05
-# The same gap for each --llm-quant engine built from a block-FP8 checkpoint, scored by transformers on its
-# dequantized twin: the FP8 weights dequantize exactly (none), weight-only INT8 / INT4 round each weight to 256 / 16
-# levels of its channel.
-# FP8 rounds weights and activations to e4m3 (3 mantissa bits) with per-tensor scales.
-QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.25, "int4-wo": 1.0, "fp8": 0.5}
+# The same gap for engines built from a block-FP8 checkpoint (--llm-quant, --kv-cache-dtype), scored by transformers
+# on its dequantized twin. Measured on a CPU machine with the reference runtime in bf16 on the converted checkpoints
+# (the acceptance's tiny configurations, seeds 2 and 3, three requests of 8 tokens each; the worst token's gap):
+#   dense: none 0.003, int8-wo 0.003, int4-wo 0.13-0.21, fp8 0.026-0.037, fp8 + FP8 KV cache 0.024-0.028,
+#          none + INT8 KV cache 0.006;
+#   MoE:   none 0.069-0.085 (already in fp32: the twin's bf16-rounded experts flip near-tied routings of the random
+#          router), int8-wo 0.069-0.085, fp8 0.066-0.085.
+# int4-wo read in a wrong layout (adjacent output or input channels swapped, input channels interleaved by 8) gave
+# 0.71-1.46 per request, 0.86 and up on the JPEG request the rows send: each limit keeps 2-4x its measurement and
+# stays below that.
+QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.1, "int4-wo": 0.4, "fp8": 0.15}
+KV_CACHE_LOGIT_GAP = 0.1  # none + INT8 KV cache (fp8 + FP8 KV cache takes fp8's)
+MOE_QUANT_LOGIT_GAP = 0.3  # int8-wo and fp8 of the MoE checkpoint: routing near-ties dominate
 NEW_TOKENS = 8
+# The quantized rows' tiny text model: dims the weight-only GEMMs and the 128x128 FP8 blocks take, with grouped-query
+# attention as every released Qwen3-VL has (4 query heads per key/value head, head_dim 128). With equal head counts
+# TensorRT-LLM's attention with q/k norms views the fused qkv interleaved per head (`layers/attention.py`,
+# Attention.forward, its `if self.qk_layernorm:` block), which our checkpoint (three blocks [Q; K; V]) does not write.
+QUANT_TEXT = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "intermediate_size": 256,
+    "mrope_section": [24, 20, 20],
+}
+QUANT_MOE_TEXT = {**QUANT_TEXT, "moe_intermediate_size": 128}
+# The chunked-context row: an engine step of 128 tokens, a JPEG request of 314 (300 visual): three chunks,
+# the visual tokens across their boundaries.
+CHUNK_TOKENS = 128
 # The first request after serve's warm-up against the median of the next ten (a cold first request took 2.0x on a
 # full-size 2B layout).
 FIRST_REQUEST_RATIO = 1.5
@@ -133,20 +168,38 @@ def _tensorrt_llm() -> str | None:
     return gpu_stack_problem()
 
 
-def _gpu_runs(llm_quant: str) -> Callable[[], str | None]:
-    """A need: the visible GPU runs engines of `llm_quant` (fp8: sm89+)."""
+def _gpu_takes(llm_quant: str, kv_cache_dtype: str = "auto") -> Callable[[], str | None]:
+    """A need: the visible GPU runs bf16 engines of `llm_quant` with a KV cache of `kv_cache_dtype`, as the build
+    decides it (llm.precision: fp8 needs sm89+; TensorRT-LLM builds no INT8/INT4 weights nor INT8 cache for
+    sm100-sm119)."""
 
     def need() -> str | None:
-        from .llm.precision import MIN_SM, visible_gpu_arch
+        from .errors import UnsupportedModelError
+        from .llm.precision import check_kv_cache, choose_llm_quant, visible_gpu_arch
 
         arch = visible_gpu_arch()
         if arch is None:
             return "no CUDA device is visible"
-        return (
-            None
-            if arch >= MIN_SM[llm_quant]
-            else f"--llm-quant {llm_quant} needs sm{MIN_SM[llm_quant]}+, this GPU is sm{arch}"
-        )
+        try:
+            choose_llm_quant(llm_quant, True, arch)
+            check_kv_cache(kv_cache_dtype, arch, "bf16")
+        except UnsupportedModelError as e:
+            return str(e)
+        return None
+
+    return need
+
+
+def _gpus(count: int) -> Callable[[], str | None]:
+    """A need: `count` visible GPUs (a tp engine's ranks, one each)."""
+
+    def need() -> str | None:
+        import torch
+
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            return f"no CUDA device is visible (it needs {count})"
+        return None if visible >= count else f"it needs {count} GPUs, {visible} visible"
 
     return need
 
@@ -163,13 +216,36 @@ def _tritonserver() -> str | None:
 
 
 # Server log lines of tensors that missed Triton's CUDA memory pool: python_backend's CUDA IPC fallback
-# (r26.04 src/infer_response.cc, src/python_be.cc: "... use CUDA IPC") and core's pinned host memory.
-_POOL_MISS = re.compile(r"CUDA IPC|pinned (system|host) memory", re.IGNORECASE)
+# (r26.04 src/infer_response.cc, src/python_be.cc: "... will use CUDA IPC ...") and core's fallback of a GPU buffer
+# to pinned system memory (r26.04 src/memory.cc, AllocatedMemory). Not core's warnings of a server without a pinned
+# pool ("Unable to allocate pinned system memory", "falling back to non-pinned system memory": every CPU machine).
+_POOL_MISS = re.compile(r"use CUDA IPC|falling back to pinned system memory", re.IGNORECASE)
 _TRITON_LANGUAGE = _importable("triton", "the Triton language (triton)")
 _NVIMGCODEC = _importable("nvidia.nvimgcodec", "nvImageCodec (nvidia-nvimgcodec-cu13)")
 _PYNVVIDEOCODEC = _importable("PyNvVideoCodec", "PyNvVideoCodec (NVDEC)")
 _HOST_DECODED = "decoded on the host"  # preprocess.videos and preprocessor warn so when NVDEC is not used
 _FLASH_ATTN = _importable("flash_attn", "flash-attn")
+_TRANSFORMERS = _importable("transformers", "transformers")
+
+
+Request = tuple[str, list[bytes]]  # a prompt and its JPEGs
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A build of `model` with build()'s `options`, served: the tokens for `requests` scored teacher-forced by
+    transformers on `reference` (the model itself, or the bf16 twin a block-FP8 checkpoint stands for) within `gap`.
+    `check` looks at the build first (its figure joins the row's); `served` says what the served row checks."""
+
+    name: str
+    model: Path
+    reference: Path
+    gap: float
+    served: str
+    requests: tuple[Request, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+    needs: tuple[Callable[[], str | None], ...] = ()
+    check: Callable[[Path, Variant], tuple[bool, str]] | None = None
 
 
 class Acceptance:
@@ -234,16 +310,84 @@ class Acceptance:
 
     def decode_row(self, model: Path) -> None:
         def run() -> tuple[bool, str]:
-            mean, peak = _gpu_pixels_against_pillow(model)
+            mean, peak = _pixels_against_pillow(model, "cuda")
             figure = f"mean {mean / LEVEL:.3f} levels, max {peak / LEVEL:.1f} levels"
             return mean <= PIXEL_MEAN_LEVELS * LEVEL and peak <= PIXEL_MAX_LEVELS * LEVEL, figure
 
         self.row(
             "nvImageCodec decode + GPU resize vs Pillow + CPU resize (4:2:0 JPEG)",
             f"mean <= {PIXEL_MEAN_LEVELS:g} level, max <= {PIXEL_MAX_LEVELS:g}",
-            [_cuda, _NVIMGCODEC],
+            [_cuda, _NVIMGCODEC, _TRANSFORMERS],
             run,
         )
+
+    def device_decode_rows(self) -> None:
+        """nvImageCodec and NVDEC decoding into device memory against the host's decoders."""
+
+        def image() -> tuple[bool, str]:
+            device, mean, peak = _nvimgcodec_against_pillow("cuda")
+            figure = f"on {device}: mean {mean:.3f} levels, max {peak:.0f} levels"
+            return device.startswith("cuda") and mean <= PIXEL_MEAN_LEVELS and peak <= PIXEL_MAX_LEVELS, figure
+
+        self.row(
+            "nvImageCodec decode into device memory vs Pillow (4:2:0 JPEG)",
+            f"on cuda, mean <= {PIXEL_MEAN_LEVELS:g} level, max <= {PIXEL_MAX_LEVELS:g}",
+            [_cuda, _NVIMGCODEC],
+            image,
+        )
+
+        def video() -> tuple[bool, str]:
+            import torch
+
+            from .preprocess.nvdec_decoder import NvdecVideoDecoder
+
+            devices, frames, worst, aligned = _frames_against_ffmpeg(NvdecVideoDecoder(torch.device("cuda")))
+            figure = f"{frames} frames on {', '.join(devices)}: worst frame's mean {worst:.2f} levels"
+            figure += "" if aligned else "; a frame nearer another frame of FFmpeg's than its own"
+            on_device = all(d.startswith("cuda") for d in devices)
+            return on_device and worst <= NVDEC_MEAN_LEVELS and aligned, figure
+
+        self.row(
+            "NVDEC (PyNvVideoCodec) decode into device memory vs FFmpeg (H.264, 640x360)",
+            f"on cuda, each frame's mean <= {NVDEC_MEAN_LEVELS:g} levels and nearest its own",
+            [_cuda, _PYNVVIDEOCODEC],
+            video,
+        )
+
+    def video_preprocess_row(self, model: Path) -> None:
+        def run() -> tuple[bool, str]:
+            same, mean, on_host = _video_pixels_against_host(model, "cuda", "nvdec")
+            figure = f"{'same' if same else 'different'} tokens, mean {mean / LEVEL:.2f} levels"
+            figure += "; NVDEC did not decode it (decoded on the host)" if on_host else ""
+            return same and mean <= NVDEC_MEAN_LEVELS * LEVEL and not on_host, figure
+
+        self.row(
+            "NVDEC + GPU resize vs FFmpeg + CPU resize (an H.264 request)",
+            f"same tokens, mean <= {NVDEC_MEAN_LEVELS:g} levels",
+            [_cuda, _PYNVVIDEOCODEC, _TRANSFORMERS],
+            run,
+        )
+
+    def vision_engine_build_row(self, name: str, model: Path) -> None:
+        """The vision stages of a build alone (the fp32 export whose host metadata the engine reads, the plugin
+        export, its bf16 engine), for vision_engine_row on a machine without TensorRT-LLM."""
+
+        def run() -> tuple[bool, str]:
+            from .contracts import PLUGIN, BuildLayout
+            from .vision.engine import VisionEngineProfile, build_vision_engine
+            from .vision.export import export_vision
+
+            layout = BuildLayout(self.work / f"build-{_slug(name)}-vision")
+            export_vision(model, layout.vision, dtype="fp32", force=True, log=self.log)
+            export_vision(model, layout.vision_plugin, dtype="bf16", variant=PLUGIN, force=True, log=self.log)
+            start = time.perf_counter()
+            # The sizes _vision_engine_against_transformers sends, with room (scripts/vision_engine_check.py's profile).
+            profile = VisionEngineProfile(opt_patches=1024, max_patches=8192, max_images=16)
+            build_vision_engine(layout.vision_plugin, layout.vision_engine, profile, force=True, log=self.log)
+            self._builds[name] = layout.root
+            return True, f"engine built in {time.perf_counter() - start:.1f} s"
+
+        self.row(f"build-vision-engine (plugin, bf16) ({name})", "built", [_cuda, _tensorrt, _TRANSFORMERS], run)
 
     def weight_only_layout_row(self) -> None:
         self.row(
@@ -253,14 +397,14 @@ class Acceptance:
             _weight_only_layout_against_upstream,
         )
 
-    def build_row(
-        self, name: str, model: Path, llm_quant: str = "none", needs: Sequence[Callable[[], str | None]] = ()
-    ) -> None:
+    def build_row(self, name: str, model: Path, needs: Sequence[Callable[[], str | None]] = (), **options: Any) -> None:
+        """`qwen3vl-trt build` of `model` for the GPU target with build()'s `options`."""
+
         def run() -> tuple[bool, str]:
             from .pipeline import build
 
-            output = self.work / f"build-{name.replace(' ', '-')}"
-            manifest = build(model, output, llm_quant=llm_quant, target="gpu", force=True, log=self.log)
+            output = self.work / f"build-{_slug(name)}"
+            manifest = build(model, output, target="gpu", force=True, log=self.log, **options)
             self._builds[name] = output
             stages = manifest.done_stages()
             return True, f"{len(stages)} stages: {', '.join(stages)}"
@@ -412,36 +556,36 @@ class Acceptance:
         self.row(healing, "back, answers", needs, lambda: healed[0])
         self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
 
-    def quantized_rows(self, name: str, model: Path, twin: Path, llm_quant: str) -> None:
-        """An engine of `llm_quant` built from the block-FP8 checkpoint `model`, served, its tokens for a JPEG
-        scored teacher-forced by transformers on `twin` (the bf16 checkpoint the FP8 one stands for)."""
-        from .testing.tiny import synthetic_jpeg
-
-        needs = [_cuda, _tensorrt, _tensorrt_llm, _tritonserver, _NVIMGCODEC, _gpu_runs(llm_quant)]
-        self.build_row(name, model, llm_quant, needs[:3] + needs[-1:])
-        prompt, images = "Describe this picture.", [synthetic_jpeg(480, 640, seed=5)]
-        gap = QUANT_LOGIT_GAPS[llm_quant]
+    def variant_rows(self, variant: Variant) -> None:
+        """The variant's build, then its repository served: its requests' tokens scored by transformers on its
+        reference, after its check of the build."""
+        stack = [_cuda, _tensorrt, _tensorrt_llm, *variant.needs]
+        self.build_row(variant.name, variant.model, stack, **variant.options)
 
         def run() -> tuple[bool, str]:
-            from .contracts import BuildLayout
-            from .serving.client import Client
-            from .serving.ports import free_ports
-            from .serving.server.serve import TritonServer
+            build_dir = self._built(variant.name)
+            figures = []
+            if variant.check is not None:
+                checked, figure = variant.check(build_dir, variant)
+                if not checked:
+                    return False, figure
+                figures.append(figure)
+            served = _served_once(build_dir, variant.requests, self.work / f"server-{_slug(variant.name)}.log")
+            scorer = _TransformersGreedy(variant.reference)
+            worst = 0.0
+            for (prompt, images), tokens in zip(variant.requests, served, strict=True):
+                equal, gaps = scorer.score(prompt, images, [], tokens)
+                worst = max([worst, *gaps])
+                figures.append(f"{equal}/{len(tokens)} tokens equal")
+            figures.append(f"largest gap {worst:.3f}")
+            return all(served) and worst <= variant.gap, "; ".join(figures)
 
-            log_path = self.work / f"server-{name.replace(' ', '-')}.log"
-            server = TritonServer(BuildLayout(self._built(name)).triton_repo, free_ports(), log_path=log_path)
-            server.start()
-            try:
-                server.wait_ready()
-                with contextlib.closing(Client(server.url, timeout_s=120)) as client:
-                    served = client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids
-            finally:
-                server.stop()
-            equal, gaps = _TransformersGreedy(twin).score(prompt, images, [], served)
-            worst = max(gaps, default=0.0)
-            return bool(served) and worst <= gap, f"{equal}/{len(served)} tokens equal, largest gap {worst:.3f}"
-
-        self.row(f"served tokens vs transformers greedy on the bf16 twin ({name})", f"gap <= {gap:g}", needs, run)
+        self.row(
+            f"{variant.served} ({variant.name})",
+            f"gap <= {variant.gap:g}",
+            [*stack, _tritonserver, _NVIMGCODEC],
+            run,
+        )
 
     def _built(self, name: str) -> Path:
         if name not in self._builds:
@@ -466,22 +610,102 @@ def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
         if name == "dense":
             acceptance.build_cache_row(name, model)
         acceptance.served_rows(name, model)
-    fp8, twin = _block_fp8_checkpoint(work)
-    for llm_quant in QUANT_LOGIT_GAPS:
-        acceptance.quantized_rows(f"block-FP8 dense, --llm-quant {llm_quant}", fp8, twin, llm_quant)
+    for variant in variants(work, models["dense"]):
+        acceptance.variant_rows(variant)
     return acceptance.report
 
 
-def _block_fp8_checkpoint(work: Path) -> tuple[Path, Path]:
-    """A tiny dense checkpoint stored as Qwen's -FP8 releases are (text dims the weight-only GEMM takes), and its
-    dequantized bf16 twin."""
+def run_device_check(work: Path, log: Callable[[str], None] = print) -> Report:
+    """scripts/device_check.sh's rows: what a GPU machine with or without TensorRT runs in a few minutes (the kernel,
+    decoding into device memory, the GPU preprocessing against the CPU's pixels; the vision engine where TensorRT
+    is)."""
+    from .testing.tiny import make_tiny_checkpoint
+
+    work.mkdir(parents=True, exist_ok=True)
+    check = Acceptance(work, log)
+    # The rows that read it need transformers, which makes it.
+    model = work / "tiny-dense"
+    if _TRANSFORMERS() is None:
+        make_tiny_checkpoint(model, seed=0, force=True)
+    check.kernel_rows()
+    check.device_decode_rows()
+    check.decode_row(model)
+    check.video_preprocess_row(model)
+    check.vision_engine_build_row("dense", model)
+    check.vision_engine_row("dense", model)
+    return check.report
+
+
+def variants(work: Path, dense: Path) -> list[Variant]:
+    """The builds with other options than the served rows': every --llm-quant and quantized KV cache from a block-FP8
+    checkpoint (dense; MoE int8-wo and fp8), an fp32 engine, chunked context, tp 2."""
+    from .limits import EngineLimits
+    from .testing.tiny import synthetic_jpeg
+
+    fp8, twin = _block_fp8_checkpoint(work, moe=False)
+    moe_fp8, moe_twin = _block_fp8_checkpoint(work, moe=True)
+    jpeg: Request = ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)])
+    text: Request = ("Describe a sunset in three words.", [])
+    on_twin, served = "served tokens vs transformers greedy on the bf16 twin", "served tokens vs transformers greedy"
+
+    def quantized(name: str, model: Path, reference: Path, gap: float, quant: str, kv: str = "auto") -> Variant:
+        options = {"llm_quant": quant, "kv_cache_dtype": kv}
+        return Variant(name, model, reference, gap, on_twin, (jpeg,), options, (_gpu_takes(quant, kv),))
+
+    return [
+        *[
+            quantized(f"block-FP8 dense, --llm-quant {quant}", fp8, twin, gap, quant)
+            for quant, gap in QUANT_LOGIT_GAPS.items()
+        ],
+        quantized(
+            "block-FP8 dense, --llm-quant fp8 --kv-cache-dtype fp8", fp8, twin, QUANT_LOGIT_GAPS["fp8"], "fp8", "fp8"
+        ),
+        quantized(
+            "block-FP8 dense, --llm-quant none --kv-cache-dtype int8", fp8, twin, KV_CACHE_LOGIT_GAP, "none", "int8"
+        ),
+        *[
+            quantized(f"block-FP8 MoE, --llm-quant {quant}", moe_fp8, moe_twin, MOE_QUANT_LOGIT_GAP, quant)
+            for quant in ("int8-wo", "fp8")
+        ],
+        Variant(
+            "dense, --llm-dtype fp32",
+            dense,
+            dense,
+            LOGIT_GAP,
+            f"KV-cache reuse and chunked context off; {served}",
+            (text, jpeg),
+            {"llm_dtype": "fp32"},
+            check=_no_reuse_no_chunks,
+        ),
+        Variant(
+            f"dense, max_num_tokens {CHUNK_TOKENS}",
+            dense,
+            dense,
+            LOGIT_GAP,
+            f"a prompt longer than max_num_tokens, prefilled in chunks; {served}",
+            (jpeg,),
+            {"limits": EngineLimits(max_num_tokens=CHUNK_TOKENS)},
+            check=_chunked_prompts,
+        ),
+        Variant("dense, tp 2", dense, dense, LOGIT_GAP, served, (text, jpeg), {"tp": 2}, (_gpus(2),)),
+    ]
+
+
+def _block_fp8_checkpoint(work: Path, moe: bool) -> tuple[Path, Path]:
+    """A tiny checkpoint stored as Qwen's -FP8 releases are (QUANT_TEXT), and its dequantized bf16 twin."""
     from .testing.quantized import dequantized_twin, quantize_block_fp8
     from .testing.tiny import make_tiny_checkpoint
 
-    text = {"hidden_size": 128, "num_key_value_heads": 4, "intermediate_size": 256}
-    bf16 = make_tiny_checkpoint(work / "tiny-dense-128", seed=2, text_overrides=text, force=True)
-    fp8 = quantize_block_fp8(bf16, work / "tiny-dense-fp8", force=True)
-    return fp8, dequantized_twin(fp8, work / "tiny-dense-fp8-twin", force=True)
+    kind = "moe" if moe else "dense"
+    text = QUANT_MOE_TEXT if moe else QUANT_TEXT
+    bf16 = make_tiny_checkpoint(work / f"tiny-{kind}-128", moe=moe, seed=2, text_overrides=text, force=True)
+    fp8 = quantize_block_fp8(bf16, work / f"tiny-{kind}-fp8", force=True)
+    return fp8, dequantized_twin(fp8, work / f"tiny-{kind}-fp8-twin", force=True)
+
+
+def _slug(name: str) -> str:
+    """A row's name as a file name: builds and server logs are named after it."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
 
 
 # -- the measurements (GPU hosts) --------------------------------------------------------------------------------
@@ -556,17 +780,85 @@ def _flash_attn_ms() -> float:
     return _median_ms(lambda: flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest))
 
 
-def _gpu_pixels_against_pillow(model: Path) -> tuple[float, float]:
-    """(mean, max) |GPU pixels - CPU pixels| of one 4:2:0 JPEG request, nvImageCodec + GPU resize vs Pillow."""
+def _pixels_against_pillow(model: Path, device: str) -> tuple[float, float]:
+    """(mean, max) |pixels - CPU pixels| of one 4:2:0 JPEG request, nvImageCodec decoding and resizing on `device`
+    against Pillow and the CPU's resize."""
     from .preprocess import Preprocessor
     from .testing.tiny import synthetic_jpeg
 
     image = synthetic_jpeg(720, 1280, seed=3, subsampling=2)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "?"}]}]
-    gpu = Preprocessor.from_pretrained(model, device="cuda", decoder="nvimgcodec")(messages).pixel_values
+    messages = [_user_message("?", [image])]
+    ours = Preprocessor.from_pretrained(model, device=device, decoder="nvimgcodec")(messages).pixel_values
     cpu = Preprocessor.from_pretrained(model, device="cpu", decoder="pillow")(messages).pixel_values
-    diff = (gpu.cpu() - cpu).abs()
+    diff = (ours.cpu() - cpu).abs()
     return float(diff.mean()), float(diff.max())
+
+
+def _nvimgcodec_against_pillow(device: str) -> tuple[str, float, float]:
+    """(the device the frame is on, mean, max) |nvImageCodec's RGB - Pillow's| in levels of one 4:2:0 JPEG decoded by
+    nvImageCodec on `device`."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from .limits import RequestLimits
+    from .preprocess.images import open_image
+    from .preprocess.nvimgcodec_decoder import NvImageCodecDecoder
+    from .testing.tiny import synthetic_jpeg
+
+    data = synthetic_jpeg(720, 1280, seed=3, subsampling=2)
+    (frame,) = NvImageCodecDecoder(device).decode([data], [open_image(data, 0, RequestLimits())[1]])
+    pillow = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+    diff = np.abs(frame.cpu().numpy().astype(np.int16) - pillow)
+    return str(frame.device), float(diff.mean()), float(diff.max())
+
+
+def _frames_against_ffmpeg(decoder: VideoFrameDecoder) -> tuple[list[str], int, float, bool]:
+    """Every frame of a 640x360 H.264 clip by `decoder` against FFmpeg's (PyAV): (the devices its chunks are on, the
+    frames, the worst frame's mean |difference| in levels, whether each frame is nearest FFmpeg's of its number)."""
+    import numpy as np
+
+    from .limits import RequestLimits
+    from .preprocess.videos import decode_frames, probe_video
+    from .testing.tiny import synthetic_video
+
+    data = synthetic_video(40, 360, 640, 30000 / 1001, options={"g": "15"})
+    header = probe_video(data, 0, RequestLimits())
+    every = list(range(header.total_frames))
+    ffmpeg = [frame.astype(np.int16) for _, frame in sorted(decode_frames(data, header, every))]
+    chunks = list(decoder.decode(data, every))
+    frames = np.concatenate([chunk.cpu().numpy() for chunk in chunks]).astype(np.int16)
+    if frames.shape != (len(ffmpeg), header.height, header.width, 3):
+        raise RuntimeError(f"{frames.shape[0]} frames of {frames.shape[1:]} decoded; FFmpeg: {len(ffmpeg)}")
+
+    def mean(n: int, m: int) -> float:
+        return float(np.abs(frames[n] - ffmpeg[m]).mean())
+
+    means = [mean(n, n) for n in every]
+    aligned = all(means[n] < mean(n, m) for n in every for m in (n - 1, n + 1) if 0 <= m < len(ffmpeg))
+    return sorted({str(chunk.device) for chunk in chunks}), len(means), max(means), aligned
+
+
+def _video_pixels_against_host(model: Path, device: str, video_decoder: VideoDecoderName) -> tuple[bool, float, bool]:
+    """An H.264 request preprocessed on `device` with `video_decoder` against the host's (PyAV, CPU resize): (the same
+    input ids, the mean |pixel difference|, whether preprocessing warned that it decoded the video on the host)."""
+    import warnings
+
+    import numpy as np
+
+    from .preprocess import Preprocessor
+    from .testing.tiny import synthetic_video
+
+    data = synthetic_video(40, 360, 640, 30000 / 1001, options={"g": "15"})
+    messages = [_user_message("?", [], [data])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = Preprocessor.from_pretrained(model, device=device, video_decoder=video_decoder)(messages)
+    host = Preprocessor.from_pretrained(model, device="cpu")(messages)
+    same = np.array_equal(ours.input_ids, host.input_ids)
+    mean = float((ours.pixel_values.cpu() - host.pixel_values).abs().mean()) if same else float("inf")
+    return same, mean, any(_HOST_DECODED in str(warning.message) for warning in caught)
 
 
 def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
@@ -626,6 +918,73 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
             if not torch.equal(ours, theirs) or not torch.equal(scale.to(torch.bfloat16), their_scale):
                 mismatches.append(f"int{bits} {name}")
     return not mismatches, "all equal" if not mismatches else f"differ: {', '.join(mismatches)}"
+
+
+def _served_once(build_dir: Path, requests: Sequence[Request], log_path: Path) -> list[list[int]]:
+    """Greedy token ids of each request through the build's repository on a real tritonserver."""
+    from .contracts import BuildLayout
+    from .serving.client import Client
+    from .serving.ports import free_ports
+    from .serving.server.serve import TritonServer
+
+    server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path)
+    server.start()
+    try:
+        server.wait_ready()
+        with contextlib.closing(Client(server.url, timeout_s=120)) as client:
+            return [client.generate(prompt, images, max_tokens=NEW_TOKENS).token_ids for prompt, images in requests]
+    finally:
+        server.stop()
+
+
+def _llm_scheduling(build_dir: Path) -> tuple[LLMEngineBuild, bool, bool]:
+    """The LLM engine's build (paged context FMHA, max_num_tokens), and whether the repository's llm reuses KV-cache
+    blocks and chunks prompts (the tensorrtllm backend's enable_kv_cache_reuse and enable_chunked_context)."""
+    from .contracts import BuildLayout
+    from .serving import interface
+    from .serving.repository import model_config
+    from .serving.repository.gpu_memory import LLMEngineBuild
+
+    layout = BuildLayout(build_dir)
+    parameters = model_config.read(layout.triton_repo / interface.LLM).parameters
+    reuse, chunked = (
+        key in parameters and parameters[key].string_value == "true"
+        for key in ("enable_kv_cache_reuse", "enable_chunked_context")
+    )
+    return LLMEngineBuild.read(layout.llm_engine), reuse, chunked
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _no_reuse_no_chunks(build_dir: Path, _variant: Variant) -> tuple[bool, str]:
+    """An fp32 engine has no paged context FMHA (no fused context kernel in fp32: llm.engine_build), which KV-cache
+    reuse and chunked context need: the repository turns both off."""
+    engine, reuse, chunked = _llm_scheduling(build_dir)
+    figure = (
+        f"paged context FMHA {_on(engine.paged_context_fmha)}, KV-cache reuse {_on(reuse)}, "
+        f"chunked context {_on(chunked)}"
+    )
+    return not (engine.paged_context_fmha or reuse or chunked), figure
+
+
+def _chunked_prompts(build_dir: Path, variant: Variant) -> tuple[bool, str]:
+    """Chunked context on, and every request's prompt longer than the engine's step (max_num_tokens)."""
+    from .preprocess import Preprocessor
+
+    engine, _, chunked = _llm_scheduling(build_dir)
+    pre = Preprocessor.from_pretrained(variant.model)
+    lengths = [pre([_user_message(prompt, images)]).num_tokens for prompt, images in variant.requests]
+    figure = f"prompts of {lengths} tokens, max_num_tokens {engine.max_num_tokens}, chunked context {_on(chunked)}"
+    return chunked and min(lengths) > engine.max_num_tokens, figure
+
+
+def _user_message(prompt: str, images: Sequence[bytes], videos: Sequence[bytes] = ()) -> dict[str, Any]:
+    """The chat message the client's generate() sends for a prompt with images and videos."""
+    parts = [{"type": "image", "image": image} for image in images]
+    parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
+    return {"role": "user", "content": parts}
 
 
 def _served_tokens(
@@ -736,17 +1095,19 @@ def _tokens_ensemble(
     """The ensemble that answers the engine's token ids (the gateway's and decoding clients': no python step per
     streamed token), decoded by the client, against the one that answers text: the same text and ids for each
     request, streamed (the tensorrtllm backend's responses, each with its new ids) and not."""
+    from .checkpoint import generation_end_ids
     from .detokenize import Detokenizer
     from .manifest import BuildManifest
     from .serving.client import Client
 
-    detokenizer = Detokenizer.from_model_dir(BuildManifest.read(build_dir).model)
-    decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=detokenizer)
+    model = BuildManifest.read(build_dir).model
+    decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=Detokenizer.from_model_dir(model))
     # And one that ends on the end id at once (a +100 bias): the engine's last streamed response then carries no
-    # token ([1, 1, 0]), which both ensembles' decoding must take.
+    # token ([1, 1, 0]), which both ensembles' decoding must take. The engine's end id is the one preprocessing sends:
+    # generation_config's first eos id (its others go as stop words, which end otherwise).
     Case = tuple[str, list[bytes], list[bytes], dict[str, Any]]
     ends: dict[str, Case] = {
-        "ends on the end id": ("Say nothing.", [], [], {"logit_bias": {min(detokenizer.end_ids): 100.0}})
+        "ends on the end id": ("Say nothing.", [], [], {"logit_bias": {generation_end_ids(model)[0]: 100.0}})
     }
     cases: dict[str, Case] = {kind: (*request, {}) for kind, request in requests.items()} | ends
     try:
@@ -960,9 +1321,7 @@ class _TransformersGreedy:
 
         from .testing.hf_reference import hf_request_inputs
 
-        parts = [{"type": "image", "image": image} for image in images]
-        parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
-        request = self.pre([{"role": "user", "content": parts}])  # on the CPU: FFmpeg's frames, as transformers
+        request = self.pre([_user_message(prompt, images, videos)])  # on the CPU: FFmpeg's frames, as transformers
         ids = np.concatenate([request.input_ids, np.asarray(served, dtype=request.input_ids.dtype)])
         info = self.pre.info
         inputs = hf_request_inputs(self.model, request, info.image_token_id, info.video_token_id, ids)
@@ -973,15 +1332,20 @@ class _TransformersGreedy:
         steps = logits[start : start + len(served)]
         greedy = steps.argmax(-1).tolist()
         equal = next((i for i, (a, b) in enumerate(zip(served, greedy, strict=True)) if a != b), len(served))
-        gaps = [
-            float(row.max() - row[token]) / (float(row.max() - row.median()) or 1.0)
-            for row, token in zip(steps, served, strict=True)
-        ]
-        return equal, gaps
+        return equal, logit_gaps(steps, served)
 
 
-def write_report(report: Report, output: Path) -> Path:
+def logit_gaps(steps: Any, served: Sequence[int]) -> list[float]:
+    """How far each served token's logit is from its step's best, as a share of the step's max - median (steps: the
+    logits [len(served), vocab] that score them)."""
+    return [
+        float(row.max() - row[token]) / (float(row.max() - row.median()) or 1.0)
+        for row, token in zip(steps, served, strict=True)
+    ]
+
+
+def write_report(report: Report, output: Path, name: str = RESULT_FILE) -> Path:
     output.mkdir(parents=True, exist_ok=True)
-    path = output / RESULT_FILE
+    path = output / name
     path.write_text(report.to_json())
     return path

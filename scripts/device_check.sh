@@ -1,44 +1,48 @@
 #!/usr/bin/env bash
-# The vision plugin and engine checks, in one run on a GPU host (torch with CUDA; TensorRT 10.14 for the engine
-# part; flash-attn compared where importable):
-#   1. the varlen attention kernel against per-segment SDPA (and flash-attn's varlen kernel) at Qwen3-VL's sizes,
-#      16 heads, head_dim 72, 4-16 images of 1024-4096 patches: errors and time ratios as a table;
-#   2. where TensorRT is present: `build-vision-engine` from a tiny checkpoint's plugin export through the command
-#      line, then engines of head_dim 64 and 72 towers against ONNX Runtime (scripts/vision_engine_check.py).
-# Exits 3 at once without a CUDA device; non-zero when a check fails. Tables and JSON go to $OUT (default: a temp
-# directory, printed at the end).
+# The one short run (a few minutes) of a GPU machine, with or without TensorRT: torch with CUDA and the Triton language
+# are enough; nvImageCodec, PyNvVideoCodec, flash-attn and TensorRT are checked where present.
+#   - the varlen attention kernel against per-segment SDPA (and flash-attn's varlen kernel) at Qwen3-VL's sizes;
+#   - nvImageCodec and NVDEC (PyNvVideoCodec) decoding into device memory against Pillow and FFmpeg;
+#   - the GPU preprocessing of a JPEG and of an H.264 request against the CPU's pixels;
+#   - where TensorRT is: the plugin vision engine of a tiny checkpoint against the transformers tower.
+# One table (check | status | figure | limit); device_check.json in $OUT (default: a temporary directory, printed).
+# A row whose needs are missing is SKIPPED with the reason (build/acceptance.py, run_device_check).
+# Exit 0: every row passed; 1: a row failed; 3: some were skipped, or no CUDA device at all (then nothing runs).
+# On a machine without a package index, WHEELS=DIR installs the decoders build/gpu_image.py pins from DIR first (and
+# this package without its dependencies where it is not installed).
+#   [OUT=DIR] [WHEELS=DIR] scripts/device_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
 if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "device_check: no CUDA device visible to torch ($python): run this on a GPU host" >&2
     exit 3
 fi
+if [ -n "${WHEELS:-}" ]; then
+    mapfile -t pins < <("$python" build/gpu_image.py requirements)
+    "$python" -m pip install --quiet --no-index --find-links "$WHEELS" "${pins[@]}"
+    if ! "$python" -c "import qwen3vl_trt" 2>/dev/null; then
+        "$python" -m pip install --quiet --no-index --find-links "$WHEELS" --no-deps --no-build-isolation -e .
+    fi
+fi
 out=${OUT:-$(mktemp -d)}
-mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cli=("$python" -m qwen3vl_trt.cli)
-
-echo "== GPU"
 "$python" -c "import torch; print(torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability(), \
 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
+status=0
+"$python" - "$work" "$out" <<'EOF' || status=$?
+import sys
+from pathlib import Path
 
-echo "== varlen attention kernel vs per-segment SDPA (vs flash-attn varlen)"
-"$python" scripts/bench_varlen_attention.py --json "$out/varlen_attention.json" | tee "$out/varlen_attention.txt"
+from qwen3vl_trt.acceptance import DEVICE_CHECK_FILE, run_device_check, write_report
 
-if ! "$python" -c "import tensorrt" 2>/dev/null; then
-    echo "== vision engine: skipped (tensorrt is not importable by $python)"
-    echo "results in $out"
-    exit 0
-fi
-echo "== build-vision-engine (command line), TensorRT $("$python" -c "import tensorrt; print(tensorrt.__version__)")"
-"${cli[@]}" make-tiny --output "$work/tiny"
-"${cli[@]}" export-vision --model "$work/tiny" --variant plugin --dtype bf16 --output "$work/plugin"
-"${cli[@]}" build-vision-engine --onnx "$work/plugin" --output "$work/engine" --dtype bf16 \
-    --opt-patches 1024 --max-patches 8192 --max-images 16 --timing-cache "$out/timing.cache"
-cp "$work/engine/vision_engine.json" "$out/vision_engine.json"
-
-echo "== vision engines vs ONNX Runtime"
-"$python" scripts/vision_engine_check.py --json "$out/vision_engine_check.json" | tee "$out/vision_engine_check.txt"
+report = run_device_check(Path(sys.argv[1]))
+print(report.table())
+path = write_report(report, Path(sys.argv[2]), DEVICE_CHECK_FILE)
+print(f"\n{path}: exit code {report.exit_code} (0 passed, 1 a row failed, 3 some rows skipped)")
+sys.exit(report.exit_code)
+EOF
 echo "results in $out"
+exit "$status"

@@ -40,9 +40,27 @@ CHECKS = [
         )
     ],
     *[
-        f"{check} (block-FP8 dense, --llm-quant {mode})"
-        for mode in ("none", "int8-wo", "int4-wo", "fp8")
-        for check in ("qwen3vl-trt build, every stage", "served tokens vs transformers greedy on the bf16 twin")
+        f"{check} ({name})"
+        for name, served in (
+            *[
+                (f"block-FP8 {model}, --llm-quant {mode}", "served tokens vs transformers greedy on the bf16 twin")
+                for model, modes in (
+                    (
+                        "dense",
+                        ("none", "int8-wo", "int4-wo", "fp8", "fp8 --kv-cache-dtype fp8", "none --kv-cache-dtype int8"),
+                    ),
+                    ("MoE", ("int8-wo", "fp8")),
+                )
+                for mode in modes
+            ],
+            ("dense, --llm-dtype fp32", "KV-cache reuse and chunked context off; served tokens vs transformers greedy"),
+            (
+                "dense, max_num_tokens 128",
+                "a prompt longer than max_num_tokens, prefilled in chunks; served tokens vs transformers greedy",
+            ),
+            ("dense, tp 2", "served tokens vs transformers greedy"),
+        )
+        for check in ("qwen3vl-trt build, every stage", served)
     ],
 ]
 
@@ -63,6 +81,14 @@ def test_on_a_cpu_machine_every_row_is_skipped_with_its_reason(tmp_path):
         assert row["check"].startswith(check) and row["status"] == SKIPPED and row["limit"], row
         assert "no CUDA device is visible" in row["detail"] or row["detail"] == "the repository was not served", row
     assert "tensorrt is not importable" in rows[4]["detail"] and "tensorrt_llm is not importable" in rows[4]["detail"]
+    assert all("(it needs 2)" in row["detail"] for row in rows[-2:])  # tp 2
+    # Every model the rows build has grouped-query attention, as every release: with as many key/value heads as query
+    # heads TensorRT-LLM's attention reads the fused qkv interleaved per head (build/acceptance.py, QUANT_TEXT).
+    configs = sorted((tmp_path / "w").glob("tiny-*/config.json"))
+    assert len(configs) == 8  # dense, MoE, and the block-FP8 dense and MoE with their bf16 and twin checkpoints
+    for config in configs:
+        text = json.loads(config.read_text())["text_config"]
+        assert text["num_attention_heads"] > text["num_key_value_heads"], config
     # The table: a header, a rule, one line per row, then the reasons.
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("check "))

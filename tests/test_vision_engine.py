@@ -1,7 +1,7 @@
 """build-vision-engine and the engine runner where TensorRT is absent: input checks first (exit 2), then a clear
 GPU-stack message (exit 3); the profile's shapes; the sidecar checks the runner makes before loading an engine; and
 `qwen3vl-trt build` recording the stage as skipped. The build and the runner themselves run through the TensorRT
-stand-in in test_vision_trt_standin.py, and for real on GPU hosts (scripts/device_check.sh)."""
+stand-in in test_vision_trt_standin.py, and for real on GPU hosts (scripts/gpu_acceptance.sh)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from qwen3vl_trt.vision.engine import build_vision_engine, tensorrt_problem
 from qwen3vl_trt.vision.export import export_vision
 from qwen3vl_trt.vision.sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 
-# What a machine without TensorRT or a GPU shows; GPU hosts build for real (scripts/device_check.sh).
+# What a machine without TensorRT or a GPU shows; GPU hosts build for real (scripts/gpu_acceptance.sh).
 without_gpu_stack = pytest.mark.skipif(tensorrt_problem() is None, reason="TensorRT and a GPU are here")
 
 

@@ -1,0 +1,196 @@
+"""The GPU acceptance's served rows (build/acceptance.py) run against the CPU target's deployment: every check they
+make of a served repository (warm-up, tokens against transformers, the tokens ensemble, the visual cache, guided
+decoding, sampling options, healing, draining) and the rows and report around them, on tritonserver 2.51 with the
+reference runtime where a GPU host runs them on the tensorrtllm backend. Only what needs CUDA or TensorRT is taken as
+present. What this deployment cannot do fails here as the check says it must: tritonserver 2.51 cuts a stream in flight
+when it stops (docs/gpu-hosts.md)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from deployment import LIMITS
+from qwen3vl_trt import acceptance
+from qwen3vl_trt.acceptance import FAIL, FIRST_REQUEST_RATIO, PASS, RESULT_FILE, Acceptance, Variant, write_report
+from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.parameters import CACHE_MEMORY
+from qwen3vl_trt.serving.server import serve
+from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
+from qwen3vl_trt.testing.tiny import synthetic_jpeg
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+# What a GPU host has and this machine has not: the rows' needs that stand for CUDA, TensorRT, TensorRT-LLM and the
+# GPU decoders.
+GPU_NEEDS = ("_cuda", "_tensorrt", "_tensorrt_llm", "_NVIMGCODEC", "_PYNVVIDEOCODEC")
+ENDING_PROMPT = "Say nothing."  # the tokens ensemble's case that ends on the end id at once
+
+
+def _present() -> None:
+    return None
+
+
+class Recorded:
+    """Every Client.generate call of the run: its prompt, images, options and answer's token ids."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[bytes, ...], dict, list[int]]] = []
+
+    def wrap(self, generate):
+        @functools.wraps(generate)
+        def recording(client, prompt, images=(), max_tokens=64, **options):
+            answer = generate(client, prompt, images, max_tokens, **options)
+            self.calls.append((prompt, tuple(images), dict(options), answer.token_ids))
+            return answer
+
+        return recording
+
+
+@pytest.fixture(scope="module")
+def run(checkpoints, cpu_repository, tmp_path_factory):
+    """served_rows of the dense checkpoint over the CPU deployment (served with its in-process visual cache, and a
+    short stop grace: tritonserver 2.51 does not drain, so the stop waits the grace out), then one variant whose
+    build and serving are stood in for (its requests answered as served_rows' server answered them)."""
+    work = tmp_path_factory.mktemp("acceptance")
+    recorded = Recorded()
+    built: list[dict] = []
+    with pytest.MonkeyPatch.context() as patch:
+        for need in GPU_NEEDS:
+            patch.setattr(acceptance, need, _present)
+        patch.setattr(
+            serve, "TritonServer", functools.partial(serve.TritonServer, visual_cache=CACHE_MEMORY, stop_grace=5)
+        )
+        patch.setattr(Client, "generate", recorded.wrap(Client.generate))
+        run = Acceptance(work, log=lambda _line: None)
+        run._builds["dense"] = cpu_repository.parent
+        run.served_rows("dense", checkpoints["dense"])
+
+        def build(model, output, **options):
+            built.append(options)
+            output.mkdir(parents=True)
+            return type("Manifest", (), {"done_stages": lambda self: ["llm_checkpoint"]})()
+
+        def served_once(_build_dir, requests, _log_path):
+            plain = [call for call in recorded.calls if not any(call[2].values())]  # no options but videos=[]
+            answers = {(prompt, images): tokens for prompt, images, _, tokens in plain}
+            return [answers[(prompt, tuple(images))] for prompt, images in requests]
+
+        patch.setattr("qwen3vl_trt.pipeline.build", build)
+        patch.setattr(acceptance, "_served_once", served_once)
+        jpeg = ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)])
+        text = ("Describe a sunset in three words.", [])
+        dense = checkpoints["dense"]
+        variant = Variant(
+            "dense, tp 2", dense, dense, acceptance.LOGIT_GAP, "served", (text, jpeg), {"tp": 2}, check=_checked
+        )
+        run.variant_rows(variant)
+        run.variant_rows(replace(variant, name="wrong tokens", reference=checkpoints["moe"]))  # another model's scores
+        run.variant_rows(replace(variant, name="refused", check=_refused))
+    return run.report, recorded, built
+
+
+def _checked(build_dir, variant) -> tuple[bool, str]:
+    return True, f"checked {build_dir.name} for {variant.name}"
+
+
+def _refused(_build_dir, _variant) -> tuple[bool, str]:
+    return False, "the build is not what the row needs"
+
+
+def _rows(report, name: str = "dense") -> dict[str, acceptance.Row]:
+    """The rows of the served model `name`, by their check without the name."""
+    tail = f" ({name})"
+    return {row.check.removesuffix(tail): row for row in report.rows if row.check.endswith(tail)}
+
+
+def test_every_served_check_passes_on_the_cpu_deployment(run):
+    report, *_ = run
+    rows = _rows(report)
+    for check in (
+        "serve the GPU repository",
+        "served tokens vs transformers greedy, text only",
+        "served tokens vs transformers greedy, one JPEG",
+        "served tokens vs transformers greedy, an H.264 video",  # the host decodes it here, without a warning
+        "the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble",
+        "a repeated image: a visual cache hit, no decode, no vision encoder",
+        "guided decoding on the engine: a json_schema answer and a required tool call",
+        "logit bias, presence penalty and log probs on the engine",
+        "metrics published; a killed vision_encoder stub comes back",
+    ):
+        assert rows[check].status == PASS, rows[check]
+    assert "0 server log lines on tensors missing the CUDA memory pool" in rows["serve the GPU repository"].figure
+    for kind in ("text only", "one JPEG", "an H.264 video"):
+        assert re.match(
+            r"(\d+)/\1 tokens equal, largest gap 0\.000", rows[f"served tokens vs transformers greedy, {kind}"].figure
+        )
+    assert rows["a repeated image: a visual cache hit, no decode, no vision encoder"].figure == (
+        "same tokens, 1 hit(s), 0 decoded, 0 runs"
+    )
+    assert "back after" in rows["metrics published; a killed vision_encoder stub comes back"].figure
+
+    # The warm-up's verdict is its figure's (a CPU's first request may or may not be slower).
+    warm = rows["serve's warm-up through every model, then the first request against the next ten"]
+    ratio = float(re.search(r"\(x([\d.]+)\)$", warm.figure).group(1))
+    assert warm.figure.startswith("4 warm-up requests") and warm.status == (
+        PASS if ratio <= FIRST_REQUEST_RATIO else FAIL
+    )
+
+
+def test_a_stop_cuts_the_stream_on_tritonserver_2_51_and_leaves_no_shared_memory(run):
+    report, *_ = run
+    drain = _rows(report)["a stop lets a stream in flight finish"]
+    assert drain.status == FAIL and "the stream cut" in drain.figure, drain
+    named, left = map(int, re.search(r"prefix: (\d+) while serving, (\d+) after$", drain.figure).groups())
+    assert named > 0 and left == 0, drain
+
+
+def test_the_ending_case_biases_the_end_id_preprocessing_sends_and_ends_at_once(run, checkpoints):
+    """On the GPU the engine stops on its end id only (the other eos ids are stop words): the case that must end
+    on it biases the id preprocessing gives the llm as end_id."""
+    _, recorded, _ = run
+    ending = [(options, tokens) for prompt, _, options, tokens in recorded.calls if prompt == ENDING_PROMPT]
+    assert len(ending) == 4  # both ensembles, streamed and not
+    (biased,) = {tuple(options["logit_bias"]) for options, _ in ending}
+    assert all(tokens == [] for _, tokens in ending)
+    request = {
+        interface.TEXT_INPUT.name: np.array([ENDING_PROMPT.encode()], object),
+        interface.MAX_TOKENS.name: np.array([8], np.int32),
+    }
+    prepared = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64).execute([request])[0]
+    assert biased == (int(prepared.outputs[interface.END_ID.name][0]),)
+
+
+def test_variant_rows_build_with_their_options_and_score_the_served_tokens(run):
+    report, _, built = run
+    rows = {row.check: row for row in report.rows}
+    assert [(options["target"], options["tp"]) for options in built] == [("gpu", 2)] * 3
+    assert rows["qwen3vl-trt build, every stage (dense, tp 2)"].status == PASS
+    served = rows["served (dense, tp 2)"]
+    assert served.status == PASS and re.fullmatch(
+        r"checked build-dense-tp-2 for dense, tp 2; (\d+)/\1 tokens equal; (\d+)/\2 tokens equal; largest gap 0\.000",
+        served.figure,
+    )
+    wrong = rows["served (wrong tokens)"]
+    assert wrong.status == FAIL and float(wrong.figure.rsplit(" ", 1)[1]) > acceptance.LOGIT_GAP, wrong
+    refused = rows["served (refused)"]
+    assert (refused.status, refused.figure) == (FAIL, "the build is not what the row needs")
+
+
+def test_the_report_says_each_rows_verdict(run, tmp_path):
+    report, *_ = run
+    path = write_report(report, tmp_path)
+    assert path.name == RESULT_FILE
+    body = json.loads(path.read_text())
+    statuses = [row["status"] for row in body["rows"]]
+    assert body["exit_code"] == acceptance.EXIT_FAILED
+    assert body["counts"] == {status: statuses.count(status) for status in (PASS, FAIL, acceptance.SKIPPED)}
+    table = report.table().splitlines()
+    assert len(table) >= len(report.rows) + 2
+    assert all(f" | {row.status} " in table[i + 2] for i, row in enumerate(report.rows))
