@@ -674,7 +674,7 @@ def variants(work: Path, dense: Path) -> list[Variant]:
             LOGIT_GAP,
             f"KV-cache reuse and chunked context off; {served}",
             (text, jpeg),
-            {"llm_dtype": "fp32"},
+            dict(llm_dtype="fp32"),
             check=_no_reuse_no_chunks,
         ),
         Variant(
@@ -684,10 +684,10 @@ def variants(work: Path, dense: Path) -> list[Variant]:
             LOGIT_GAP,
             f"a prompt longer than max_num_tokens, prefilled in chunks; {served}",
             (jpeg,),
-            {"limits": EngineLimits(max_num_tokens=CHUNK_TOKENS)},
+            dict(limits=EngineLimits(max_num_tokens=CHUNK_TOKENS)),
             check=_chunked_prompts,
         ),
-        Variant("dense, tp 2", dense, dense, LOGIT_GAP, served, (text, jpeg), {"tp": 2}, (_gpus(2),)),
+        Variant("dense, tp 2", dense, dense, LOGIT_GAP, served, (text, jpeg), dict(tp=2), (_gpus(2),)),
     ]
 
 
