@@ -1,29 +1,54 @@
 """The GPU acceptance's served rows (build/acceptance.py) run against the CPU target's deployment: every check they
 make of a served repository (warm-up, tokens against transformers, the tokens ensemble, the visual cache, guided
 decoding, sampling options, healing, draining) and the rows and report around them, on tritonserver 2.51 with the
-reference runtime where a GPU host runs them on the tensorrtllm backend. Only what needs CUDA or TensorRT is taken as
-present. What this deployment cannot do fails here as the check says it must: tritonserver 2.51 cuts a stream in flight
-when it stops (docs/gpu-hosts.md)."""
+reference runtime where a GPU host runs them on the tensorrtllm backend. As on a GPU host, the vision models read a
+vision engine (the GPU target's graph in fp32, built through the TensorRT stand-in) and tritonserver's python stub
+runs it with the engine runner (`VisionBatching(engine_dir=...)`, its warm-up at load included), with the stand-in and
+CUDA on the host (tests/tensorrt_standin/stub_gpu.py, imported first by that model's model.py). Only what needs CUDA
+or TensorRT is taken as present. What this deployment cannot do fails here as the check says it must: tritonserver
+2.51 cuts a stream in flight when it stops (docs/gpu-hosts.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
-from dataclasses import replace
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from deployment import LIMITS
+from deployment import LIMITS, user
 from qwen3vl_trt import acceptance
-from qwen3vl_trt.acceptance import FAIL, FIRST_REQUEST_RATIO, PASS, RESULT_FILE, Acceptance, Variant, write_report
+from qwen3vl_trt.acceptance import (
+    FAIL,
+    FIRST_REQUEST_RATIO,
+    NEW_TOKENS,
+    PASS,
+    RESULT_FILE,
+    Acceptance,
+    Variant,
+    write_report,
+)
+from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.runtime.local import LocalPipeline
+from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.parameters import CACHE_MEMORY
+from qwen3vl_trt.serving.parameters import CACHE_MEMORY, PreprocessingParameters, VisionEncoderParameters
+from qwen3vl_trt.serving.repository import model_config
 from qwen3vl_trt.serving.server import serve
+from qwen3vl_trt.serving.server.launch import repository_models
+from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
+from qwen3vl_trt.vision.engine import build_vision_engine
+from qwen3vl_trt.vision.export import export_vision
+from qwen3vl_trt.vision.sidecar import VisionEngineProfile
+from tensorrt_standin.activation import gpu_in_stub, gpu_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -31,6 +56,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.server]
 # GPU decoders.
 GPU_NEEDS = ("_cuda", "_tensorrt", "_tensorrt_llm", "_NVIMGCODEC", "_PYNVVIDEOCODEC")
 ENDING_PROMPT = "Say nothing."  # the tokens ensemble's case that ends on the end id at once
+JPEG = ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)])  # served_rows' "one JPEG", the variant's
+TEXT = ("Describe a sunset in three words.", [])
 
 
 def _present() -> None:
@@ -54,23 +81,71 @@ class Recorded:
 
 
 @pytest.fixture(scope="module")
-def run(checkpoints, cpu_repository, tmp_path_factory):
-    """served_rows of the dense checkpoint over the CPU deployment (served with its in-process visual cache, and a
-    short stop grace: tritonserver 2.51 does not drain, so the stop waits the grace out), then one variant whose
-    build and serving are stood in for (its requests answered as served_rows' server answered them)."""
+def engine_build(tiny_dense, cpu_repository, tmp_path_factory):
+    """The CPU deployment's build with its vision models reading a vision engine built through the TensorRT stand-in
+    for the deployment's limits (the other build files linked)."""
+    work = tmp_path_factory.mktemp("engine-build")
+    plugin = export_vision(tiny_dense, work / "vision_plugin", variant="plugin", log=lambda *_: None).output_dir
+    parameters = VisionEncoderParameters.from_model_config(model_config.read(cpu_repository / interface.VISION_ENCODER))
+    profile = VisionEngineProfile.for_visual_tokens(parameters.limits.max_visual_tokens, merge_unit=4)
+    with gpu_stack():
+        engine = build_vision_engine(plugin, work / "vision_engine", profile, log=lambda *_: None)
+    build = work / "build"
+    build.mkdir()
+    for path in cpu_repository.parent.iterdir():
+        if path != cpu_repository:
+            (build / path.name).symlink_to(path)
+    repo = shutil.copytree(cpu_repository, build / cpu_repository.name)
+    for model, declaration in (
+        (interface.VISION_ENCODER, VisionEncoderParameters),
+        (interface.PREPROCESSING, PreprocessingParameters),
+    ):
+        config = model_config.read(repo / model)
+        dataclasses.replace(declaration.from_model_config(config), vision_engine_dir=engine).apply(config)
+        model_config.write(repo / model, config)
+    gpu_in_stub(repo / interface.VISION_ENCODER)
+    return build
+
+
+def _tree(root) -> dict[str, int]:
+    return {str(path.relative_to(root)): path.lstat().st_mtime_ns for path in sorted(root.rglob("*"))}
+
+
+@dataclass
+class Served:
+    report: acceptance.Report
+    recorded: Recorded
+    built: list[dict]  # the stood-in builds' options
+    metrics: dict  # the first metrics read (before the vision_encoder's stub is killed)
+    trees: tuple[dict[str, int], dict[str, int]]  # the repository's files and their mtimes, before and after
+    repo: Path  # the repository served
+    log: Path  # the server's
+
+
+@pytest.fixture(scope="module")
+def run(checkpoints, engine_build, tmp_path_factory):
+    """served_rows of the dense checkpoint over the CPU deployment reading the vision engine (served with its
+    in-process visual cache, and a short stop grace: tritonserver 2.51 does not drain, so the stop waits the grace
+    out), then one variant whose build and serving are stood in for (its requests answered as served_rows' server
+    answered them)."""
     work = tmp_path_factory.mktemp("acceptance")
     recorded = Recorded()
     built: list[dict] = []
+    metrics: list[dict] = []
+    repo = BuildLayout(engine_build).triton_repo
+    before = _tree(repo)
     with pytest.MonkeyPatch.context() as patch:
         for need in GPU_NEEDS:
             patch.setattr(acceptance, need, _present)
         patch.setattr(
-            serve, "TritonServer", functools.partial(serve.TritonServer, visual_cache=CACHE_MEMORY, stop_grace=5)
+            serve, "TritonServer", functools.partial(serve.TritonServer, visual_cache=CACHE_MEMORY, stop_grace=2)
         )
         patch.setattr(Client, "generate", recorded.wrap(Client.generate))
+        patch.setattr(stage_metrics, "read", functools.partial(_recorded_read, stage_metrics.read, metrics))
         run = Acceptance(work, log=lambda _line: None)
-        run._builds["dense"] = cpu_repository.parent
+        run._builds["dense"] = engine_build
         run.served_rows("dense", checkpoints["dense"])
+        after = _tree(repo)
 
         def build(model, output, **options):
             built.append(options)
@@ -84,16 +159,20 @@ def run(checkpoints, cpu_repository, tmp_path_factory):
 
         patch.setattr("qwen3vl_trt.pipeline.build", build)
         patch.setattr(acceptance, "_served_once", served_once)
-        jpeg = ("Describe this picture.", [synthetic_jpeg(480, 640, seed=5)])
-        text = ("Describe a sunset in three words.", [])
         dense = checkpoints["dense"]
         variant = Variant(
-            "dense, tp 2", dense, dense, acceptance.LOGIT_GAP, "served", (text, jpeg), {"tp": 2}, check=_checked
+            "dense, tp 2", dense, dense, acceptance.LOGIT_GAP, "served", (TEXT, JPEG), {"tp": 2}, check=_checked
         )
         run.variant_rows(variant)
         run.variant_rows(replace(variant, name="wrong tokens", reference=checkpoints["moe"]))  # another model's scores
         run.variant_rows(replace(variant, name="refused", check=_refused))
-    return run.report, recorded, built
+    return Served(run.report, recorded, built, metrics[0], (before, after), repo, work / "server-dense.log")
+
+
+def _recorded_read(read, into: list[dict], url: str) -> dict:
+    samples = read(url)
+    into.append(samples)
+    return samples
 
 
 def _checked(build_dir, variant) -> tuple[bool, str]:
@@ -111,8 +190,7 @@ def _rows(report, name: str = "dense") -> dict[str, acceptance.Row]:
 
 
 def test_every_served_check_passes_on_the_cpu_deployment(run):
-    report, *_ = run
-    rows = _rows(report)
+    rows = _rows(run.report)
     for check in (
         "serve the GPU repository",
         "served tokens vs transformers greedy, text only",
@@ -144,18 +222,47 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
 
 
 def test_a_stop_cuts_the_stream_on_tritonserver_2_51_and_leaves_no_shared_memory(run):
-    report, *_ = run
-    drain = _rows(report)["a stop lets a stream in flight finish"]
+    drain = _rows(run.report)["a stop lets a stream in flight finish"]
     assert drain.status == FAIL and "the stream cut" in drain.figure, drain
     named, left = map(int, re.search(r"prefix: (\d+) while serving, (\d+) after$", drain.figure).groups())
     assert named > 0 and left == 0, drain
 
 
+def test_the_engine_runner_serves_onnx_runtimes_tokens(run, tiny_dense, cpu_repository):
+    """The vision encoder ran the engine (through the stand-in: ONNX Runtime on the plan's ONNX) and the deployment
+    answered what the chain with ONNX Runtime's encoder answers."""
+    prompt, images = JPEG
+    served = next(
+        tokens
+        for p, i, options, tokens in run.recorded.calls
+        if (p, list(i)) == (prompt, images) and not any(options.values())  # no options but videos=[]
+    )
+    local = LocalPipeline(tiny_dense, cpu_repository.parent).generate(
+        user(prompt, *images), SamplingParams(max_new_tokens=NEW_TOKENS)
+    )
+    assert served == local.token_ids and len(served) == NEW_TOKENS
+    # The engine encoded the images: patches counted, no run timed on the host (engine runs end on a CUDA stream).
+    encoder = interface.VISION_ENCODER
+    assert run.metrics[(stage_metrics.PATCHES_ENCODED.name, encoder)] > 0
+    assert run.metrics[(f"{stage_metrics.VISION_RUN_PATCHES.name}_count", encoder)] > 0
+    assert run.metrics.get((f"{stage_metrics.VISION_RUN_SECONDS.name}_count", encoder), 0) == 0
+
+
+def test_serving_writes_nothing_into_the_repository_and_loads_each_model_once(run):
+    """The python stubs write no bytecode into the version directories (writer.BYTECODE_BLOCKER), so loading the
+    ensembles after the models `serve` loaded with overrides loads none of them again."""
+    before, after = run.trees
+    assert after == before
+    lines = run.log.read_text(errors="replace").splitlines()
+    killed = next(i for i, line in enumerate(lines) if "lost its python stub" in line)
+    loads = [m for line in lines[:killed] for m in re.findall(r'"loading: (\w+):1"', line)]
+    assert sorted(loads) == sorted(repository_models(run.repo))
+
+
 def test_the_ending_case_biases_the_end_id_preprocessing_sends_and_ends_at_once(run, checkpoints):
     """On the GPU the engine stops on its end id only (the other eos ids are stop words): the case that must end
     on it biases the id preprocessing gives the llm as end_id."""
-    _, recorded, _ = run
-    ending = [(options, tokens) for prompt, _, options, tokens in recorded.calls if prompt == ENDING_PROMPT]
+    ending = [(options, tokens) for prompt, _, options, tokens in run.recorded.calls if prompt == ENDING_PROMPT]
     assert len(ending) == 4  # both ensembles, streamed and not
     (biased,) = {tuple(options["logit_bias"]) for options, _ in ending}
     assert all(tokens == [] for _, tokens in ending)
@@ -168,9 +275,8 @@ def test_the_ending_case_biases_the_end_id_preprocessing_sends_and_ends_at_once(
 
 
 def test_variant_rows_build_with_their_options_and_score_the_served_tokens(run):
-    report, _, built = run
-    rows = {row.check: row for row in report.rows}
-    assert [(options["target"], options["tp"]) for options in built] == [("gpu", 2)] * 3
+    rows = {row.check: row for row in run.report.rows}
+    assert [(options["target"], options["tp"]) for options in run.built] == [("gpu", 2)] * 3
     assert rows["qwen3vl-trt build, every stage (dense, tp 2)"].status == PASS
     served = rows["served (dense, tp 2)"]
     assert served.status == PASS and re.fullmatch(
@@ -184,7 +290,7 @@ def test_variant_rows_build_with_their_options_and_score_the_served_tokens(run):
 
 
 def test_the_report_says_each_rows_verdict(run, tmp_path):
-    report, *_ = run
+    report = run.report
     path = write_report(report, tmp_path)
     assert path.name == RESULT_FILE
     body = json.loads(path.read_text())
