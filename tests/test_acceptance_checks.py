@@ -175,6 +175,7 @@ class HostFrames:
             yield torch.stack(frames[first : first + 16])
 
 
+@pytest.mark.once
 def test_the_device_checks_measure_on_any_device(checkpoints):
     """Each device row's measurement, run on the CPU: the same decoders and preprocessing there leave no difference."""
     dense = checkpoints["dense"]
@@ -185,6 +186,7 @@ def test_the_device_checks_measure_on_any_device(checkpoints):
     assert acceptance._video_pixels_against_host(dense, "cpu", "pyav") == (True, 0.0, False)
 
 
+@pytest.mark.once
 def test_on_a_cpu_machine_every_device_row_is_skipped_with_its_reason(tmp_path):
     report = acceptance.run_device_check(tmp_path, log=lambda _line: None)
     assert [row.status for row in report.rows] == [acceptance.SKIPPED] * len(report.rows) == [acceptance.SKIPPED] * 8
@@ -192,6 +194,7 @@ def test_on_a_cpu_machine_every_device_row_is_skipped_with_its_reason(tmp_path):
     assert report.exit_code == acceptance.EXIT_SKIPPED
 
 
+@pytest.mark.once
 def test_device_check_sh_exits_3_without_cuda(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.sh"
     result = subprocess.run(

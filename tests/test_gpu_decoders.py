@@ -31,6 +31,7 @@ from qwen3vl_trt.testing.tiny import synthetic_video
 from tensorrt_standin.host_cuda import host_cuda
 from videos import clip, corrupt_middle
 
+pytestmark = pytest.mark.once  # decoders and our preprocessing against the host's: no transformers
 pytest.importorskip("nvidia.nvimgcodec")
 STANDINS = Path(__file__).parent / "decoder_standins"
 

@@ -44,6 +44,9 @@ from tensorrt_standin.activation import gpu_stack
 from tensorrt_standin.host_cuda import DEVICE_NAME
 from test_vision_batching import _request
 
+# The engines run what the export wrote, whatever transformers made it (test_export_vision checks the export under
+# both versions).
+pytestmark = pytest.mark.once
 VARIANTS = ("portable", "plugin")
 PROFILE = VisionEngineProfile(min_patches=8, opt_patches=64, max_patches=256, max_images=8)
 # One batch of requests: sizes, a non-square grid, the smallest grid and a video of two frame pairs (two segments).
