@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -314,35 +313,26 @@ class TritonServer:
             time.sleep(0.1)
 
     def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
-        """Loads `models` through the repository API, each with its config override if it has one: the models that
-        are not ensembles at once (Triton loads unrelated models in parallel: core r24.10 model_repository_manager.cc
-        LoadUnloadModels releases its lock while they load), then the ensembles. Loading an ensemble loads its
-        composing models again where their directory changed since (writer.BYTECODE_BLOCKER), from their
-        config.pbtxt, so overrides are checked after and applied once more where that happened."""
-        from tritonclient.grpc import InferenceServerClient
+        """Loads `models` through the repository API, each with its config override if it has one, one at a time
+        (python models loaded side by side through the API crashed tritonserver 2.51's python backend under load:
+        a boost::interprocess::lock_exception in TRITONBACKEND_ModelInstanceFinalize). Loading an ensemble loads its
+        composing models again where their directory changed since (writer.BYTECODE_BLOCKER keeps the stubs from
+        changing it), from their config.pbtxt, so overrides are checked after and applied once more where that
+        happened."""
         from tritonclient.utils import InferenceServerException
 
         deadline = time.monotonic() + timeout
-
-        def load(model: str) -> None:
-            own = InferenceServerClient(self.url)
-            try:
-                own.load_model(
+        try:
+            for model in models:
+                client.load_model(
                     model, config=self.overrides.get(model), client_timeout=max(1.0, deadline - time.monotonic())
                 )
-            except InferenceServerException as e:
-                raise ServingError(f"tritonserver could not load {model}: {e.message()}; {self._log_tail()}") from None
-            finally:
-                own.close()
-
-        ensembles = [m for m in models if serving_config.read(self.repo / m).platform == "ensemble"]
-        with ThreadPoolExecutor(max_workers=len(models) or 1) as pool:
-            for _ in pool.map(load, [m for m in models if m not in ensembles]):
-                pass
-        for model in ensembles:
-            load(model)
-        for model in [m for m in self.overrides if not self._overridden(client, m)]:
-            load(model)
+            for model in [m for m in self.overrides if not self._overridden(client, m)]:
+                client.load_model(
+                    model, config=self.overrides[model], client_timeout=max(1.0, deadline - time.monotonic())
+                )
+        except InferenceServerException as e:
+            raise ServingError(f"tritonserver could not load {model}: {e.message()}; {self._log_tail()}") from None
         reverted = [m for m in self.overrides if not self._overridden(client, m)]
         if reverted:
             raise ServingError(f"tritonserver did not keep the config override of {', '.join(reverted)}")
