@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +32,6 @@ from qwen3vl_trt.acceptance import (
     Variant,
     write_report,
 )
-from qwen3vl_trt.contracts import BuildLayout
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.serving import interface
@@ -41,7 +39,6 @@ from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.parameters import CACHE_MEMORY, PreprocessingParameters, VisionEncoderParameters
 from qwen3vl_trt.serving.repository import model_config
 from qwen3vl_trt.serving.server import serve
-from qwen3vl_trt.serving.server.launch import repository_models
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
@@ -107,19 +104,12 @@ def engine_build(tiny_dense, cpu_repository, tmp_path_factory):
     return build
 
 
-def _tree(root) -> dict[str, int]:
-    return {str(path.relative_to(root)): path.lstat().st_mtime_ns for path in sorted(root.rglob("*"))}
-
-
 @dataclass
 class Served:
     report: acceptance.Report
     recorded: Recorded
     built: list[dict]  # the stood-in builds' options
     metrics: dict  # the first metrics read (before the vision_encoder's stub is killed)
-    trees: tuple[dict[str, int], dict[str, int]]  # the repository's files and their mtimes, before and after
-    repo: Path  # the repository served
-    log: Path  # the server's
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +122,6 @@ def run(checkpoints, engine_build, tmp_path_factory):
     recorded = Recorded()
     built: list[dict] = []
     metrics: list[dict] = []
-    repo = BuildLayout(engine_build).triton_repo
-    before = _tree(repo)
     with pytest.MonkeyPatch.context() as patch:
         for need in GPU_NEEDS:
             patch.setattr(acceptance, need, _present)
@@ -145,7 +133,6 @@ def run(checkpoints, engine_build, tmp_path_factory):
         run = Acceptance(work, log=lambda _line: None)
         run._builds["dense"] = engine_build
         run.served_rows("dense", checkpoints["dense"])
-        after = _tree(repo)
 
         def build(model, output, **options):
             built.append(options)
@@ -166,7 +153,7 @@ def run(checkpoints, engine_build, tmp_path_factory):
         run.variant_rows(variant)
         run.variant_rows(replace(variant, name="wrong tokens", reference=checkpoints["moe"]))  # another model's scores
         run.variant_rows(replace(variant, name="refused", check=_refused))
-    return Served(run.report, recorded, built, metrics[0], (before, after), repo, work / "server-dense.log")
+    return Served(run.report, recorded, built, metrics[0])
 
 
 def _recorded_read(read, into: list[dict], url: str) -> dict:
@@ -246,17 +233,6 @@ def test_the_engine_runner_serves_onnx_runtimes_tokens(run, tiny_dense, cpu_repo
     assert run.metrics[(stage_metrics.PATCHES_ENCODED.name, encoder)] > 0
     assert run.metrics[(f"{stage_metrics.VISION_RUN_PATCHES.name}_count", encoder)] > 0
     assert run.metrics.get((f"{stage_metrics.VISION_RUN_SECONDS.name}_count", encoder), 0) == 0
-
-
-def test_serving_writes_nothing_into_the_repository_and_loads_each_model_once(run):
-    """The python stubs write no bytecode into the version directories (writer.BYTECODE_BLOCKER), so loading the
-    ensembles after the models `serve` loaded with overrides loads none of them again."""
-    before, after = run.trees
-    assert after == before
-    lines = run.log.read_text(errors="replace").splitlines()
-    killed = next(i for i, line in enumerate(lines) if "lost its python stub" in line)
-    loads = [m for line in lines[:killed] for m in re.findall(r'"loading: (\w+):1"', line)]
-    assert sorted(loads) == sorted(repository_models(run.repo))
 
 
 def test_the_ending_case_biases_the_end_id_preprocessing_sends_and_ends_at_once(run, checkpoints):

@@ -51,13 +51,6 @@ from .gpu_memory import GpuMemoryPlan
 
 REPOSITORY_FILE = "qwen3vl_repository.json"  # Triton ignores files at a repository's top
 MODEL_FILE = "model.py"
-# A file where the python stub would make its bytecode cache directory: importing model.py then writes nothing into
-# the version directory. Triton takes a model whose directory changed since it loaded (the latest mtime under it:
-# core r24.10 model_repository_manager.cc GetPathModifiedTime) as modified, and loading an ensemble loads its
-# modified composing models again, without the config overrides `serve` loaded them with; the stub (python_backend
-# r24.10 src/pb_stub.cc ModelContext::StubSetup, `import 1.model`) writes `1/__pycache__/` on every first load and
-# does not read PYTHONDONTWRITEBYTECODE.
-BYTECODE_BLOCKER = "__pycache__"
 
 
 @dataclass(frozen=True)
@@ -442,8 +435,8 @@ def write_warmup_files(model: Path, config: mc.ModelConfig) -> None:
 
 
 def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
-    """config.pbtxt for every model, its model.py adapter (and BYTECODE_BLOCKER) for python models, version directory 1,
-    and the files its model_warmup samples read."""
+    """config.pbtxt for every model, its model.py adapter for python models, version directory 1, and the files its
+    model_warmup samples read."""
     sources = resources.files("qwen3vl_trt.triton_models")
     for name, config in configs.items():
         version = repo / name / "1"
@@ -451,7 +444,6 @@ def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
         cfg.write(repo / name, config)
         if config.backend == "python":
             (version / MODEL_FILE).write_text(sources.joinpath(name, MODEL_FILE).read_text())
-            (version / BYTECODE_BLOCKER).touch()
         if config.model_warmup:
             write_warmup_files(repo / name, config)
 
