@@ -296,6 +296,13 @@ def parse_config(cfg: dict) -> ModelInfo:
         max_position_embeddings=int(t.get("max_position_embeddings", 262144)),
         moe=moe,
     )
+    half = text.head_dim // 2  # Qwen3-VL rotates every dim of a head: rotary_dim is head_dim
+    if len(section) != 3 or sum(section) != half:
+        # transformers' apply_interleaved_mrope takes the t, h and w sections of the head's rotary pairs.
+        raise CheckpointError(
+            f"config.json: text_config mrope_section {list(section)} must be 3 sections (t, h, w) that sum to "
+            f"head_dim/2 = {half}"
+        )
     if vision.out_hidden_size != text.hidden_size:
         raise CheckpointError(
             f"config.json: vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}"

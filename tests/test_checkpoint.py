@@ -9,6 +9,7 @@ import shutil
 import pytest
 import transformers
 from qwen3vl_trt.checkpoint import CONFIG_ALIASES, Checkpoint, parse_config
+from qwen3vl_trt.cli import main as cli_main
 from qwen3vl_trt.contracts import VISUAL_PREFIX
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
 from qwen3vl_trt.llm.convert import convert_llm
@@ -155,6 +156,21 @@ def test_deepstack_indexes_are_checked():
         cfg["vision_config"]["deepstack_visual_indexes"] = bad
         with pytest.raises(CheckpointError, match="deepstack_visual_indexes"):
             parse_config(cfg)
+
+
+@pytest.mark.parametrize("section", [[8, 4, 2], [8, 8], [8, 4, 4, 0]])
+def test_mrope_sections_that_are_not_the_heads_rotary_pairs_are_refused(section, tiny_dense, tmp_path):
+    """Refused when the checkpoint is read (inspect, build: before any work), not when serve loads preprocessing."""
+    cfg = build_config(PRESETS["tiny"], moe=False)
+    cfg["text_config"]["rope_scaling"]["mrope_section"] = section
+    with pytest.raises(CheckpointError, match=r"mrope_section .* must be 3 sections \(t, h, w\) that sum to"):
+        parse_config(cfg)
+    model = shutil.copytree(tiny_dense, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["rope_scaling"]["mrope_section"] = section
+    (model / "config.json").write_text(json.dumps(config))
+    assert cli_main(["build", "--model", str(model), "--output", str(tmp_path / "build"), "--target", "cpu"]) == 2
+    assert not (tmp_path / "build").exists()
 
 
 @pytest.mark.parametrize("style", ["4.57", "5.x"])
