@@ -28,7 +28,8 @@ for _ in $(seq 300); do
     sleep 1
 done
 grep '^ready:' "$out/server.log"
-$cli infer --url "127.0.0.1:$port" --image "$out/photo.jpg" --prompt "What is in this picture?" --max-tokens 24
+answer=$($cli infer --url "127.0.0.1:$port" --image "$out/photo.jpg" --prompt "What is in this picture?" --max-tokens 24)
+echo "gRPC client (qwen3vl-trt infer): $answer"
 .venv/bin/python - "$out/photo.jpg" "$openai_port" <<'EOF'
 import base64
 import sys
