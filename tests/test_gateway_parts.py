@@ -14,6 +14,7 @@ from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
 from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
+from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED, NO_ALTERNATIVES
 from qwen3vl_trt.serving.gateway.settings import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewaySettings
 from qwen3vl_trt.serving.ports import GatewayOptions
 from tritonclient.utils import InferenceServerException
@@ -117,7 +118,17 @@ def test_triton_refusals_map_to_the_errors_the_gateway_answers():
     # As Triton's streams carry them: the response's error message, no status (core's scheduler_utils.cc).
     busy = _server_error("h:1", InferenceServerException(msg="in ensemble 'qwen3vl', Exceeds maximum queue size"))
     assert isinstance(busy, ServerBusyError) and isinstance(busy, ServerUnavailableError)
-    rejected = _server_error("h:1", InferenceServerException(msg=f"{interface.REJECTED_REQUEST}: 17 images"))
-    assert isinstance(rejected, RequestRejectedError)
+    assert busy.reason == "Exceeds maximum queue size"  # no address, no ensemble: what the gateway may tell
+    message = f"in ensemble 'qwen3vl_tokens', {interface.REJECTED_REQUEST} [ImageDecodeError]: image 0 is truncated"
+    rejected = _server_error("h:1", InferenceServerException(msg=message))
+    assert isinstance(rejected, RequestRejectedError) and str(rejected) == f"h:1: {message}"
+    assert (rejected.reason, rejected.kind) == ("image 0 is truncated", "ImageDecodeError")
     down = _server_error("h:1", InferenceServerException(msg="connect failed", status="StatusCode.UNAVAILABLE"))
     assert type(down) is ServerUnavailableError
+
+
+def test_every_refusal_text_is_whole():
+    texts = [why for _, why in _UNSUPPORTED.values()] + [NO_ALTERNATIVES]
+    for text in texts:
+        assert text.count("(") == text.count(")"), text  # no sentence cut off inside its parentheses
+        assert text[-1].isalnum() or text[-1] in ").'", text

@@ -31,7 +31,9 @@ from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import vision_warmup, write_warmup_files
 from qwen3vl_trt.serving.server import warmup
+from qwen3vl_trt.serving.server.readiness import GATEWAY_NOT_SERVING
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
+from qwen3vl_trt.testing.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -46,7 +48,10 @@ class Served:
         self.ready_url = f"http://127.0.0.1:{self.ports.ready}"
         self.grpc_url = f"127.0.0.1:{self.ports.grpc}"
         self.metrics_url = f"http://127.0.0.1:{self.ports.metrics}/metrics"
+        self.openai_url = f"http://127.0.0.1:{free_port()}"
         flags = ["--repo", str(repo), *port_flags(self.ports), "--visual-cache", "memory", "--stop-grace", "10"]
+        flags += ["--openai-port", self.openai_url.rsplit(":", 1)[1]]
+        self.first_chat: int | None = None  # the HTTP status of a chat request sent the moment /ready answered 200
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVE_SCRIPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -69,7 +74,9 @@ class Served:
             status, body = ready_answer(self.ready_url)
             if status:
                 self.answers.append((time.monotonic(), status, body.get("reason", "")))
-            time.sleep(0.1)
+            if status == 200 and self.first_chat is None:
+                self.first_chat = chat_status(self.openai_url)
+            time.sleep(0.05)
 
     def wait_for(self, condition, what: str, within: float = 180.0) -> None:
         deadline = time.monotonic() + within
@@ -106,6 +113,22 @@ def ready_answer(url: str) -> tuple[int, dict]:
         return 0, {}
 
 
+# The stage requests of the chat request the module sends when /ready first answers 200, and its tokens at most.
+FIRST_CHAT = {interface.PREPROCESSING: 1, interface.LLM: 1}
+FIRST_CHAT_TOKENS = 2
+
+
+def chat_status(url: str) -> int:
+    body = {"model": "dense", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": FIRST_CHAT_TOKENS}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def samples(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -129,6 +152,8 @@ def served(cpu_repository, checkpoints, tmp_path_factory):
     deployment = Served(build / "triton_repo", build.parent / "serve.log")
     try:
         deployment.wait_for(lambda: any(line.startswith("ready: ") for _, line in deployment.lines), "ready")
+        # Each test sees the deployment after the chat request sent when /ready first answered 200 (FIRST_CHAT).
+        deployment.wait_for(lambda: deployment.first_chat is not None, "the chat request sent at 200 on /ready", 60)
         yield deployment
     finally:
         deployment.stop()
@@ -147,12 +172,17 @@ def test_ready_only_after_the_warm_up_ran_through_every_model(served, capsys):
     served.wait_for(lambda: served.answers and served.answers[-1][1] == 200, "200 on /ready", within=10)
     first_ready = next(when for when, status, _ in served.answers if status == 200)
     reasons = [reason for _, status, reason in served.answers if status == 503]
-    assert "warming up" in reasons and set(reasons) <= {"loading", "warming up"}, reasons
+    assert "warming up" in reasons and set(reasons) <= {"loading", "warming up", GATEWAY_NOT_SERVING}, reasons
     assert served.first(lambda line: line.startswith("qwen3vl-trt: warmed up in ")) < first_ready
     assert all(status == 200 for when, status, _ in served.answers if when > first_ready)
     note = served.output().split("qwen3vl-trt: serving ")[1].splitlines()[0]
     assert "without the build cache" in note
     _report(capsys, [line.removeprefix("qwen3vl-trt: ") for line in steps] + [f"serving {note}"])
+
+
+def test_a_chat_request_sent_the_moment_ready_answers_200_is_served(served):
+    """serve --openai-port is ready once its gateway routes to it (its fleet probes the replica each second)."""
+    assert served.first_chat == 200
 
 
 def test_metrics_name_the_build_and_the_warm_up(served):
@@ -168,11 +198,11 @@ def test_the_warm_up_left_no_trace_in_the_stage_metrics_nor_the_visual_cache(ser
     """Nothing but Triton's own statistics counts the warm-up; its images were not kept: a request with the first of
     them misses the cache, and hits it when sent again."""
     before = stage_metrics.read(served.metrics_url)
-    for model in STAGES:
-        assert before[(stage_metrics.REQUESTS.name, model)] == 0, model
+    for model in STAGES:  # FIRST_CHAT, text only, went through the tokens ensemble: preprocessing and llm
+        assert before[(stage_metrics.REQUESTS.name, model)] == FIRST_CHAT.get(model, 0), model
     for metric in (*stage_metrics.VISUAL_CACHE, stage_metrics.IMAGES_DECODED, stage_metrics.PATCHES_ENCODED):
         assert before.get((metric.name, metric_model(metric)), 0) == 0, metric.name
-    assert before[(stage_metrics.TOKENS_GENERATED.name, interface.LLM)] == 0
+    assert 0 < before[(stage_metrics.TOKENS_GENERATED.name, interface.LLM)] <= FIRST_CHAT_TOKENS
     success = {
         dict(labels).get("model"): value
         for (name, labels), value in samples(served.metrics_url).items()
@@ -197,7 +227,7 @@ def test_the_warm_up_left_no_trace_in_the_stage_metrics_nor_the_visual_cache(ser
     assert counted(twice, stage_metrics.VISUAL_CACHE_HITS) == 1
     # One vision encoder request, counted: its model_warmup samples were its first requests, and were not.
     assert twice[(stage_metrics.REQUESTS.name, interface.VISION_ENCODER)] == 1
-    assert twice[(stage_metrics.REQUESTS.name, interface.PREPROCESSING)] == 2
+    assert twice[(stage_metrics.REQUESTS.name, interface.PREPROCESSING)] == 2 + FIRST_CHAT[interface.PREPROCESSING]
 
 
 def metric_model(metric: stage_metrics.Metric) -> str:

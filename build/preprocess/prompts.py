@@ -313,7 +313,8 @@ def _media_bytes(part: Mapping[str, Any], kind: str, where: str, max_bytes: int)
             raise MessageError(f"{where}: {kind}_url has no url")
         if not url.startswith("data:"):
             raise MessageError(
-                f"{where}: only data: URLs are accepted (got {url[:40]!r}); send the {kind} bytes inline"
+                f"{where}: only data: URLs are accepted (got {url[:40]!r}); send the {kind} bytes inline, or start "
+                "the OpenAI gateway with --allow-remote-media to have it fetch http(s) URLs"
             )
         header, _, payload = url.partition(",")
         if ";base64" not in header:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import threading
 import time
 import uuid
@@ -31,11 +32,21 @@ RESPONSE_TIMEOUT_S = 600.0
 
 
 class InferenceError(Qwen3VLTrtError):
-    """The server answered the request with an error, or could not be reached."""
+    """The server answered the request with an error, or could not be reached. `reason`: what went wrong, without the
+    server's address or the deployment's model names (what the gateway's clients are told)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class RequestRejectedError(InferenceError):
-    """The deployment refused the request as sent (bad image, too many images, prompt too long...)."""
+    """The deployment refused the request as sent (bad image, too many images, prompt too long...). `kind`: the name
+    of the qwen3vl_trt.errors.RequestError class the stage refused it with."""
+
+    def __init__(self, message: str, reason: str | None = None, kind: str | None = None):
+        super().__init__(message, reason)
+        self.kind = kind
 
 
 class ServerUnavailableError(InferenceError):
@@ -62,10 +73,18 @@ STALL_PROBE_S = 1.0
 
 
 def _lost_in_crash(url: str, model: str) -> ServerUnavailableError:
-    return ServerUnavailableError(
-        f"{url}: the {model} deployment stopped being ready while this request was in flight (a stage crashed and "
-        "is being reloaded); the request is lost: send it again"
+    reason = (
+        "the deployment stopped being ready while this request was in flight (a stage crashed and is being "
+        "reloaded); the request is lost: send it again"
     )
+    return ServerUnavailableError(f"{url}: {model}: {reason}", reason)
+
+
+# Triton's ensemble scheduler puts the ensemble's name before a step's error (core r24.10
+# src/ensemble_scheduler/ensemble_scheduler.cc: "in ensemble '<name>', <message>").
+_IN_ENSEMBLE = re.compile(r"^in ensemble '[^']*', ")
+# What a stage's refusal says after interface.REJECTED_REQUEST (stages.triton_adapters.error_response).
+_REJECTION = re.compile(rf"{re.escape(interface.REJECTED_REQUEST)}(?: \[(\w+)\])?: (.*)", re.DOTALL)
 
 
 def _server_error(url: str, error: Any) -> InferenceError:
@@ -76,13 +95,15 @@ def _server_error(url: str, error: Any) -> InferenceError:
         message = error.message() if hasattr(error, "message") else str(error)
         status = str(error.status()) if hasattr(error, "status") else ""
     message = message or ""
-    if interface.REJECTED_REQUEST in message:
-        return RequestRejectedError(f"{url}: {message}")
+    reason = _IN_ENSEMBLE.sub("", message)
+    rejection = _REJECTION.search(message)
+    if rejection is not None:
+        return RequestRejectedError(f"{url}: {message}", rejection.group(2), rejection.group(1))
     if interface.QUEUE_FULL in message or interface.QUEUE_TIMEOUT in message:
-        return ServerBusyError(f"{url} is busy: {message}")
+        return ServerBusyError(f"{url} is busy: {message}", reason)
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or interface.SERVER_STOPPING in message:
-        return ServerUnavailableError(f"{url} is unavailable: {message}")
-    return InferenceError(f"{url}: {message}")
+        return ServerUnavailableError(f"{url} is unavailable: {message}", reason)
+    return InferenceError(f"{url}: {message}", reason)
 
 
 class _Decoding:
@@ -172,7 +193,8 @@ class Generation:
             except queue.Empty:
                 pass
             if time.monotonic() - silent_since >= client.timeout_s:
-                raise ServerUnavailableError(f"no response from {client.url} in {client.timeout_s:.0f} s")
+                reason = f"no response from the deployment in {client.timeout_s:.0f} s"
+                raise ServerUnavailableError(f"{client.url}: {reason}", reason)
             if client.reports_not_ready():
                 raise _lost_in_crash(client.url, client.model)
 
@@ -512,7 +534,8 @@ class _Watch:
             await asyncio.sleep(max(0.0, wake - time.monotonic()))
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline:
-                self.verdict = RequestTimedOutError(f"{client.url}: the request's deadline passed; it was cancelled")
+                reason = "the request's deadline passed; it was cancelled"
+                self.verdict = RequestTimedOutError(f"{client.url}: {reason}", reason)
                 break
             if now - self.last >= STALL_PROBE_S and await client.reports_not_ready():
                 self.verdict = _lost_in_crash(client.url, client.model)

@@ -54,7 +54,7 @@ def chat_choice(plan: Plan, run: ChoiceRun, answer: Answer, tokens: TokenTexts) 
         content = ""
     return Choice(
         index=run.index,
-        message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+        message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
         logprobs=ChoiceLogprobs(content=tokens.entries(answer)) if plan.logprobs else None,
         finish_reason="tool_calls" if calls else run.finish_reason,
     )

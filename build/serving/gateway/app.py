@@ -32,6 +32,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ...detokenize import Detokenizer
 from ...errors import ServingError
@@ -75,6 +76,7 @@ from .protocol import (
     Model,
     ModelList,
     overloaded,
+    rejected,
     sse_event,
 )
 from .settings import GatewaySettings
@@ -140,6 +142,10 @@ class Gateway:
     async def ready(self) -> bool:
         return await self.client.is_ready()
 
+    def routing(self) -> bool:
+        """Whether a replica is in the rotation: a snapshot, which another thread may take."""
+        return self._client is not None and self._client.routing()
+
     # -- generation -------------------------------------------------------------------------------
 
     async def _pieces(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Answer, None]:
@@ -165,16 +171,18 @@ class Gateway:
             await responses.aclose()  # cancels the request on the server unless it finished
 
     async def _inference_error(self, error: InferenceError) -> APIError:
+        """The client's answer: the error's reason, without the replica's address or the ensemble's name."""
         if isinstance(error, RequestRejectedError):
-            return APIError(400, str(error), param="messages")
+            return rejected(error.reason, error.kind)
         if isinstance(error, ServerBusyError):
             self.metrics.refusals.labels("server_busy").inc()
-            return overloaded(f"the deployment is at capacity: {error}", RETRY_AFTER_S, status=503)
+            return overloaded(f"the deployment is at capacity: {error.reason}", RETRY_AFTER_S, status=503)
         if isinstance(error, ServerUnavailableError) or not await self.ready():
             self.metrics.refusals.labels("server_unavailable").inc()
-            return APIError(503, f"the deployment is not ready: {error}", type="server_error", code="unavailable",
-                            retry_after_s=RETRY_UNAVAILABLE_S)  # fmt: skip
-        return APIError(500, str(error), type="server_error")
+            return APIError(503, f"the deployment is not ready: {error.reason}", type="server_error",
+                            code="unavailable", retry_after_s=RETRY_UNAVAILABLE_S)  # fmt: skip
+        print(f"qwen3vl-trt gateway: a request failed: {error}", file=sys.stderr, flush=True)
+        return APIError(500, error.reason, type="server_error")
 
     async def _texts(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Answer, None]:
         """One choice's pieces, their text cut at the first stop string (and held back where one may start); counts
@@ -443,6 +451,7 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     app = FastAPI(
         title="qwen3vl-trt", summary="OpenAI-compatible chat completions over a Triton deployment", lifespan=lifespan
     )
+    app.state.gateway = gateway  # GatewayServer.serving asks it
     app.add_middleware(
         ChatRequestGuard, max_request_bytes=settings.max_request_bytes, admission=admission, metrics=metrics
     )
@@ -453,13 +462,27 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def no_such_route(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's own answers (no route: 404, a route without the method: 405) as OpenAI's error object."""
+        where = f"{request.method} {request.url.path}"
+        message = f"Invalid URL ({where})" if error.status_code == 404 else f"{where}: {error.detail}"
+        response = error_response(APIError(error.status_code, message))
+        response.headers.update(error.headers or {})  # 405's Allow
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, error: RequestValidationError) -> JSONResponse:
+        def place(problem: dict) -> str:
+            return ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
+
         problems = error.errors()
-        first = problems[0] if problems else {}
-        location = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in problems)
-        return error_response(APIError(400, message or "invalid request body", param=location))
+        location = place(problems[0]) if problems else ""
+        if location:
+            message = "; ".join(f"{place(e)}: {e['msg']}" for e in problems)
+        else:  # the body itself: not JSON, or not an object (FastAPI reads a body as JSON only when sent as such)
+            message = "the request body must be a JSON object, sent with Content-Type: application/json"
+        return error_response(APIError(400, message, param=location or None))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -471,7 +494,7 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    served = Model(id=settings.served_model_name, owned_by="qwen3vl-trt")
+    served = Model(id=settings.served_model_name, created=int(time.time()), owned_by="qwen3vl-trt")  # when served
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -524,8 +547,10 @@ class GatewayServer:
         import uvicorn
 
         self.url = f"http://{host_port(host, port)}"
+        app = create_app(settings, readiness)
+        self._gateway: Gateway = app.state.gateway
         config = uvicorn.Config(
-            create_app(settings, readiness),
+            app,
             host=host,
             port=port,
             log_level="warning",
@@ -535,6 +560,10 @@ class GatewayServer:
         )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
+
+    def serving(self) -> bool:
+        """Whether the gateway routes requests to a replica now (asked from another thread)."""
+        return self._gateway.routing()
 
     def run(self) -> None:
         self.server.run()

@@ -301,6 +301,13 @@ class Fleet:
     def rotation(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.ready]
 
+    def routing(self) -> bool:
+        """Whether a replica is in the rotation, asked from any thread (a resolution may change the replicas)."""
+        try:
+            return any(replica.ready for replica in list(self.replicas.values()))
+        except RuntimeError:  # changed while read
+            return False
+
     async def is_ready(self) -> bool:
         """Whether some replica is in the rotation (probed each PROBE_INTERVAL_S: a health check never waits on a
         slow replica)."""
@@ -359,9 +366,8 @@ class Fleet:
         candidates = [r for r in self.rotation() if r not in tried]
         if not candidates:
             known = ", ".join(sorted(self.replicas)) or "none resolved"
-            raise ServerUnavailableError(
-                f"{self.url}: no {'other ' if tried else ''}replica is ready (replicas: {known})"
-            )
+            reason = f"no {'other ' if tried else ''}replica is ready"
+            raise ServerUnavailableError(f"{self.url}: {reason} (replicas: {known})", reason)
         self._turn += 1
         return candidates[self._turn % len(candidates)]
 

@@ -79,8 +79,14 @@ _ERROR_CODES: list[tuple[type[RequestError], str]] = [
 
 
 def request_error(error: RequestError) -> APIError:
-    code = next((c for kind, c in _ERROR_CODES if isinstance(error, kind)), None)
-    return APIError(400, str(error), param="messages", code=code)
+    return rejected(str(error), type(error).__name__)
+
+
+def rejected(message: str, kind: str | None) -> APIError:
+    """A request refused as sent, by the gateway or a stage: the same code for the same kind of RequestError
+    (`kind`: its class name) wherever it was found."""
+    code = next((c for error, c in _ERROR_CODES if error.__name__ == kind), None)
+    return APIError(400, message, param="messages", code=code)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -190,7 +196,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 # TensorRT-LLM 1.2.1's tensorrt_llm backend returns the sampled token's log probability only (no output for
 # alternatives: triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt, fillTritonResponse).
 NO_ALTERNATIVES = (
-    "this deployment returns the chosen token's log probability only (TensorRT-LLM 1.2.1's backend has no "
+    "this deployment returns the chosen token's log probability only (TensorRT-LLM 1.2.1's backend returns no "
+    "alternatives)"
 )
 
 
@@ -297,7 +304,14 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
+    tool_calls: list[ToolCallMessage] | None = None  # absent without a call, as OpenAI's
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if self.tool_calls is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class TokenLogprob(BaseModel):
@@ -415,7 +429,7 @@ def sse_event(payload: str) -> str:
 class Model(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int
     owned_by: str
 
 

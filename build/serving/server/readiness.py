@@ -33,6 +33,7 @@ from ..ports import host_port
 from ..repository import model_config as serving_config
 
 LOADING, WARMING_UP, READY, NOT_READY, STOPPING = "loading", "warming up", "ready", "tritonserver not ready", "stopping"
+GATEWAY_NOT_SERVING = "its OpenAI gateway does not route to it yet"
 # tritonserver's answer is asked at most this often (probes from the kubelet, the gateway and scrapers add up) ...
 TRITON_ANSWER_S = 1.0
 # ... and waited for this long: a server that does not answer so soon is not ready for traffic either.
@@ -106,6 +107,7 @@ class Readiness:
         self._lock = threading.Lock()  # one probe at a time; the others take its answer
         self._answered_at = -math.inf
         self._answer = False
+        self._serving: Callable[[], bool] | None = None
 
     @property
     def phase(self) -> str:
@@ -124,8 +126,24 @@ class Readiness:
     def stopping(self) -> None:
         self._phase = STOPPING
 
+    def also_requires(self, serving: Callable[[], bool]) -> None:
+        """Ready only while `serving` says so too: serve's own gateway routes to this replica (its fleet takes the
+        replica's readiness, replica_ready, on its next probe), so that a request sent once /ready answers 200 is
+        served, through either endpoint."""
+        self._serving = serving
+
     def state(self) -> tuple[bool, str]:
         """Whether the replica is ready, and why not."""
+        ready, why = self.replica_state()
+        if ready and self._serving is not None and not self._serving():
+            return False, GATEWAY_NOT_SERVING
+        return ready, why
+
+    def replica_ready(self) -> bool:
+        return self.replica_state()[0]
+
+    def replica_state(self) -> tuple[bool, str]:
+        """Whether tritonserver is ready and warmed up, and why not."""
         phase = self._phase
         if phase != READY:
             return False, phase

@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 
     from ..gateway.app import GatewayServer
 
+# tritonserver looks for GPUs when it starts and logs each thing it does not find as a warning or an error.
+CPU_TARGET_NOTE = (
+    "a CPU target's repository: what tritonserver logs below about the CUDA driver, NVML, DCGM, pinned memory and "
+    "CUDA streams says only that it found no GPU here, which this repository does not use"
+)
 STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL, for the requests in flight (tritonserver's own default)
 READY_TIMEOUT_S = 300.0  # for every model to load (a large LLM engine takes minutes)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -313,12 +318,9 @@ class TritonServer:
             time.sleep(0.1)
 
     def _load(self, client: InferenceServerClient, models: list[str], timeout: float) -> None:
-        """Loads `models` through the repository API, each with its config override if it has one, one at a time
-        (python models loaded side by side through the API crashed tritonserver 2.51's python backend under load:
-        a boost::interprocess::lock_exception in TRITONBACKEND_ModelInstanceFinalize). Loading an ensemble loads its
-        composing models again where their directory changed since (writer.BYTECODE_BLOCKER keeps the stubs from
-        changing it), from their config.pbtxt, so overrides are checked after and applied once more where that
-        happened."""
+        """Loads `models` through the repository API, each with its config override if it has one. Loading an
+        ensemble may load its composing models again from their config.pbtxt (seen with tritonserver 2.51),
+        so overrides are checked after and applied once more where that happened."""
         from tritonclient.utils import InferenceServerException
 
         deadline = time.monotonic() + timeout
@@ -599,6 +601,8 @@ def serve(args: ServeOptions) -> int:
     try:
         endpoint.start()
         server.log(build.note)
+        if build.target == "cpu":
+            server.log(CPU_TARGET_NOTE)
         print(f"starting {server.install.binary} ({server.install.source})", file=sys.stderr, flush=True)
         server.start()
         if stopping.is_set():  # a signal that came before the server existed
@@ -616,9 +620,11 @@ def serve(args: ServeOptions) -> int:
             from ..gateway.settings import GatewaySettings
 
             settings = GatewaySettings.from_repository(server.url, args.repo, args.gateway)
-            # Its one replica is this one: it takes this process's readiness, warm-up included.
-            gateway = GatewayServer(settings, args.address, args.openai_port, readiness=readiness.is_ready)
+            # Its one replica is this one: it takes this process's readiness, warm-up included; this process is ready
+            # once the gateway routes to it.
+            gateway = GatewayServer(settings, args.address, args.openai_port, readiness=readiness.replica_ready)
             gateway.start()
+            readiness.also_requires(gateway.serving)
             if note := access_note(settings.api_keys, settings.open_metrics, args.address, gateway.url):
                 print(note, file=sys.stderr, flush=True)
         try:

@@ -232,7 +232,9 @@ def response(outputs: Mapping[str, Any]) -> Any:
 
 
 def error_response(error: Exception) -> Any:
-    message = f"{interface.REJECTED_REQUEST}: {error}" if isinstance(error, RequestError) else str(error)
+    # The refusal's kind in brackets: the gateway answers each kind with its error code (client.RequestRejectedError).
+    rejected = f"{interface.REJECTED_REQUEST} [{type(error).__name__}]: {error}"
+    message = rejected if isinstance(error, RequestError) else str(error)
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
