@@ -318,6 +318,29 @@ def test_server_that_exits_reports_its_log(tmp_path, nowhere):
     assert "no-such-repo" in str(e.value) and (tmp_path / "server.log").is_file()
 
 
+def test_a_server_that_aborts_while_loading_is_started_once_more(tmp_path, nowhere):
+    """tritonserver 2.51's python backend now and then aborts as its stubs start: serve starts it again, once."""
+    wheel = find_tritonserver()
+    aborts = tmp_path / "aborts"
+    script = tmp_path / "tritonserver"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"if [ ! -e {aborts} ]; then touch {aborts}; kill -ABRT $$; fi\n"
+        f'LD_LIBRARY_PATH={wheel.env["LD_LIBRARY_PATH"]} exec {wheel.binary} "$@"\n'
+    )
+    script.chmod(0o755)
+    (tmp_path / "repo").mkdir()
+    log = tmp_path / "server.log"
+    with TritonServer(tmp_path / "repo", free_ports(), tritonserver=str(script), log_path=log) as running:
+        assert running.reports_ready()
+    assert "tritonserver aborted while loading the models; starting it once more" in log.read_text()
+
+    script.write_text("#!/bin/bash\nkill -ABRT $$\n")  # every time: the second is reported
+    with pytest.raises(ServingError, match="was killed by signal 6 before it was ready"):
+        with TritonServer(tmp_path / "repo", free_ports(), tritonserver=str(script), log_path=tmp_path / "again.log"):
+            pass
+
+
 def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
     (tmp_path / "repo").mkdir()
     with TritonServer(tmp_path / "repo", free_ports()) as running:

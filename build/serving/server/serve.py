@@ -53,6 +53,7 @@ CPU_TARGET_NOTE = (
     "a CPU target's repository: what tritonserver logs below about the CUDA driver, NVML, DCGM, pinned memory and "
     "CUDA streams says only that it found no GPU here, which this repository does not use"
 )
+ABORTED = 128 + signal.SIGABRT  # the guard's status for a server that aborted
 STOP_GRACE_S = 30.0  # between SIGTERM and SIGKILL, for the requests in flight (tritonserver's own default)
 READY_TIMEOUT_S = 300.0  # for every model to load (a large LLM engine takes minutes)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -252,16 +253,20 @@ class TritonServer:
                 raise ServingError("the server is stopping")
             status = self.poll()
             self.log(f"tritonserver {self._exited(status or 0)} on its own; starting it again")
-            self.signal(signal.SIGKILL)  # what is left of its group: its python stubs outlive it a while
-            self._remove_shared_memory()  # the new server's regions are not made yet
-            if self._log is not None:
-                with self._log_lock:
-                    self._log.close()
-                    self._log = None
-            self._process = self._spawn()
+            self._respawn()
         self._await_ready()
         self.log("tritonserver is ready again")
         return self.pid
+
+    def _respawn(self) -> None:
+        """A new server process in place of the one that exited."""
+        self.signal(signal.SIGKILL)  # what is left of its group: its python stubs outlive it a while
+        self._remove_shared_memory()  # the new server's regions are not made yet
+        if self._log is not None:
+            with self._log_lock:
+                self._log.close()
+                self._log = None
+        self._process = self._spawn()
 
     def ended(self) -> int | None:
         """The server's exit status once it is down for good (exited, and not being started again), else None."""
@@ -279,11 +284,22 @@ class TritonServer:
         deadline = time.monotonic() + self.ready_timeout
         client = InferenceServerClient(self.url)
         loaded = not self.overrides
+        aborted = False
         try:
             while True:
                 if self._stopping.is_set():
                     raise ServingError("tritonserver was stopped before it was ready")
                 status = self.poll()
+                if status == ABORTED and not aborted:
+                    # tritonserver 2.51's python backend now and then aborts as stubs start side by side
+                    # (boost::interprocess::lock_exception in TRITONBACKEND_ModelInstanceFinalize): once, start again.
+                    aborted = True
+                    self.log("tritonserver aborted while loading the models; starting it once more")
+                    self._respawn()
+                    client.close()
+                    client = InferenceServerClient(self.url)  # not one in gRPC's reconnect backoff
+                    loaded = not self.overrides
+                    continue
                 if status is not None:
                     raise ServingError(f"tritonserver {self._exited(status)} before it was ready; {self._log_tail()}")
                 try:
