@@ -181,7 +181,7 @@ class Gateway:
             self.metrics.refusals.labels("server_unavailable").inc()
             return APIError(503, f"the deployment is not ready: {error.reason}", type="server_error",
                             code="unavailable", retry_after_s=RETRY_UNAVAILABLE_S)  # fmt: skip
-        print(f"qwen3vl-trt gateway: a request failed: {error}", file=sys.stderr, flush=True)
+        print(f"gateway: a request failed: {error}", file=sys.stderr, flush=True)  # as fleet._log
         return APIError(500, error.reason, type="server_error")
 
     async def _texts(self, plan: Plan, run: ChoiceRun) -> AsyncGenerator[Answer, None]:
