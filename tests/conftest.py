@@ -3,7 +3,9 @@ repository, built once per run."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +132,47 @@ def pytest_report_header(config):
     import transformers
 
     return f"transformers {transformers.__version__}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}"
+
+
+# A test module's own fixtures' directories (tmp_path_factory.mktemp) go when the module ends, unless a test of it
+# failed: a run's tiny checkpoints, conversions, engines and repositories come to about 15 GB, and pytest's policy
+# "failed" (pyproject.toml) removes a passing test's tmp_path at once but a fixture's only when the run ends. The
+# shared fixtures above (this file's) stay for the whole run.
+_module_dirs: defaultdict[str, list[Path]] = defaultdict(list)
+_failed_modules: set[str] = set()
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope == "function" or not fixturedef.baseid.endswith(".py"):
+        return (yield)
+    root = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    before = set(root.iterdir())
+    try:
+        return (yield)
+    finally:
+        _module_dirs[fixturedef.baseid].extend(set(root.iterdir()) - before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _failed_modules.add(_module_of(item.nodeid))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:  # the module's fixtures are finalized by now when the next test is another module's
+        module = _module_of(item.nodeid)
+        if nextitem is None or _module_of(nextitem.nodeid) != module:
+            for directory in _module_dirs.pop(module, []):
+                if module not in _failed_modules:
+                    shutil.rmtree(directory, ignore_errors=True)

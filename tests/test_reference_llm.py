@@ -69,7 +69,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def converted(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("trtllm")
     return {
@@ -94,7 +94,7 @@ class Chain:
         return hf_model_inputs(self.hf, r.input_ids, self.pre.info.image_token_id, r.pixel_values, r.image_grid_thw)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chains(checkpoints, vision_exports):
     cache = {}
 
@@ -106,7 +106,7 @@ def chains(checkpoints, vision_exports):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def runtimes(converted):
     cache = {}
 

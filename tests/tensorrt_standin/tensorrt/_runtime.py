@@ -141,10 +141,11 @@ class ICudaEngine:
             unknown = {p["plugin"] for p in self.header["plugins"]} - {f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"}
             if unknown:
                 raise NotImplementedError(f"the stand-in runs only the varlen attention plugin, not {unknown}")
-            self._directory = tempfile.TemporaryDirectory(prefix="trt-standin-")
-            path = Path(self._directory.name) / "engine.onnx"
-            onnx.save(model, str(path))
-            self._session = plugin_session(path, options, ["CPUExecutionProvider"])
+            # The session has read the file once made: none is left behind by a process stopped with a kill.
+            with tempfile.TemporaryDirectory(prefix="trt-standin-") as directory:
+                path = Path(directory) / "engine.onnx"
+                onnx.save(model, str(path))
+                self._session = plugin_session(path, options, ["CPUExecutionProvider"])
         else:
             self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return self._session
