@@ -8,9 +8,28 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 venv=${QWEN3VL_VENV:-.venv}
-# torchvision is needed by transformers' Qwen3-VL processor (the tests' reference); its PyPI wheels
-# must match torch exactly. Override TORCH_SPEC for another platform or a CPU-only index.
-torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+# torchvision is needed by transformers' Qwen3-VL processor (the tests' reference); its wheels must match torch
+# exactly. TORCH_SPEC overrides what is installed (pip arguments: another platform's pins, an index).
+torch_pins="torch==2.14.1 torchvision==0.29.1"
+# PyPI's Linux x86_64 torch is the CUDA build: 3.2 GB of CUDA libraries that a host without an NVIDIA GPU never
+# loads. There PyTorch's CPU-only wheels of the same versions come from its own index, when that index answers.
+cpu_index=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+torch_spec() {
+    if [ -n "${TORCH_SPEC:-}" ]; then
+        echo "$TORCH_SPEC"
+    elif [ "$(uname -m)" = x86_64 ] && ! command -v nvidia-smi > /dev/null &&
+        "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" "$cpu_index/torch/" \
+            > /dev/null 2>&1; then
+        echo "$torch_pins --index-url $cpu_index"
+    else
+        echo "$torch_pins"
+    fi
+}
+if [ "${1:-}" = --torch-spec ]; then  # what a new .venv would install
+    torch_spec
+    exit 0
+fi
 
 # The tests start a real redis-server (the visual cache) and a real dnsmasq (a DNS name for two replicas: the
 # gateway's fleet test), from Debian's packages; CI runs as root on a fresh machine.
@@ -28,10 +47,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 stamp="$venv/.bootstrap-stamp"
-want="$(cat pyproject.toml scripts/bootstrap.sh build/gpu_image.py | sha256sum | cut -d' ' -f1) $torch_spec"
+want="$(cat pyproject.toml scripts/bootstrap.sh build/gpu_image.py | sha256sum | cut -d' ' -f1) ${TORCH_SPEC:-}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
+torch_spec=$(torch_spec)
 echo "bootstrap: preparing $venv (torch: $torch_spec); log in $venv.log" >&2
 log="$PWD/$venv.log"
 : > "$log"
