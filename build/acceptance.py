@@ -1142,12 +1142,12 @@ def _guided_answers(client: Any) -> tuple[bool, str]:
 
     messages = [{"role": "user", "content": "Answer in JSON."}]
     schema = json_schema_guide(GUIDED_SCHEMA)
-    answer = client.generate("", [], max_tokens=96, messages=messages, guide=(schema.type, schema.text)).text
+    answer = client.generate("", [], max_tokens=96, messages=messages, guide=schema).text
     jsonschema.validate(json.loads(answer), GUIDED_SCHEMA)
     tools = [{"type": "function", "function": WEATHER_TOOL}]
     call = tool_call_guide([WEATHER_TOOL], named=None, parallel=False)
     weather = [{"role": "user", "content": "Weather in Bern?"}]
-    text = client.generate("", [], max_tokens=96, messages=weather, tools=tools, guide=(call.type, call.text)).text
+    text = client.generate("", [], max_tokens=96, messages=weather, tools=tools, guide=call).text
     content, calls = parse_tool_calls(text, ["get_weather"])
     if len(calls) != 1 or content:
         return False, f"the required call is not one valid call: {text[:200]!r}"

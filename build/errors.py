@@ -32,7 +32,12 @@ class InputError(Qwen3VLTrtError):
 
 
 class RequestError(Qwen3VLTrtError):
-    """A client request cannot be served as sent; the message says what to change."""
+    """A client request cannot be served as sent; the message says what to change. `field`: the request's field
+    (serving.request.GenerationRequest) at fault, where one is."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class ImageDecodeError(RequestError):

@@ -35,6 +35,10 @@ and every request carrying images like these).
 
     .venv/bin/python scripts/bench_plane.py [--model DIR] [--requests 96] [--concurrency 16]
         [--stream-tokens 64] [--max-tokens 16] [--step-ms 10] [--latency-requests 24] [--json]
+        [--gateway-requests]
+
+--gateway-requests measures only the gateway route's text and image requests (not streamed) per plane-CPU-second:
+what the gateway and preprocessing spend on a request's prompt and media.
 """
 
 from __future__ import annotations
@@ -562,6 +566,26 @@ def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
     result: dict = {"workloads": {}, "concurrency_1": {}}
     workloads = result["workloads"]
 
+    if args.gateway_requests:
+        _log("the plane: the deployment with the paced llm, requests through the gateway")
+        with _server(plane, scratch / "plane.log") as server:
+            processes = Processes(server.pid)
+            result["server_cores"] = len(psutil.Process(server.pid).cpu_affinity() or [])
+            gateway = PlaneGateway(server.url, plane, args.max_tokens, scratch / "gateway.log")
+            gateway.streaming = False
+            try:
+                processes.add(GATEWAY_PROCESS, gateway.process.pid)
+                workloads["text gateway"] = measure(
+                    "plane, text, gateway", gateway, processes, text, args, streamed=False, front_end=True
+                )
+                workloads["images gateway"] = measure(
+                    "plane, images, gateway", gateway, processes, images, args, streamed=False,
+                    apart=(interface.VISION_ENCODER,), front_end=True,
+                )  # fmt: skip
+            finally:
+                gateway.close()
+        return result
+
     _log("the plane: the deployment with the paced llm")
     with _server(plane, scratch / "plane.log") as server:
         processes = Processes(server.pid)
@@ -662,6 +686,8 @@ def cores_needed(gateway_tokens: Workload, gateway_images: Workload, gpu: Publis
 
 
 def summary(w: dict[str, Workload], result: dict) -> dict:
+    if "text gateway" in w:  # --gateway-requests
+        return {name.replace(" ", "_") + "_per_cpu_s": workload.per_cpu_second() for name, workload in w.items()}
     out = {
         "grpc_tokens_per_cpu_s": w["plane grpc"].per_cpu_second(),
         "gateway_tokens_per_cpu_s": w["plane gateway"].per_cpu_second(),
@@ -684,20 +710,14 @@ def summary(w: dict[str, Workload], result: dict) -> dict:
 
 def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload]) -> None:
     s = result["summary"]
-    print(
-        f"the plane with a paced llm ({args.step_ms:g} ms a decode step), concurrency {args.concurrency}, "
-        f"server on {result['server_cores']} cores; CPU of every process a request crosses"
-    )
-    print(f"{'workload':<38} {'items/s':>9} {'p50 ms':>8} {'CPU s':>7} {'per CPU-s':>10}   CPU us per item, by process")
-    for w in workloads.values():
-        level = w.level
-        rate = level.tokens_per_s if w.streamed_tokens else level.requests_per_s
-        shares = ", ".join(f"{role} {us:.0f}" for role, us in w.per_item_us().items() if us >= 0.5)
-        apart = f" (apart: {', '.join(w.apart)})" if w.apart else ""
+    if args.gateway_requests:
+        _workload_table(args, result, workloads)
         print(
-            f"{w.name:<38} {rate:>9.1f} {level.p50_ms:>8.0f} {w.plane_cpu_seconds:>7.2f} "
-            f"{w.per_cpu_second():>10.0f}   {shares}{apart}"
+            f"requests per plane-CPU-second through the gateway (not streamed, {args.max_tokens} tokens each, vision "
+            f"encoder apart): text {s['text_gateway_per_cpu_s']:.1f}, images {s['images_gateway_per_cpu_s']:.1f}"
         )
+        return
+    _workload_table(args, result, workloads)
     print(
         f"streamed tokens per CPU-second: gRPC {s['grpc_tokens_per_cpu_s']:.0f} "
         f"(floor {s['floor_grpc_tokens_per_cpu_s']:.0f}, "
@@ -732,6 +752,23 @@ def report(args: argparse.Namespace, result: dict, workloads: dict[str, Workload
     )
 
 
+def _workload_table(args: argparse.Namespace, result: dict, workloads: dict[str, Workload]) -> None:
+    print(
+        f"the plane with a paced llm ({args.step_ms:g} ms a decode step), concurrency {args.concurrency}, "
+        f"server on {result['server_cores']} cores; CPU of every process a request crosses"
+    )
+    print(f"{'workload':<38} {'items/s':>9} {'p50 ms':>8} {'CPU s':>7} {'per CPU-s':>10}   CPU us per item, by process")
+    for w in workloads.values():
+        level = w.level
+        rate = level.tokens_per_s if w.streamed_tokens else level.requests_per_s
+        shares = ", ".join(f"{role} {us:.0f}" for role, us in w.per_item_us().items() if us >= 0.5)
+        apart = f" (apart: {', '.join(w.apart)})" if w.apart else ""
+        print(
+            f"{w.name:<38} {rate:>9.1f} {level.p50_ms:>8.0f} {w.plane_cpu_seconds:>7.2f} "
+            f"{w.per_cpu_second():>10.0f}   {shares}{apart}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint (default: a tiny random one)")
@@ -746,6 +783,11 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=EngineLimits().max_batch_size, help="of the build")
     p.add_argument("--profile", type=Path, help="py-spy profiles of each python process per workload, into DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--gateway-requests",
+        action="store_true",
+        help="only the gateway route's text and image requests (not streamed, --max-tokens each) per CPU-second",
+    )
     args = p.parse_args()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

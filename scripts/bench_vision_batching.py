@@ -32,6 +32,7 @@ from benchutil import time_interleaved
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.vision_batching import RunCost, VisionBatching
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
@@ -50,11 +51,9 @@ def _vision_requests(model_dir: Path, sizes: list[tuple[int, int]], seed: int) -
     )
     pre = Preprocessing(model_dir, limits, torch.float32, 1)  # the table's width is not used here
     inputs = [
-        {
-            interface.TEXT_INPUT.name: b"Describe this picture.",
-            interface.MAX_TOKENS.name: 1,
-            interface.IMAGES.name: [synthetic_jpeg(h, w, seed + i)],
-        }
+        GenerationRequest(
+            prompt="Describe this picture.", max_tokens=1, images=(synthetic_jpeg(h, w, seed + i),)
+        ).named_inputs()
         for i, (h, w) in enumerate(sizes)
     ]
     requests = []

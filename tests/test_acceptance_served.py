@@ -17,7 +17,6 @@ import re
 import shutil
 from dataclasses import dataclass, replace
 
-import numpy as np
 import pytest
 import torch
 from deployment import LIMITS, user
@@ -38,6 +37,7 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.parameters import CACHE_MEMORY, PreprocessingParameters, VisionEncoderParameters
 from qwen3vl_trt.serving.repository import model_config
+from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.server import serve
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
@@ -242,10 +242,7 @@ def test_the_ending_case_biases_the_end_id_preprocessing_sends_and_ends_at_once(
     assert len(ending) == 4  # both ensembles, streamed and not
     (biased,) = {tuple(options["logit_bias"]) for options, _ in ending}
     assert all(tokens == [] for _, tokens in ending)
-    request = {
-        interface.TEXT_INPUT.name: np.array([ENDING_PROMPT.encode()], object),
-        interface.MAX_TOKENS.name: np.array([8], np.int32),
-    }
+    request = GenerationRequest(prompt=ENDING_PROMPT, max_tokens=8).named_inputs()
     prepared = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64).execute([request])[0]
     assert biased == (int(prepared.outputs[interface.END_ID.name][0]),)
 

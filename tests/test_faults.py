@@ -33,13 +33,13 @@ from qwen3vl_trt.serving.interface import (
     LLM,
     POSTPROCESSING,
     PREPROCESSING,
-    TEXT_INPUT,
     TEXT_OUTPUT,
     VISION_ENCODER,
 )
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import QUEUED_BATCHES
+from qwen3vl_trt.serving.request import TEXT_INPUT
 from qwen3vl_trt.serving.server.serve import TritonServer
 from qwen3vl_trt.serving.server.supervisor import group_stubs
 from tritonclient.grpc import model_config_pb2 as mc

@@ -17,7 +17,10 @@ from qwen3vl_trt.serving.client import Answer, RequestRejectedError, ServerBusyE
 from qwen3vl_trt.serving.gateway.fleet import Fleet, FleetTarget, Replica, ServeProbe
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.server.readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
+
+REQUEST = GenerationRequest(prompt="Hi.", max_tokens=4)
 
 pytestmark = pytest.mark.once
 
@@ -29,7 +32,7 @@ class ScriptedClient:
         self.pieces, self.error = pieces, error
         self.requests: list[str] = []
 
-    async def stream(self, *_args, request_id: str, **_options) -> AsyncIterator[Answer]:
+    async def stream(self, _request, *, request_id: str, deadline=None) -> AsyncIterator[Answer]:
         self.requests.append(request_id)
         for piece in self.pieces:
             yield piece
@@ -56,7 +59,7 @@ def _fleet(*clients: ScriptedClient) -> tuple[Fleet, GatewayMetrics]:
 
 def _run(fleet: Fleet) -> list[Answer] | Exception:
     async def collect() -> list[Answer]:
-        return [answer async for answer in fleet.stream("", request_id="req")]
+        return [answer async for answer in fleet.stream(REQUEST, request_id="req")]
 
     try:
         return asyncio.run(collect())
@@ -93,7 +96,7 @@ def test_a_failure_after_text_is_not_retried():
     async def collect() -> tuple[list[Answer], Exception | None]:
         got = []
         try:
-            async for answer in fleet.stream("", request_id="req"):
+            async for answer in fleet.stream(REQUEST, request_id="req"):
                 got.append(answer)
         except ServerUnavailableError as e:
             return got, e

@@ -17,6 +17,7 @@ import xgrammar as xgr
 from qwen3vl_trt import guided_decoding as gd
 from qwen3vl_trt.errors import CheckpointError, InputError
 from qwen3vl_trt.runtime.guided import GrammarCache, GuidedTokens
+from qwen3vl_trt.serving.request import GUIDE_TEXT, GUIDE_TYPE, GenerationRequest
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE
 
 THINK_END = "</think>"
@@ -321,19 +322,15 @@ def test_preprocessing_refuses_a_guide_the_engine_could_not_compile(tiny_dense):
     is refused alone."""
     import numpy as np
     from deployment import LIMITS
-    from qwen3vl_trt.serving import interface
     from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 
     component = Preprocessing(tiny_dense, LIMITS, torch.float32, 64)
 
     def request(guide_type: bytes, guide: bytes | None) -> dict:
-        sent = {
-            interface.TEXT_INPUT.name: np.array([b"Hi"], object),
-            interface.MAX_TOKENS.name: np.array([4], np.int32),
-            interface.GUIDE_TYPE.name: np.array([guide_type], object),
-        }
+        sent = GenerationRequest(prompt="Hi", max_tokens=4).named_inputs()
+        sent[GUIDE_TYPE.name] = np.array([guide_type], object)
         if guide is not None:
-            sent[interface.GUIDE.name] = np.array([guide], object)
+            sent[GUIDE_TEXT.name] = np.array([guide], object)
         return sent
 
     good = gd.json_schema_guide({"type": "object", "properties": {"a": {"enum": [1, 2]}}})

@@ -9,13 +9,13 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from deployment import LIMITS
 from images import jpeg
 from qwen3vl_trt.errors import StageError
 from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.scheduler import PreprocessingScheduler, Result
@@ -33,12 +33,10 @@ class Request:
     def __init__(self, name: str, image: bytes | None = None, warm_up: bool = False):
         self.name = name
         self.warm_up = warm_up
-        self.inputs: dict[str, Any] = {
-            interface.TEXT_INPUT.name: np.array([b"What is it?"], dtype=object),
-            interface.MAX_TOKENS.name: np.array([4], np.int32),
-        }
-        if image is not None:
-            self.inputs[interface.IMAGES.name] = np.array([image], dtype=object)
+        images = () if image is None else (image,)
+        self.inputs: dict[str, Any] = GenerationRequest(
+            prompt="What is it?", max_tokens=4, images=images
+        ).named_inputs()
 
 
 class Encoder:

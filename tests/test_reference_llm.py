@@ -22,6 +22,7 @@ from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import LocalPipeline, StreamingDetokenizer, engine_request
 from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.request import RETURN_LOG_PROBS
 from qwen3vl_trt.serving.stages.cpu_llm import InflightLLM
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
@@ -304,7 +305,7 @@ def test_the_inflight_llm_returns_the_log_probs_of_its_tokens(converted, runtime
             interface.TEMPERATURE.name: np.array([3.0], np.float32),
             interface.RUNTIME_TOP_P.name: np.array([1.0], np.float32),
             interface.SEED.name: np.array([9], np.uint64),
-            interface.RETURN_LOG_PROBS.name: np.array([True]),
+            RETURN_LOG_PROBS.name: np.array([True]),
             interface.EXCLUDE_INPUT.name: np.array([True]),
         }
         for streaming in (False, True):

@@ -32,6 +32,7 @@ from qwen3vl_trt.serving.repository.writer import (
 )
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
+from qwen3vl_trt.serving.tensors import NUMPY_DTYPES
 from qwen3vl_trt.vision.metadata import vision_metadata
 from qwen3vl_trt.vision.sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 from tritonclient.grpc import model_config_pb2 as mc
@@ -261,7 +262,7 @@ def test_the_gpu_vision_encoder_warms_up_at_three_sizes_on_what_preprocessing_se
         for tensor in interface.VISION_REQUEST[1:]:
             given = sample.inputs[tensor.name]
             data = (tmp_path / interface.VISION_ENCODER / "warmup" / given.input_data_file).read_bytes()
-            dtype = interface.NUMPY_DTYPES[tensor.data_type]
+            dtype = NUMPY_DTYPES[tensor.data_type]
             assert given.data_type == cfg.data_type(tensor) and data == expected[tensor.name].astype(dtype).tobytes()
             assert list(given.dims) == list(expected[tensor.name].shape)
     assert cfg.read(tmp_path / interface.VISION_ENCODER) == config

@@ -13,7 +13,7 @@ import pytest
 import torch
 from qwen3vl_trt.errors import InputError
 from qwen3vl_trt.runtime.sampling import FLT_MAX, GuideFailed, SamplingParams, TokenSampler
-from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving import interface, request
 from qwen3vl_trt.serving.stages.cpu_llm import InflightLLM
 
 CPU = torch.device("cpu")
@@ -244,7 +244,7 @@ def _inputs(**extra):
         interface.INPUT_IDS.name: np.arange(1, 5, dtype=np.int32),
         interface.REQUEST_OUTPUT_LEN.name: np.array([4], np.int32),
     }
-    inputs.update({getattr(interface, k).name: v for k, v in extra.items()})
+    inputs.update({(getattr(interface, k, None) or getattr(request, k)).name: v for k, v in extra.items()})
     return inputs
 
 
@@ -277,7 +277,7 @@ def test_no_top_k_and_no_top_p_is_greedy_and_an_empty_bias_is_none():
 
 
 def test_guided_requests_need_tokenizer_info_and_other_guide_types_are_ignored():
-    guided = dict(GUIDE_TYPE=np.array([b"regex"], object), GUIDE=np.array([b"[ab]+"], object))
+    guided = dict(GUIDE_TYPE=np.array([b"regex"], object), GUIDE_TEXT=np.array([b"[ab]+"], object))
     with pytest.raises(InputError, match="guided decoding is not enabled"):
         _engine().request(_inputs(**guided))
     with pytest.raises(InputError, match="guided_decoding_guide must be sent"):

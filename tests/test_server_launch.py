@@ -27,10 +27,11 @@ from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
 from qwen3vl_trt.errors import CheckpointError, ServingError
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_INPUT, TEXT_OUTPUT
+from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import REPOSITORY_SCHEMA, EnsembleParameters, PreprocessingParameters
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
+from qwen3vl_trt.serving.request import TEXT_INPUT
 from qwen3vl_trt.serving.server import serve as serve_module
 from qwen3vl_trt.serving.server import tritonserver_install
 from qwen3vl_trt.serving.server.launch import (

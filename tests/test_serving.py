@@ -17,10 +17,12 @@ import tritonclient.grpc as grpcclient
 from deployment import LIMITS, SETTINGS, build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.detokenize import Detokenizer
+from qwen3vl_trt.guided_decoding import Guide
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.serving.request import GUIDE_TEXT, LOGIT_BIAS_IDS, LOGIT_BIAS_WEIGHTS, GenerationRequest
 from qwen3vl_trt.serving.server.serve import TritonServer
 from qwen3vl_trt.testing.hf_reference import hf_request_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
@@ -200,13 +202,11 @@ def test_bad_requests_fail_alone_and_the_server_stays_ready(dense):
         "broken image": dict(prompt="Look.", images=[PHOTO[: len(PHOTO) // 3]]),
         "too many images": dict(prompt="Many.", images=[jpeg(32, 32, seed=s) for s in range(17)]),
         "too long": dict(prompt="word " * 1500, images=[]),
-        "no max_tokens": dict(prompt="Hi.", images=[], max_tokens=None),
     }
     messages = {
         "broken image": "image",
         "too many images": "17 images",
         "too long": "limit is 1024",
-        "no max_tokens": "max_tokens",
     }
 
     def run(item):
@@ -346,26 +346,25 @@ def test_tensors_cross_every_model_intact(dense):
     from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
     from qwen3vl_trt.serving.stages.vision_batching import VisionBatching
 
-    request = {
-        interface.TEXT_INPUT.name: np.array([[b"What is this?"]], dtype=object),
-        interface.MAX_TOKENS.name: np.array([[5]], np.int32),
-        interface.IMAGES.name: np.array([[PHOTO]], dtype=object),
-        interface.STOP_WORDS.name: np.array([[b"stop here"]], dtype=object),
-        interface.SEED_IN.name: np.array([[2**63 + 5]], np.uint64),
-        interface.TEMPERATURE_IN.name: np.array([[0.5]], np.float32),
+    sent = GenerationRequest(
+        prompt="What is this?",
+        max_tokens=5,
+        images=(PHOTO,),
+        stop_words=("stop here",),
+        seed=2**63 + 5,
+        temperature=0.5,
         # What the OpenAI gateway sends on to the engine: penalties, log probs, a guide, a logit bias, tools.
-        interface.PRESENCE_PENALTY.name: np.array([[0.25]], np.float32),
-        interface.FREQUENCY_PENALTY.name: np.array([[-0.5]], np.float32),
-        interface.REPETITION_PENALTY.name: np.array([[1.5]], np.float32),
-        interface.RETURN_LOG_PROBS.name: np.array([[True]]),
-        interface.GUIDE_TYPE.name: np.array([[b"ebnf_grammar"]], dtype=object),
-        interface.GUIDE.name: np.array([[b'root ::= "yes" | "no"']], dtype=object),
-        interface.LOGIT_BIAS_IDS.name: np.array([[7, 151645, 7]], np.int32),
-        interface.LOGIT_BIAS_WEIGHTS.name: np.array([[1.5, -100.0, 0.5]], np.float32),
-        interface.TOOLS.name: np.array(
-            [[json.dumps([{"type": "function", "function": {"name": "f"}}]).encode()]], dtype=object
-        ),  # fmt: skip
-    }
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.5,
+        return_log_probs=True,
+        guide=Guide("ebnf_grammar", 'root ::= "yes" | "no"'),
+        tools=[{"type": "function", "function": {"name": "f"}}],
+    ).named_inputs()
+    # A logit bias as a gRPC client may send it, an id twice: the stage sums its biases.
+    sent[LOGIT_BIAS_IDS.name] = np.array([7, 151645, 7], np.int32)
+    sent[LOGIT_BIAS_WEIGHTS.name] = np.array([1.5, -100.0, 0.5], np.float32)
+    request = {name: array[None] for name, array in sent.items()}
     served = _infer_model(dense.url, interface.PREPROCESSING, request)
     hidden_size = served.as_numpy(interface.PROMPT_TABLE.name).shape[-1]
     component = Preprocessing(dense.model_dir, LIMITS, torch.float32, hidden_size)
@@ -384,7 +383,7 @@ def test_tensors_cross_every_model_intact(dense):
     bias = served.as_numpy(interface.EMBEDDING_BIAS.name)[0]  # one entry per vocabulary id, repeats summed
     assert bias.shape == (Preprocessor.from_pretrained(dense.model_dir).info.text.vocab_size,)
     assert (bias[7], bias[151645], np.count_nonzero(bias)) == (2.0, -100.0, 2)
-    assert served.as_numpy(interface.GUIDE.name)[0, 0] == b'root ::= "yes" | "no"'
+    assert served.as_numpy(GUIDE_TEXT.name)[0, 0] == b'root ::= "yes" | "no"'
 
     sent = {name: np.asarray(value)[None] for name, value in vision_inputs.items()}
     table = _infer_model(dense.url, interface.VISION_ENCODER, sent).as_numpy(interface.PROMPT_TABLE.name)[0]

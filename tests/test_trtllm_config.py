@@ -17,6 +17,8 @@ from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.repository.model_config import parse, to_text
 from qwen3vl_trt.serving.repository.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config
+from qwen3vl_trt.serving.request import REQUEST_INPUTS
+from qwen3vl_trt.serving.tensors import TRITON_DATA_TYPES
 from tritonclient.grpc import model_config_pb2 as mc
 
 # Config generation runs again at the GPU image's tritonclient and protobuf (build/gpu_image.py).
@@ -174,7 +176,7 @@ def test_contract_tensors_take_the_engine_type_unless_the_backend_declares_anoth
     for name, tensor in carried.items():
         assert tensor.contract is not None and tensor.contract.name == name
         upstream = UPSTREAM_INPUTS[name][0]
-        engine = interface.TRITON_DATA_TYPES[tensor.contract.dtype]
+        engine = TRITON_DATA_TYPES[tensor.contract.dtype]
         assert f"TYPE_{tensor.data_type}" == upstream or tensor.data_type == upstream == "MODEL", name
         if upstream not in (f"TYPE_{engine}", engine):
             differing[name] = upstream.removeprefix("TYPE_")
@@ -188,7 +190,7 @@ def test_contract_tensors_take_the_engine_type_unless_the_backend_declares_anoth
 def test_every_tensor_named_after_a_contract_carries_it():
     """No model declares a contract tensor by hand (its type or dims could drift from the contract's)."""
     contracts = {spec.name: spec for spec in (*VISION_INPUTS, *LLM_INPUTS)}
-    tensors = {*interface.REQUEST_INPUTS, *interface.PREPROCESSING_OUTPUTS, *interface.LLM_INPUTS}
+    tensors = {*REQUEST_INPUTS, *interface.PREPROCESSING_OUTPUTS, *interface.LLM_INPUTS}
     for tensor in tensors:
         if tensor.name in contracts:
             assert tensor.contract == contracts[tensor.name], tensor.name

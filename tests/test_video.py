@@ -220,7 +220,7 @@ def test_bad_videos_are_refused_before_decoding(name, pre, monkeypatch):
     with pytest.raises(error, match=message):
         pre(_chat(data))
     with pytest.raises(error, match=message):
-        pre.count_tokens(_chat(data))
+        pre.prompt_ids(_chat(data))
 
 
 LIMITED = {

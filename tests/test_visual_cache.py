@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 from deployment import LIMITS, build_cpu_repository
@@ -19,6 +18,7 @@ from qwen3vl_trt.serving.parameters import PreprocessingParameters
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.server.serve import TritonServer
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
@@ -394,11 +394,7 @@ def test_an_image_an_earlier_batch_is_encoding_is_neither_looked_up_nor_decoded(
     component = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64)
     counts = Counts()
     component.cache = VisualCache(MemoryStore(1 << 20), SCOPE, counts)
-    request = {
-        interface.TEXT_INPUT.name: np.array([b"What is it?"], dtype=object),
-        interface.MAX_TOKENS.name: np.array([4], np.int32),
-        interface.IMAGES.name: np.array([jpeg(256, 256, seed=5)], dtype=object),
-    }
+    request = GenerationRequest(prompt="What is it?", max_tokens=4, images=(jpeg(256, 256, seed=5),)).named_inputs()
     (first,) = component.execute([request])
     (image,) = first.visual
     assert first.to_encode == [image] and counts[Event.MISS] == 1

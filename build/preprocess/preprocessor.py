@@ -175,7 +175,8 @@ class Request:
 class _Pending:
     """A request whose text and image and video headers are checked and whose pixels are not yet decoded."""
 
-    input_ids: np.ndarray
+    ids: np.ndarray  # as tokenized, one placeholder per image and per video frame
+    input_ids: np.ndarray  # with the visual tokens
     plan: ImagePlan
     videos: tuple[VideoPlan, ...]
     visual: tuple[VisualInput, ...]
@@ -279,7 +280,7 @@ class Preprocessor:
         prompt_ = self._prompt(messages, prompt, images, videos, add_generation_prompt, template_kwargs)
         return self._finish([self._prepare(prompt_)])[0]
 
-    def count_tokens(
+    def prompt_ids(
         self,
         messages: Sequence[Mapping[str, Any]] | NormalizedMessages | None = None,
         *,
@@ -288,21 +289,28 @@ class Preprocessor:
         videos: Sequence[VideoSource] = (),
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
-    ) -> int:
-        """The prompt's length in tokens, its images' and videos' tokens included, read from their headers alone
-        (no pixel is decoded); raises what __call__ raises for bad messages, headers or limits."""
-        prompt_ = self._prompt(messages, prompt, images, videos, add_generation_prompt, template_kwargs)
-        return int(self._prepare(prompt_).input_ids.size)
+    ) -> tuple[np.ndarray, int]:
+        """The prompt rendered and tokenized (one placeholder id per image, each video's temporal patches with
+        their times), which batch() takes back as prompt_ids with the images and videos in their placeholders'
+        order, and its length in tokens with the visual tokens, read from the image and video headers alone (no
+        pixel is decoded); raises what __call__ raises for bad messages, headers or limits."""
+        prepared = self._prepare(self._prompt(messages, prompt, images, videos, add_generation_prompt, template_kwargs))
+        return prepared.ids, int(prepared.input_ids.size)
 
     def batch(self, requests: Sequence[Mapping[str, Any]], skip_decoding: SkipDecoding | None = None) -> list[Request]:
-        """Several requests at once (each a dict of __call__'s keyword arguments); their images are
-        decoded as one batch. A bad request raises before any image is decoded. skip_decoding, once every
-        request is checked, tells per image and video of each request whether its pixels are not needed (its
-        features are at hand): those are not decoded (Request.decoded)."""
+        """Several requests at once (each a dict of __call__'s keyword arguments, or prompt_ids, images and videos: a
+        prompt tokenized by prompt_ids, which is not rendered again); their images are decoded as one batch.
+        A bad request raises before any image is decoded. skip_decoding, once every request is checked,
+        tells per image and video of each request whether its pixels are not needed (its features are at
+        hand): those are not decoded (Request.decoded)."""
         pending = []
         for i, request in enumerate(requests):
             kwargs = dict(request)
             try:
+                if "prompt_ids" in kwargs:
+                    limits = (self.limits.max_image_bytes, self.limits.max_video_bytes)
+                    pending.append(self._prepare(self.prompts.from_ids(**kwargs, max_bytes=limits)))
+                    continue
                 prompt = self._prompt(
                     kwargs.pop("messages", None),
                     kwargs.pop("prompt", None),
@@ -352,6 +360,9 @@ class Preprocessor:
             for k, video in enumerate(prompt.videos)
         )
         ids = self.prompts.token_ids(prompt, [video.timestamps for video in videos])
+        frames = sum(video.grid_thw[0] for video in videos)
+        if prompt.ids is not None and int((ids == self.info.video_token_id).sum()) != frames:
+            raise MessageError(f"prompt_ids do not hold one video placeholder for each of the videos' {frames} frames")
         merge = self.image_config.merge_size
         tokens_per_image = (plan.image_grid_thw.prod(axis=1) // (merge * merge)).tolist()
         tokens_per_patch = [h * w // (merge * merge) for video in videos for h, w in [video.grid_thw[1:]]]
@@ -374,7 +385,7 @@ class Preprocessor:
                 "send fewer or smaller images or shorter videos"
             )
         visual, order = self._visual_inputs(ids, plan, videos)
-        return _Pending(input_ids, plan, videos, visual, order)
+        return _Pending(ids, input_ids, plan, videos, visual, order)
 
     def _visual_inputs(
         self, ids: np.ndarray, plan: ImagePlan, videos: Sequence[VideoPlan]

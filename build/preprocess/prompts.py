@@ -115,12 +115,14 @@ def load_chat_template(model_dir: str | os.PathLike[str]) -> str:
 @dataclass(frozen=True)
 class Prompt:
     """The prompt's text with one wrapped placeholder per image and per video, and their sources in the same order;
-    PromptBuilder.token_ids tokenizes it once the videos' timestamps are known."""
+    PromptBuilder.token_ids tokenizes it once the videos' timestamps are known. ids: the prompt tokenized already
+    (by a client that rendered it: Preprocessor.prompt_ids), which replaces the text."""
 
     text: str
     add_special_tokens: bool
     images: tuple[bytes, ...]
     videos: tuple[VideoSource, ...] = ()
+    ids: np.ndarray | None = None
 
 
 class NormalizedMessages(NamedTuple):
@@ -237,9 +239,34 @@ class PromptBuilder:
             )
         return made
 
+    def from_ids(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        images: Sequence[bytes] = (),
+        videos: Sequence[VideoSource] = (),
+        max_bytes: tuple[int, int] = (ImageLimits.max_image_bytes, VideoLimits.max_video_bytes),
+    ) -> Prompt:
+        """A prompt a client tokenized already (Preprocessor.prompt_ids), checked as far as ids can be: ids the
+        tokenizer knows, one placeholder per image (the videos' are counted once their frames are known:
+        Preprocessor._prepare). max_bytes: the image and the video byte limits."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        known = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= known:
+            raise MessageError(f"prompt_ids must be a non-empty list of token ids below {known}")
+        placeholders = int((ids == self.image_token_id).sum())
+        if placeholders != len(images):
+            raise MessageError(f"prompt_ids hold {placeholders} image placeholder(s) but {len(images)} image(s) came")
+        for k, image in enumerate(images):
+            _check_image_bytes(len(image), max_bytes[0], f"image {k}")
+        for k, video in enumerate(videos):
+            _check_video(video, max_bytes[1], f"video {k}")
+        return Prompt("", False, tuple(images), tuple(videos), ids)
+
     def token_ids(self, prompt: Prompt, video_timestamps: Sequence[Sequence[float]] = ()) -> np.ndarray:
         """The prompt's ids, each video's placeholder replaced by its temporal patches (one <|video_pad|> each,
         introduced by its time) before tokenizing, as the processor substitutes text."""
+        if prompt.ids is not None:
+            return prompt.ids
         if len(video_timestamps) != len(prompt.videos):
             raise MessageError(f"{len(prompt.videos)} videos but timestamps for {len(video_timestamps)}")
         pieces = prompt.text.split(VIDEO_WRAPPED)

@@ -11,7 +11,6 @@ stream=True each response carries the new text, which `on_text` receives as it a
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import re
 import threading
@@ -26,6 +25,8 @@ from ..detokenize import Answer, Detokenizer
 from ..errors import Qwen3VLTrtError
 from . import interface
 from .ports import LOCAL_TRITON_URL
+from .request import GenerationRequest
+from .tensors import NUMPY_DTYPES, Tensor
 
 # How long the blocking client waits for each response of a request.
 RESPONSE_TIMEOUT_S = 600.0
@@ -212,82 +213,22 @@ class Generation:
         return was_open
 
 
-def _input(tensor: interface.Tensor, values: Sequence[Any]) -> Any:
+def _input(tensor: Tensor, array: np.ndarray) -> Any:
+    """One input of a request of one (the batch dimension added)."""
     # tritonclient.grpc.aio re-exports this same InferInput class, so both clients send these inputs.
     import tritonclient.grpc as grpcclient
 
-    array = np.array([list(values)], dtype=interface.NUMPY_DTYPES[tensor.data_type])
+    batch = np.asarray(array, dtype=NUMPY_DTYPES[tensor.data_type])[None]
     spec = grpcclient.InferInput(
-        tensor.name, list(array.shape), "BYTES" if tensor.data_type == "STRING" else tensor.data_type
+        tensor.name, list(batch.shape), "BYTES" if tensor.data_type == "STRING" else tensor.data_type
     )
-    spec.set_data_from_numpy(array)
+    spec.set_data_from_numpy(batch)
     return spec
 
 
-def request_inputs(
-    prompt: str,
-    images: Sequence[bytes] = (),
-    max_tokens: int | None = 64,
-    *,
-    stream: bool = False,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    min_tokens: int | None = None,
-    stop_words: Sequence[str] = (),
-    bad_words: Sequence[str] = (),
-    messages: list[dict[str, Any]] | None = None,
-    raw_prompt: bool = False,
-    exclude_input_in_output: bool = True,
-    videos: Sequence[bytes] = (),
-    tools: list[dict[str, Any]] | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    logit_bias: dict[int, float] | None = None,
-    return_log_probs: bool = False,
-    guide: tuple[str, str] | None = None,
-) -> list[Any]:
-    """The ensemble's inputs for one request (max_tokens None leaves it out: the server refuses that). Videos are
-    encoded files (MP4, WebM, ...), placed after the images, or by the messages' video parts. tools: the function
-    definitions the chat template renders. logit_bias: added to those tokens' logits. guide: (guide type, guide)
-    as the tensorrt_llm backend takes guided decoding (qwen3vl_trt.guided_decoding.Guide)."""
-    values: list[tuple[interface.Tensor, Sequence[Any]]] = [
-        (interface.TEXT_INPUT, [prompt.encode()]),
-        (interface.STREAM, [stream]),
-        (interface.EXCLUDE_INPUT_IN, [exclude_input_in_output]),
-    ]
-    optional = {
-        interface.MAX_TOKENS: max_tokens,
-        interface.TEMPERATURE_IN: temperature,
-        interface.TOP_K: top_k,
-        interface.TOP_P: top_p,
-        interface.SEED_IN: seed,
-        interface.MIN_TOKENS_IN: min_tokens,
-        interface.MESSAGES: None if messages is None else json.dumps(messages).encode(),
-        interface.RAW_PROMPT: raw_prompt or None,
-        interface.TOOLS: json.dumps(tools).encode() if tools else None,
-        interface.PRESENCE_PENALTY: presence_penalty,
-        interface.FREQUENCY_PENALTY: frequency_penalty,
-        interface.REPETITION_PENALTY: repetition_penalty,
-        interface.RETURN_LOG_PROBS: return_log_probs or None,
-        interface.GUIDE_TYPE: guide[0].encode() if guide else None,
-        interface.GUIDE: guide[1].encode() if guide else None,
-    }
-    values += [(tensor, [value]) for tensor, value in optional.items() if value is not None]
-    for tensor, items in (
-        (interface.IMAGES, images),
-        (interface.VIDEOS, videos),
-        (interface.STOP_WORDS, stop_words),
-        (interface.BAD_WORDS, bad_words),
-    ):
-        if items:
-            values.append((tensor, [i if isinstance(i, bytes) else str(i).encode() for i in items]))
-    if logit_bias:
-        values.append((interface.LOGIT_BIAS_IDS, list(logit_bias)))
-        values.append((interface.LOGIT_BIAS_WEIGHTS, list(logit_bias.values())))
-    return [_input(tensor, items) for tensor, items in values]
+def request_inputs(request: GenerationRequest) -> list[Any]:
+    """The ensemble's inputs for one request, as tritonclient sends them."""
+    return [_input(tensor, array) for tensor, array in request.to_inputs().items()]
 
 
 def stop_inputs() -> list[Any]:
@@ -295,10 +236,10 @@ def stop_inputs() -> list[Any]:
     (its `stop` input): Triton's ensembles end a cancelled request between steps but do not pass the
     cancellation on to the step in flight, which for the llm is the whole generation."""
     return [
-        _input(interface.STOP, [True]),
-        _input(interface.INPUT_IDS, [0]),
-        _input(interface.INPUT_LENGTHS, [1]),
-        _input(interface.REQUEST_OUTPUT_LEN, [1]),
+        _input(interface.STOP, np.array([True])),
+        _input(interface.INPUT_IDS, np.array([0])),
+        _input(interface.INPUT_LENGTHS, np.array([1])),
+        _input(interface.REQUEST_OUTPUT_LEN, np.array([1])),
     ]
 
 
@@ -335,30 +276,36 @@ class Client:
         except Exception:  # tritonclient raises its own error types for an unreachable server
             return None
 
+    def submit(self, request: GenerationRequest, request_id: str | None = None) -> Generation:
+        """Starts one request (request_id: what the server logs it as; default a new uuid) and returns its
+        responses as they arrive (see Generation). A Client runs one request at a time: use one Client per
+        concurrent request."""
+        return Generation(self, request_inputs(request), request_id)
+
     def stream(
         self,
         prompt: str,
         images: Sequence[bytes] = (),
-        max_tokens: int | None = 64,
+        max_tokens: int = 64,
         *,
         request_id: str | None = None,
         **options: Any,
     ) -> Generation:
-        """Starts one request (request_id: what the server logs it as; default a new uuid) and returns its
-        responses as they arrive (see Generation). A Client runs one request at a time: use one Client per
-        concurrent request."""
-        return Generation(self, request_inputs(prompt, images, max_tokens, **options), request_id)
+        """submit() of the request of these arguments (options: GenerationRequest's other fields)."""
+        request = GenerationRequest(prompt=prompt, images=images, max_tokens=max_tokens, **options)
+        return self.submit(request, request_id)
 
     def generate(
         self,
         prompt: str,
         images: Sequence[bytes] = (),
-        max_tokens: int | None = 64,
+        max_tokens: int = 64,
         *,
         on_text: Callable[[str], None] | None = None,
         **options: Any,
     ) -> Answer:
-        """One request; raises InferenceError with the server's message when it fails."""
+        """One request (stream's arguments); raises InferenceError with the server's message when it
+        fails, and RequestError, before sending anything, for one that cannot be served as asked."""
         pieces: list[Answer] = []
         for piece in self.stream(prompt, images, max_tokens, **options):
             pieces.append(piece)
@@ -441,20 +388,12 @@ class AsyncClient:
             return None
 
     async def stream(
-        self,
-        prompt: str,
-        images: Sequence[bytes] = (),
-        max_tokens: int | None = 64,
-        *,
-        request_id: str,
-        deadline: float | None = None,
-        **options: Any,
+        self, request: GenerationRequest, *, request_id: str, deadline: float | None = None
     ) -> AsyncGenerator[Answer, None]:
-        """One request's responses as they arrive (options as request_inputs takes them). Past `deadline` (a
-        time.monotonic() value) it raises RequestTimedOutError. Leaving the iteration early, cancelling the task
-        iterating it, or its deadline, cancels the stream and stops the request on the llm (stop)."""
-        inputs = request_inputs(prompt, images, max_tokens, **options)
-        responses = self._send(self.model, inputs, request_id)
+        """One request's responses as they arrive. Past `deadline` (a time.monotonic() value) it raises
+        RequestTimedOutError. Leaving the iteration early, cancelling the task iterating it, or its deadline,
+        cancels the stream and stops the request on the llm (stop)."""
+        responses = self._send(self.model, request_inputs(request), request_id)
         decode = _Decoding(self.detokenizer)
         watch = _Watch(self, responses, deadline)
         finished = False

@@ -1,15 +1,15 @@
 """The Triton deployment's tensors and model names, declared once.
 
-The ensemble `qwen3vl` takes the tensorrtllm_backend ensemble's request inputs (so its clients and genai-perf work
-unchanged) plus `images`, `messages` and `raw_prompt`, and runs preprocessing -> llm -> postprocessing, answering
-text. The ensemble `qwen3vl_tokens` takes the same inputs and runs preprocessing -> llm, answering the llm's token
-ids as they come: for clients that decode the ids themselves (the gRPC client and the OpenAI gateway,
-qwen3vl_trt.detokenize), with no python step per streamed token in the server. Preprocessing calls vision_encoder
-itself (BLS) for the images that the visual-feature cache does not hold, so a request whose images all hit runs no
-vision encoder. Between the models, tensors carry the names of the contracts they implement: the vision encoder's
-inputs (contracts.VISION_INPUTS) and the TensorRT-LLM backend's `tensorrt_llm` model inputs, which the CPU target's
-`llm` declares too, so both targets route the same ensemble. Dims exclude the batch dimension (every model
-batches); scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm backend declares them.
+The ensemble `qwen3vl` takes the generation request's inputs (serving.request, which declares them) and runs
+preprocessing -> llm -> postprocessing, answering text. The ensemble `qwen3vl_tokens` takes the same inputs and runs
+preprocessing -> llm, answering the llm's token ids as they come: for clients that decode the ids themselves (the
+gRPC client and the OpenAI gateway, qwen3vl_trt.detokenize), with no python step per streamed token in the server.
+Preprocessing calls vision_encoder itself (BLS) for the images that the visual-feature cache does not hold, so a
+request whose images all hit runs no vision encoder. Between the models, tensors carry the names of the contracts
+they implement: the vision encoder's inputs (contracts.VISION_INPUTS) and the TensorRT-LLM backend's `tensorrt_llm`
+model inputs, which the CPU target's `llm` declares too, so both targets route the same ensemble. Dims exclude the
+batch dimension (every model batches); scalar per-request inputs of `llm` are reshaped to [] as the tensorrt_llm
+backend declares them.
 
 A tensor that implements a contract takes its name, dims and type from it (`_implementing`); where the receiving
 backend declares another type, the deployment carries the backend's (BACKEND_DATA_TYPES) and `Tensor.to_triton`
@@ -17,10 +17,6 @@ converts the contract's arrays to it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-import numpy as np
 
 from ..contracts import (
     LLM_INPUT_IDS,
@@ -35,6 +31,8 @@ from ..contracts import (
     SEGMENT_START,
     TensorSpec,
 )
+from .request import ENGINE_OPTIONS
+from .tensors import TRITON_DATA_TYPES, Tensor, scalar_tensor
 
 PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE, TOKENS_ENSEMBLE = (
     "preprocessing",
@@ -51,34 +49,12 @@ MODELS = (PREPROCESSING, VISION_ENCODER, LLM, POSTPROCESSING, ENSEMBLE, TOKENS_E
 CALLED_BY = {VISION_ENCODER: (PREPROCESSING,)}
 
 
-# Triton's DataType names (without TYPE_) of the contracts' dtypes; "model" is the LLM checkpoint's dtype.
-TRITON_DATA_TYPES = {"float32": "FP32", "int32": "INT32", "int64": "INT64", "uint64": "UINT64", "model": "MODEL"}
-NUMPY_DTYPES = {
-    **{triton: np.dtype(name) for name, triton in TRITON_DATA_TYPES.items() if name != "model"},
-    "BOOL": np.dtype(bool),
-    "STRING": np.dtype(object),  # bytes elements
-}
-
 # Contract tensors that a backend declares with a type of its own, by name. TensorRT-LLM 1.2.1's engine takes
 # mrope_position_deltas as int32 (contracts), but the tensorrtllm backend's tensorrt_llm model declares it
 # TYPE_INT64 (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt) and reads it back as
 # the engine's int32 (utils.cc getMropeConfigFromTensors: extractSingleton<SizeType32>, the low half on
 # little-endian hosts): the ensemble, and the CPU target's llm that stands in for that model, carry INT64.
 BACKEND_DATA_TYPES = {MROPE_POSITION_DELTAS.name: "INT64"}
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    data_type: str  # Triton's DataType name without TYPE_ (INT32, FP32, BOOL, STRING, ...)
-    dims: tuple[int, ...]
-    optional: bool = False
-    scalar: bool = False  # one value per request: reshaped to [] where the tensorrt_llm backend does
-    contract: TensorSpec | None = None  # the stage contract this tensor carries, if any
-
-    def to_triton(self, array: np.ndarray) -> np.ndarray:
-        """An array of the contract's dtype as this tensor carries it (the backend's type, where it differs)."""
-        return np.asarray(array, dtype=NUMPY_DTYPES[self.data_type])
 
 
 def _implementing(spec: TensorSpec, optional: bool = False) -> Tensor:
@@ -88,74 +64,6 @@ def _implementing(spec: TensorSpec, optional: bool = False) -> Tensor:
     data_type = BACKEND_DATA_TYPES.get(spec.name, TRITON_DATA_TYPES[spec.dtype])
     return Tensor(spec.name, data_type, dims, optional=optional, contract=spec)
 
-
-def _scalar(name: str, data_type: str, optional: bool = True) -> Tensor:
-    return Tensor(name, data_type, (1,), optional=optional, scalar=True)
-
-
-# -- the ensemble's request interface (tensorrtllm_backend conventions) ----------------------------
-TEXT_INPUT = _scalar("text_input", "STRING", optional=False)
-MAX_TOKENS = _scalar("max_tokens", "INT32", optional=False)
-STREAM = _scalar("stream", "BOOL")
-TEMPERATURE_IN = _scalar("temperature", "FP32")
-TOP_K = _scalar("top_k", "INT32")
-TOP_P = _scalar("top_p", "FP32")
-SEED_IN = _scalar("seed", "UINT64")
-END_ID_IN = _scalar("end_id", "INT32")
-PAD_ID_IN = _scalar("pad_id", "INT32")
-STOP_WORDS = Tensor("stop_words", "STRING", (-1,), optional=True)
-BAD_WORDS = Tensor("bad_words", "STRING", (-1,), optional=True)
-MIN_TOKENS_IN = _scalar("min_tokens", "INT32")
-EXCLUDE_INPUT_IN = _scalar("exclude_input_in_output", "BOOL")
-IMAGES = Tensor("images", "STRING", (-1,), optional=True)
-VIDEOS = Tensor("videos", "STRING", (-1,), optional=True)
-MESSAGES = _scalar("messages", "STRING")
-RAW_PROMPT = _scalar("raw_prompt", "BOOL")
-TOOLS = _scalar("tools", "STRING")  # the JSON list of tool definitions the chat template renders
-# OpenAI's logit_bias (token id -> bias); preprocessing writes it as the llm's embedding_bias.
-LOGIT_BIAS_IDS = Tensor("logit_bias_ids", "INT32", (-1,), optional=True)
-LOGIT_BIAS_WEIGHTS = Tensor("logit_bias_weights", "FP32", (-1,), optional=True)
-
-# -- sampling and output options the tensorrt_llm model takes under these names, which the ensemble takes too --
-PRESENCE_PENALTY = _scalar("presence_penalty", "FP32")
-FREQUENCY_PENALTY = _scalar("frequency_penalty", "FP32")
-REPETITION_PENALTY = _scalar("repetition_penalty", "FP32")
-RETURN_LOG_PROBS = _scalar("return_log_probs", "BOOL")
-# Declared [1] without reshape by the tensorrt_llm model, unlike its other per-request values.
-GUIDE_TYPE = Tensor("guided_decoding_guide_type", "STRING", (1,), optional=True)
-GUIDE = Tensor("guided_decoding_guide", "STRING", (1,), optional=True)
-ENGINE_OPTIONS: tuple[Tensor, ...] = (
-    PRESENCE_PENALTY,
-    FREQUENCY_PENALTY,
-    REPETITION_PENALTY,
-    RETURN_LOG_PROBS,
-    GUIDE_TYPE,
-    GUIDE,
-)
-
-REQUEST_INPUTS: tuple[Tensor, ...] = (
-    TEXT_INPUT,
-    MAX_TOKENS,
-    STREAM,
-    TEMPERATURE_IN,
-    TOP_K,
-    TOP_P,
-    SEED_IN,
-    END_ID_IN,
-    PAD_ID_IN,
-    STOP_WORDS,
-    BAD_WORDS,
-    MIN_TOKENS_IN,
-    EXCLUDE_INPUT_IN,
-    IMAGES,
-    VIDEOS,
-    MESSAGES,
-    RAW_PROMPT,
-    TOOLS,
-    LOGIT_BIAS_IDS,
-    LOGIT_BIAS_WEIGHTS,
-    *ENGINE_OPTIONS,
-)
 
 TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
@@ -169,7 +77,7 @@ VISION_POS_EMBED_W = _implementing(POS_EMBED_W)
 VISION_ROTARY_POS = _implementing(ROTARY_POS)
 VISION_SEGMENT_START = _implementing(SEGMENT_START)
 IMAGE_GRID_THW = Tensor("image_grid_thw", "INT64", (-1, 3))
-VISUAL_TOKEN_COUNT = _scalar("visual_token_count", "INT32", optional=False)
+VISUAL_TOKEN_COUNT = scalar_tensor("visual_token_count", "INT32", optional=False)
 VISION_REQUEST: tuple[Tensor, ...] = (
     VISION_PIXELS,
     VISION_POS_EMBED_IDX,
@@ -186,17 +94,17 @@ PROMPT_TABLE = _implementing(PROMPT_EMBEDDING_TABLE, optional=True)
 
 # -- preprocessing -> llm: the tensorrt_llm backend's input names ---------------------------------
 INPUT_IDS = _implementing(LLM_INPUT_IDS)
-INPUT_LENGTHS = _scalar("input_lengths", "INT32", optional=False)
-REQUEST_OUTPUT_LEN = _scalar("request_output_len", "INT32", optional=False)
-END_ID = _scalar("end_id", "INT32")
-PAD_ID = _scalar("pad_id", "INT32")
-RUNTIME_TOP_K = _scalar("runtime_top_k", "INT32")
-RUNTIME_TOP_P = _scalar("runtime_top_p", "FP32")
-TEMPERATURE = _scalar("temperature", "FP32")
-SEED = _scalar("seed", "UINT64")
-MIN_TOKENS = _scalar("min_tokens", "INT32")
-STREAMING = _scalar("streaming", "BOOL")
-EXCLUDE_INPUT = _scalar("exclude_input_in_output", "BOOL")
+INPUT_LENGTHS = scalar_tensor("input_lengths", "INT32", optional=False)
+REQUEST_OUTPUT_LEN = scalar_tensor("request_output_len", "INT32", optional=False)
+END_ID = scalar_tensor("end_id", "INT32")
+PAD_ID = scalar_tensor("pad_id", "INT32")
+RUNTIME_TOP_K = scalar_tensor("runtime_top_k", "INT32")
+RUNTIME_TOP_P = scalar_tensor("runtime_top_p", "FP32")
+TEMPERATURE = scalar_tensor("temperature", "FP32")
+SEED = scalar_tensor("seed", "UINT64")
+MIN_TOKENS = scalar_tensor("min_tokens", "INT32")
+STREAMING = scalar_tensor("streaming", "BOOL")
+EXCLUDE_INPUT = scalar_tensor("exclude_input_in_output", "BOOL")
 STOP_WORDS_LIST = Tensor("stop_words_list", "INT32", (2, -1), optional=True)
 BAD_WORDS_LIST = Tensor("bad_words_list", "INT32", (2, -1), optional=True)
 EMBEDDING_BIAS = Tensor("embedding_bias", "FP32", (-1,), optional=True)  # [vocab_size], added to the logits
@@ -219,7 +127,7 @@ LLM_REQUEST: tuple[Tensor, ...] = (
     STOP_WORDS_LIST,
     BAD_WORDS_LIST,
     EMBEDDING_BIAS,
-    *ENGINE_OPTIONS,
+    *ENGINE_OPTIONS,  # passed on from the request as they are (serving.request)
     MROPE_COS_SIN,
     MROPE_DELTAS,
     EXTRA_IDS,
@@ -227,7 +135,7 @@ LLM_REQUEST: tuple[Tensor, ...] = (
 # A request with stop true ends the request in flight that has the same request id: the tensorrt_llm
 # backend's cancellation, which clients use because Triton's ensembles do not pass a cancelled stream on
 # to the llm step in flight.
-STOP = _scalar("stop", "BOOL")
+STOP = scalar_tensor("stop", "BOOL")
 LLM_INPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE, STOP)
 
 # -- llm -> postprocessing ----------------------------------------------------------------------

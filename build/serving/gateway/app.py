@@ -152,7 +152,8 @@ class Gateway:
         """The deployment's responses for one choice, until the request's deadline; leaving early (stop string,
         disconnect, deadline) cancels it on the server."""
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
-        responses = self.client.stream(**plan.request(run), deadline=plan.deadline)
+        request_id, request = plan.choice(run)
+        responses = self.client.stream(request, request_id=request_id, deadline=plan.deadline)
         try:
             try:
                 async for piece in responses:

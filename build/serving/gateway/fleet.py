@@ -34,12 +34,13 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ...detokenize import Detokenizer
 from ...errors import ServingError
 from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
 from ..ports import DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, host_port
+from ..request import GenerationRequest
 from .metrics import GatewayMetrics
 
 PROBE_INTERVAL_S = 1.0
@@ -314,7 +315,7 @@ class Fleet:
         return bool(self.rotation())
 
     async def stream(
-        self, prompt: str, images: Sequence[bytes] = (), max_tokens: int | None = 64, *, request_id: str, **options: Any
+        self, request: GenerationRequest, *, request_id: str, deadline: float | None = None
     ) -> AsyncGenerator[Answer, None]:
         """AsyncClient.stream on a ready replica, sent once more to another when the first fails before any
         text (see RETRIED_ERRORS). Leaving early stops the request on the replica that runs it.
@@ -331,7 +332,7 @@ class Fleet:
             replica.in_flight += 1
             if self.metrics is not None:
                 self.metrics.replica_requests.labels(replica.address).inc()
-            pieces = replica.client.stream(prompt, images, max_tokens, request_id=request_id, **options)
+            pieces = replica.client.stream(request, request_id=request_id, deadline=deadline)
             try:
                 async for answer in pieces:
                     if not answered and not answer.text:

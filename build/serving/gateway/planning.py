@@ -1,7 +1,9 @@
 """Request planning: an OpenAI chat or text completion request turned into the deployment's requests (a Plan, one
 request per choice), checked first with the deployment's own preprocessing code from the image and video headers
 alone (no pixel is decoded), so that bad messages or media, too many of them and prompts over the limit are
-answered 400 before Triton sees them, and the prompt's token count that `usage` reports is the one the server runs.
+answered 400 before Triton sees them, and the prompt's token count that `usage` reports is the one the server runs:
+the prompt goes to the deployment rendered and tokenized (prompt_ids), so preprocessing renders and tokenizes only
+for clients that send text or messages.
 Tools are rendered by the checkpoint's own chat template; a required or named tool choice and a JSON response
 format become the guided-decoding grammar the engine applies (qwen3vl_trt.guided_decoding). Remote image and video
 URLs are fetched here when the gateway allows them."""
@@ -12,7 +14,7 @@ import functools
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import anyio
@@ -22,6 +24,7 @@ from ...errors import PromptTooLongError, RequestError
 from ...guided_decoding import Guide, GuideError, json_object_guide, json_schema_guide, tool_call_guide
 from ...preprocess import Preprocessor
 from ...preprocess.prompts import normalize_messages
+from ..request import GenerationRequest
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -57,31 +60,20 @@ class ChoiceRun:
 @dataclass
 class Plan:
     """One validated request: what goes to the deployment and what the response reports. kind: a chat or a text
-    completion. messages (chat) or prompt (a completion's text, sent as the raw prompt). tool_names: the functions
-    whose calls the answer is parsed for (none: no parsing). reasoning: split a Thinking checkpoint's reasoning
-    from the answer. echo: the text a completion's answer starts with (its prompt, when asked to echo it)."""
+    completion. request: what each choice asks the deployment (its seed aside). tool_names: the functions whose calls
+    the answer is parsed for (none: no parsing). reasoning: split a Thinking checkpoint's reasoning from the answer.
+    echo: the text a completion's answer starts with (its prompt, when asked to echo it)."""
 
     id: str
     created: int
     model: str
     kind: Literal["chat", "completion"]
-    messages: list[dict[str, Any]] | None
-    prompt: str | None
-    images: list[bytes]
-    videos: list[Any]  # encoded bytes (the gateway takes no DecodedVideo)
+    request: GenerationRequest
     prompt_tokens: int
-    max_tokens: int
-    options: dict[str, Any]
     stops: list[str]
     include_usage: bool
     deadline: float  # time.monotonic() by which the request ends
-    # Whether Triton sends the tokens as they come: for a streamed answer, and for stop strings (matched here in
-    # the text as it comes, so the request is cancelled at the match); else one response, which spares a
-    # postprocessing request per token (about 1.5 ms each on the CPU target).
-    piecewise: bool = True
     n: int = 1
-    seed: int | None = None
-    logprobs: bool = False
     tool_names: tuple[str, ...] = ()
     reasoning: bool = False
     opens_reasoning: bool = False
@@ -91,25 +83,23 @@ class Plan:
     def __post_init__(self) -> None:
         self.choices = [ChoiceRun(i, StopFinder(self.stops)) for i in range(self.n)]
 
-    def request(self, choice: ChoiceRun) -> dict[str, Any]:
-        """The deployment's request for one choice (AsyncClient.stream's arguments). The n choices are n requests
-        seeded as TensorRT-LLM seeds the n sequences of one (the request's seed, 0 if none, plus the sequence's
-        index: batch_manager/llmRequest.cpp createChildRequest); 1.2.1's backend cannot ask for n sequences itself
-        (its num_return_sequences input lands in another sampling field: TensorRT-LLM PR #13633)."""
-        seed = self.seed if self.n == 1 else ((self.seed or 0) + choice.index) % 2**64  # the executor's uint64
-        content = {"messages": self.messages} if self.messages is not None else {"raw_prompt": True}
-        return {
-            "prompt": self.prompt or "",
-            "images": self.images,
-            "max_tokens": self.max_tokens,
-            "request_id": self.id if self.n == 1 else f"{self.id}-{choice.index}",
-            "stream": self.piecewise,
-            "videos": self.videos,
-            "seed": seed,
-            "return_log_probs": self.logprobs,
-            **content,
-            **self.options,
-        }
+    @property
+    def max_tokens(self) -> int:
+        return self.request.max_tokens
+
+    @property
+    def logprobs(self) -> bool:
+        return self.request.return_log_probs
+
+    def choice(self, run: ChoiceRun) -> tuple[str, GenerationRequest]:
+        """The request id and the deployment's request of one choice. The n choices are n requests seeded as
+        TensorRT-LLM seeds the n sequences of one (the request's seed plus the sequence's index:
+        batch_manager/llmRequest.cpp createChildRequest); 1.2.1's backend cannot ask for n sequences itself (its
+        num_return_sequences input lands in another sampling field: TensorRT-LLM PR #13633)."""
+        if self.n == 1:
+            return self.id, self.request
+        seed = (self.request.seed + run.index) % 2**64  # the executor's uint64
+        return f"{self.id}-{run.index}", replace(self.request, seed=seed)
 
     def usage(self) -> Usage:
         completion = sum(c.completion_tokens for c in self.choices)
@@ -151,9 +141,6 @@ class Planner:
         refuse_unsupported(body)
         stops = stop_strings(body.stop)
         tools, tool_names, guide = await self._tools_and_guide(body)
-        if guide is not None and body.min_tokens:
-            raise APIError(400, "min_tokens cannot go with a JSON response_format or a required tool call: the grammar "
-                           "decides where the answer ends", param="min_tokens")  # fmt: skip
         messages = await self._fetch_remote_media(_checked_tool_turns(body.messages))
         try:
             limits = settings.limits.request_limits()
@@ -161,27 +148,24 @@ class Planner:
             if _text_chars(chat.messages) + _text_chars(tools) > self.max_prompt_chars:
                 raise self._too_many_chars()
             kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-            count = functools.partial(self.preprocessor.count_tokens, chat, **kwargs)
+            tokenize = functools.partial(self.preprocessor.prompt_ids, chat, **kwargs)
             # A long prompt on a worker thread: tens of milliseconds would stall every stream on the loop. A short
-            # one here: its count takes less than handing it to a thread and back.
+            # one here: its tokens take less than handing it to a thread and back.
             short = _text_chars(chat.messages) + _text_chars(tools) <= INLINE_COUNT_CHARS and not chat.videos
-            prompt_tokens = count() if short else await anyio.to_thread.run_sync(count)
+            ids, prompt_tokens = tokenize() if short else await anyio.to_thread.run_sync(tokenize)
         except RequestError as e:
             raise request_error(e) from None
-        asked = body.max_completion_tokens or body.max_tokens
+        # The prompt goes rendered and tokenized: preprocessing takes its ids and does neither again.
+        content = dict(prompt_ids=ids, images=chat.images, videos=chat.videos)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        request = self._request(body, body.max_completion_tokens or body.max_tokens, param, prompt_tokens, stops,
+                                guide=guide, return_log_probs=body.logprobs, **content)  # fmt: skip
         return Plan(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
-            messages=chat.messages,
-            prompt=None,
-            images=chat.images,
-            videos=chat.videos,
+            request=request,
             prompt_tokens=prompt_tokens,
-            max_tokens=self._max_tokens(prompt_tokens, asked, param),
-            options={**self._sampling(body, stops), "tools": tools, "guide": guide},
             **self._shared(body, started, stops),
-            logprobs=body.logprobs,
             tool_names=tool_names,
             reasoning=self.reasoning,
             opens_reasoning=self.opens_reasoning,
@@ -199,25 +183,51 @@ class Planner:
         if len(prompt) > self.max_prompt_chars:
             raise request_error(self._too_many_chars())
         try:
-            count = functools.partial(self.preprocessor.count_tokens, prompt=prompt)
+            tokenize = functools.partial(self.preprocessor.prompt_ids, prompt=prompt)
             short = len(prompt) <= INLINE_COUNT_CHARS
-            prompt_tokens = count() if short else await anyio.to_thread.run_sync(count)
+            ids, prompt_tokens = tokenize() if short else await anyio.to_thread.run_sync(tokenize)
         except RequestError as e:
             raise request_error(e) from None
+        request = self._request(body, body.max_tokens, "max_tokens", prompt_tokens, stops, prompt_ids=ids,
+                                return_log_probs=body.logprobs is not None)  # fmt: skip
         return Plan(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
-            messages=None,
-            prompt=prompt,
-            images=[],
-            videos=[],
+            request=request,
             prompt_tokens=prompt_tokens,
-            max_tokens=self._max_tokens(prompt_tokens, body.max_tokens, "max_tokens"),
-            options=self._sampling(body, stops),
             **self._shared(body, started, stops),
-            logprobs=body.logprobs is not None,
             echo=prompt if body.echo else "",
         )
+
+    def _request(
+        self,
+        body: SamplingRequest,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        prompt_tokens: int,
+        stops: list[str],
+        **content: Any,
+    ) -> GenerationRequest:
+        """The deployment's request of the body: its sampling options, `content` (the prompt or messages, media,
+        tools, guide) and max_tokens, all the room the context leaves when the body asks for none. Refused where
+        GenerationRequest refuses it, with its message and the body's name of the field at fault."""
+        max_seq_len = self.settings.limits.max_seq_len
+        try:
+            request = GenerationRequest(
+                max_tokens=max_seq_len - prompt_tokens if max_tokens is None else max_tokens,
+                # Tokens as they come for a streamed answer, and for stop strings (matched here in the text as it
+                # comes, so the request is cancelled at the match); else one response, which spares a
+                # postprocessing request per token (about 1.5 ms each on the CPU target).
+                stream=body.stream or bool(stops),
+                stop_words=stops,
+                **_sampling(body),
+                **content,
+            )
+            request.check_vocabulary(self.vocab_size)
+            request.check_length(prompt_tokens, max_seq_len)
+        except RequestError as e:
+            raise request_error(e, max_tokens=max_tokens_param) from None
+        return request
 
     def _shared(self, body: SamplingRequest, started: float, stops: list[str]) -> dict[str, Any]:
         """The Plan fields that chat and text completions fill alike."""
@@ -227,9 +237,7 @@ class Planner:
             "stops": stops,
             "include_usage": bool(body.stream_options and body.stream_options.include_usage),
             "deadline": started + self.settings.request_timeout_s,
-            "piecewise": body.stream or bool(stops),
             "n": body.n,
-            "seed": body.seed,
         }
 
     def _too_many_chars(self) -> PromptTooLongError:
@@ -239,35 +247,9 @@ class Planner:
             f"tokens can; the limit is {limit} tokens"
         )
 
-    def _max_tokens(self, prompt_tokens: int, asked: int | None, param: str) -> int:
-        limits = self.settings.limits
-        room = limits.max_seq_len - prompt_tokens
-        if asked is not None and asked > room:
-            raise APIError(
-                400,
-                f"this deployment's maximum context length is {limits.max_seq_len} tokens; the prompt takes "
-                f"{prompt_tokens} and {asked} were asked for the completion (at most {room})",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return asked or room
-
-    def _sampling(self, body: SamplingRequest, stops: list[str]) -> dict[str, Any]:
-        return {
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "min_tokens": body.min_tokens,
-            "stop_words": stops,
-            "presence_penalty": body.presence_penalty,
-            "frequency_penalty": body.frequency_penalty,
-            "repetition_penalty": body.repetition_penalty,
-            "logit_bias": logit_bias_ids(body.logit_bias, self.vocab_size),
-        }
-
     async def _tools_and_guide(
         self, body: ChatCompletionRequest
-    ) -> tuple[list[dict[str, Any]] | None, tuple[str, ...], tuple[str, str] | None]:
+    ) -> tuple[list[dict[str, Any]] | None, tuple[str, ...], Guide | None]:
         """The tools the template renders, the functions whose calls are parsed, and the guided-decoding grammar
         (a forced tool choice's or the response format's), built on a worker thread (milliseconds per schema).
         tool_choice "none" leaves the tools out of the prompt, so the model is not asked for calls."""
@@ -307,9 +289,9 @@ class Planner:
         except GuideError as e:
             raise APIError(400, str(e), param="tools" if forced else "response_format", code="invalid_schema") from None
         if choice == "none":
-            return None, (), None if guide is None else (guide.type, guide.text)
+            return None, (), guide
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
-        return tools, names, None if guide is None else (guide.type, guide.text)
+        return tools, names, guide
 
     async def _fetch_remote_media(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages whose http(s) image and video URLs are replaced by the downloaded bytes, when the gateway
@@ -349,6 +331,21 @@ class Planner:
             raise APIError(
                 400, f"cannot fetch the {kind} at {url}: {e}", param="messages", code=f"invalid_{kind}"
             ) from e
+
+
+def _sampling(body: SamplingRequest) -> dict[str, Any]:
+    """The body's sampling options as GenerationRequest takes them (None: not asked for, the request's default)."""
+    return dict(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_tokens=body.min_tokens,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=logit_bias_ids(body.logit_bias),
+    )
 
 
 def _checked_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

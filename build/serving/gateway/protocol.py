@@ -78,15 +78,23 @@ _ERROR_CODES: list[tuple[type[RequestError], str]] = [
 ]
 
 
-def request_error(error: RequestError) -> APIError:
-    return rejected(str(error), type(error).__name__)
+# The body's names of GenerationRequest's fields where they differ (OpenAI's), else the field's own.
+_PARAMS = {"prompt": "messages", "images": "messages", "videos": "messages", "stop_words": "stop",
+           "guide": "response_format", "return_log_probs": "logprobs"}  # fmt: skip
 
 
-def rejected(message: str, kind: str | None) -> APIError:
+def request_error(error: RequestError, **params: str) -> APIError:
+    """The answer to a RequestError: its param the body's name of the field at fault (`params` over the usual
+    ones: the body may name max_tokens max_completion_tokens), or messages."""
+    field = error.field or "messages"
+    return rejected(str(error), type(error).__name__, params.get(field) or _PARAMS.get(field, field))
+
+
+def rejected(message: str, kind: str | None, param: str = "messages") -> APIError:
     """A request refused as sent, by the gateway or a stage: the same code for the same kind of RequestError
     (`kind`: its class name) wherever it was found."""
     code = next((c for error, c in _ERROR_CODES if error.__name__ == kind), None)
-    return APIError(400, message, param="messages", code=code)
+    return APIError(400, message, param=param, code=code)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -139,18 +147,20 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
+    # The bounds the engine needs are the generation request's (serving.request, checked once the body is planned);
+    # these are the OpenAI API's own caps.
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # an extension vLLM and TensorRT-LLM's servers take too
-    min_tokens: int | None = Field(None, ge=0)  # idem
-    # As OpenAI bounds them; the engine subtracts them from the logits of tokens already in the sequence.
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, le=2.0)
+    top_p: float | None = None
+    top_k: int | None = None  # an extension vLLM and TensorRT-LLM's servers take too
+    min_tokens: int | None = None  # idem
+    # The engine subtracts them from the logits of tokens already in the sequence.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)  # an extension, as vLLM takes it
+    repetition_penalty: float | None = None  # an extension, as vLLM takes it
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -161,7 +171,7 @@ class ChatCompletionRequest(SamplingRequest):
     """The chat-completions fields the gateway serves."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -174,7 +184,7 @@ class CompletionRequest(SamplingRequest):
     """The (legacy) completions fields the gateway serves: a prompt as it is, without the chat template."""
 
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -224,16 +234,17 @@ def refuse_unsupported(body: SamplingRequest) -> None:
                            param="best_of", code="unsupported_parameter")  # fmt: skip
 
 
-def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token id strings -> a bias in [-100, 100]) as ids."""
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> a bias in [-100, 100]) as ids (the vocabulary's bound is the
+    generation request's)."""
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:
         raise APIError(400, f"logit_bias takes up to {MAX_LOGIT_BIAS} tokens", param="logit_bias")
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
-            raise APIError(400, f"logit_bias: {key!r} is not a token id below {vocab_size}", param="logit_bias")
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias: {key!r} is not a token id", param="logit_bias")
         if not -100.0 <= value <= 100.0:
             raise APIError(400, f"logit_bias: the bias of {key} must be in [-100, 100]", param="logit_bias")
         out[int(key)] = float(value)
@@ -242,8 +253,8 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS or not all(stops):
-        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop takes up to {MAX_STOP_STRINGS} strings", param="stop")
     return stops
 
 

@@ -10,7 +10,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ...errors import Qwen3VLTrtError
-from ..interface import Tensor
+from ..tensors import Tensor
 
 CONFIG_FILE = "config.pbtxt"
 

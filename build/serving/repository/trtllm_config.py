@@ -60,6 +60,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ...errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
 from ...limits import EngineLimits
 from .. import interface
+from ..request import GUIDE_TEXT, GUIDE_TYPE
+from ..tensors import Tensor
 from .model_config import MODEL_DATA_TYPES, instance_group, model_input, model_output, parameters
 
 BACKEND = "tensorrtllm"
@@ -87,13 +89,13 @@ _RAGGED = frozenset(
         interface.PROMPT_TABLE,
         interface.EXTRA_IDS,
         interface.EMBEDDING_BIAS,
-        interface.GUIDE_TYPE,
-        interface.GUIDE,
+        GUIDE_TYPE,
+        GUIDE_TEXT,
     )
 )
 
 
-def _input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
+def _input(tensor: Tensor, model_data_type: str) -> mc.ModelInput:
     spec = model_input(tensor, model_data_type, ragged=tensor.name in _RAGGED)
     if tensor.scalar:
         spec.reshape.SetInParent()  # reshape { shape: [] }: the backend takes per-request scalars unbatched

@@ -45,6 +45,8 @@ from ..parameters import (
     VisionParameters,
     check_cache_setting,
 )
+from ..request import REQUEST_INPUTS
+from ..tensors import NUMPY_DTYPES, Tensor
 from . import gpu_memory
 from . import model_config as cfg
 from .gpu_memory import GpuMemoryPlan
@@ -134,16 +136,16 @@ def visual_cache_bytes(limits: EngineLimits, llm: LLMConfig, settings: Repositor
     return min(max(full, VISUAL_CACHE_MIN_BYTES), VISUAL_CACHE_MAX_BYTES)
 
 
-def _internal(producer: str, tensor: interface.Tensor) -> str:
+def _internal(producer: str, tensor: Tensor) -> str:
     """The ensemble's name for a tensor one step produces and later steps read."""
     return f"{producer}_{tensor.name}"
 
 
-def _ragged(tensor: interface.Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
+def _ragged(tensor: Tensor, model_data_type: str = "FP32", optional: bool | None = None) -> mc.ModelInput:
     return cfg.model_input(tensor, model_data_type, optional=optional, ragged=True)
 
 
-def _llm_input(tensor: interface.Tensor, model_data_type: str) -> mc.ModelInput:
+def _llm_input(tensor: Tensor, model_data_type: str) -> mc.ModelInput:
     spec = _ragged(tensor, model_data_type)
     if tensor.scalar:
         spec.reshape.SetInParent()  # shape [], as the tensorrt_llm backend declares scalars
@@ -234,7 +236,7 @@ def _preprocessing(m: _Models) -> mc.ModelConfig:
     return _python_model(
         m,
         interface.PREPROCESSING,
-        [_ragged(t, optional=True) for t in interface.REQUEST_INPUTS],
+        [_ragged(t, optional=True) for t in REQUEST_INPUTS],
         [cfg.model_output(t, m.model_type) for t in interface.PREPROCESSING_OUTPUTS],
         m.kind,
         {**m.on_gpu, **params.as_strings()},
@@ -275,7 +277,7 @@ def _warmup_metadata(rows: int, vision: VisionConfig) -> dict[str, np.ndarray]:
         interface.VISUAL_TOKEN_COUNT.name: np.array([rows * rows // merge**2], np.int32),
     }
     return {
-        t.name: np.asarray(values[t.name], interface.NUMPY_DTYPES[t.data_type])
+        t.name: np.asarray(values[t.name], NUMPY_DTYPES[t.data_type])
         for t in interface.VISION_REQUEST
         if t is not interface.VISION_PIXELS
     }
@@ -409,9 +411,9 @@ def _ensemble(limits: EngineLimits, name: str) -> mc.ModelConfig:
     EnsembleParameters().apply(config)
     # All optional here: an ensemble whose request lacks a required input never runs its first step and
     # answers with nothing, so preprocessing checks the required ones and says what is missing.
-    config.input.extend(cfg.model_input(t, optional=True) for t in interface.REQUEST_INPUTS)
+    config.input.extend(cfg.model_input(t, optional=True) for t in REQUEST_INPUTS)
     pre = {t.name: _internal(interface.PREPROCESSING, t) for t in interface.PREPROCESSING_OUTPUTS}
-    steps = [(interface.PREPROCESSING, {t.name: t.name for t in interface.REQUEST_INPUTS}, pre)]
+    steps = [(interface.PREPROCESSING, {t.name: t.name for t in REQUEST_INPUTS}, pre)]
     if name == interface.TOKENS_ENSEMBLE:
         config.output.extend(cfg.model_output(t) for t in interface.LLM_OUTPUTS)
         steps.append((interface.LLM, pre, {t.name: t.name for t in interface.LLM_OUTPUTS}))

@@ -38,7 +38,8 @@ from ...guided_decoding import GUIDE_TYPES, load_tokenizer_info
 from ...runtime.guided import GrammarCache
 from ...runtime.reference_llm import DecodeBatch, GenerationResult, LLMRequest, ReferenceLLM
 from ...runtime.sampling import LogitsGuide, SamplingParams
-from .. import interface
+from .. import interface, request
+from ..tensors import Tensor
 from .preprocessing import split_word_list
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,12 @@ class _Job:
     result: GenerationResult | None = None
 
 
-def _value(inputs: Mapping[str, Any], tensor: interface.Tensor, default: Any) -> Any:
+def _value(inputs: Mapping[str, Any], tensor: Tensor, default: Any) -> Any:
     value = inputs.get(tensor.name)
     return default if value is None else np.asarray(value).reshape(-1)[0].item()
 
 
-def _text(inputs: Mapping[str, Any], tensor: interface.Tensor) -> str | None:
+def _text(inputs: Mapping[str, Any], tensor: Tensor) -> str | None:
     value = inputs.get(tensor.name)
     if value is None or np.asarray(value).size == 0:
         return None
@@ -148,19 +149,19 @@ class InflightLLM:
             min_new_tokens=int(_value(inputs, interface.MIN_TOKENS, 0)),
             stop_sequences=split_word_list(inputs.get(interface.STOP_WORDS_LIST.name)),
             bad_sequences=split_word_list(inputs.get(interface.BAD_WORDS_LIST.name)),
-            repetition_penalty=float(_value(inputs, interface.REPETITION_PENALTY, 1.0)),
-            presence_penalty=float(_value(inputs, interface.PRESENCE_PENALTY, 0.0)),
-            frequency_penalty=float(_value(inputs, interface.FREQUENCY_PENALTY, 0.0)),
+            repetition_penalty=float(_value(inputs, request.REPETITION_PENALTY, 1.0)),
+            presence_penalty=float(_value(inputs, request.PRESENCE_PENALTY, 0.0)),
+            frequency_penalty=float(_value(inputs, request.FREQUENCY_PENALTY, 0.0)),
             embedding_bias=embedding_bias,
-            return_log_probs=bool(_value(inputs, interface.RETURN_LOG_PROBS, False)),
+            return_log_probs=bool(_value(inputs, request.RETURN_LOG_PROBS, False)),
         )
 
     def _guide(self, inputs: Mapping[str, Any]) -> LogitsGuide | None:
         """The request's grammar matcher when it is guided."""
-        guide_type = _text(inputs, interface.GUIDE_TYPE)
+        guide_type = _text(inputs, request.GUIDE_TYPE)
         if guide_type not in GUIDE_TYPES:
             return None
-        guide = _text(inputs, interface.GUIDE)
+        guide = _text(inputs, request.GUIDE_TEXT)
         # The guide text may be left out only for "json" (executor GuidedDecodingParams: required unless kJSON).
         if guide is None and guide_type != "json":
             raise InputError(f"guided_decoding_guide must be sent with guided_decoding_guide_type {guide_type}")

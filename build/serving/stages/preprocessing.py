@@ -11,7 +11,6 @@ decided here once, so both targets' `llm` models receive every input.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from ...checkpoint import generation_end_ids
-from ...errors import MessageError, PromptTooLongError, RequestError, StageError
+from ...errors import RequestError, StageError
 from ...guided_decoding import check_guide
 from ...limits import EngineLimits
 from ...preprocess import Preprocessor
@@ -29,40 +28,11 @@ from ...preprocess.preprocessor import Request, VisualInput, VisualKind
 from ...vision.metadata import vision_metadata
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
+from ..request import ENGINE_OPTIONS, GenerationRequest
 from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]
 Found = MutableMapping[bytes, torch.Tensor]  # the visual cache's rows of one batch, by digest
-
-
-def _scalar(inputs: Arrays, tensor: interface.Tensor, default: Any) -> Any:
-    value = inputs.get(tensor.name)
-    if value is None:
-        return default
-    flat = np.asarray(value).reshape(-1)
-    if flat.size != 1:
-        raise RequestError(f"{tensor.name} must hold one value, got {flat.size}")
-    item = flat[0]
-    return item.decode() if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
-
-
-def _strings(inputs: Arrays, tensor: interface.Tensor) -> list[bytes]:
-    value = inputs.get(tensor.name)
-    if value is None:
-        return []
-    return [bytes(v) if not isinstance(v, str) else v.encode() for v in np.asarray(value, dtype=object).reshape(-1)]
-
-
-def _json_list(text: str | None, tensor: interface.Tensor) -> list[Any] | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise MessageError(f"{tensor.name} is not valid JSON: {e}") from None
-    if not isinstance(value, list):
-        raise MessageError(f"{tensor.name} must be a JSON list")
-    return value
 
 
 def word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
@@ -95,7 +65,8 @@ def split_word_list(table: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
 @dataclass(frozen=True)
 class _Parsed:
     call: dict[str, Any]  # Preprocessor.batch() arguments
-    outputs: dict[str, Any]  # the LLM's sampling inputs and the postprocessing flags
+    request: GenerationRequest
+    outputs: dict[str, Any]  # the llm's inputs of the request's options (the engine mapping)
     cached: bool = True  # its images are looked up in and stored into the visual cache
 
 
@@ -343,133 +314,58 @@ class Preprocessing:
         return Prepared(outputs, tuple(images), parsed.cached)
 
     def _parse(self, inputs: Arrays) -> _Parsed:
-        missing = [t.name for t in interface.REQUEST_INPUTS if not t.optional and t.name not in inputs]
-        if missing:
-            raise RequestError(f"the request lacks the required input(s) {', '.join(missing)}")
-        text = _scalar(inputs, interface.TEXT_INPUT, "")
-        images = _strings(inputs, interface.IMAGES)
-        videos = _strings(inputs, interface.VIDEOS)
-        messages_json = _scalar(inputs, interface.MESSAGES, None)
-        if _scalar(inputs, interface.RAW_PROMPT, False):
-            if messages_json is not None:
-                raise MessageError("raw_prompt sends text_input as the prompt; do not send messages with it")
-            call: dict[str, Any] = {"prompt": text, "images": images, "videos": videos}
+        request = GenerationRequest.from_inputs(inputs)
+        request.check_vocabulary(self.pre.info.text.vocab_size)
+        if request.guide is not None:
+            check_guide(request.guide.type, request.guide.text)
+        call: dict[str, Any]
+        if request.prompt_ids:  # rendered and tokenized by the client (the gateway): neither is done again
+            ids = np.asarray(request.prompt_ids, np.int64)
+            call = {"prompt_ids": ids, "images": list(request.images), "videos": list(request.videos)}
+        elif request.raw_prompt:
+            call = {"prompt": request.prompt, "images": list(request.images), "videos": list(request.videos)}
         else:
-            call = {"messages": self._messages(text, {"image": images, "video": videos}, messages_json)}
-            tools = _json_list(_scalar(inputs, interface.TOOLS, None), interface.TOOLS)
-            if tools:
-                call["tools"] = tools
-        max_tokens = int(_scalar(inputs, interface.MAX_TOKENS, 0))
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        temperature = float(_scalar(inputs, interface.TEMPERATURE_IN, 0.0))
-        top_k = int(_scalar(inputs, interface.TOP_K, 0))
-        top_p = float(_scalar(inputs, interface.TOP_P, 1.0))
-        if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-            raise RequestError(
-                f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-            )
-        greedy = temperature == 0.0
-        end_id = int(_scalar(inputs, interface.END_ID_IN, self.end_ids[0]))
+            call = {"messages": request.chat(), **({"tools": request.tools} if request.tools else {})}
+        return _Parsed(call, request, self._engine_inputs(request))
+
+    def _engine_inputs(self, request: GenerationRequest) -> dict[str, Any]:
+        """The engine mapping: the request as the tensorrt_llm backend reads it (greedy is runtime_top_k 1; the
+        checkpoint's end ids unless the request names one), the options it takes under their own names passed on
+        when sent (the engine's defaults apply to the others), and the logit bias as the embedding_bias: a bias per
+        vocabulary entry, as long as the model's vocabulary (TensorRT-LLM's decoder refuses any other length)."""
+        greedy = request.temperature == 0.0
+        end_id = self.end_ids[0] if request.end_id is None else request.end_id
         # The other end ids stop generation too: TensorRT-LLM takes them as one-token stop words.
-        stop_words = [
-            *self._encode(_strings(inputs, interface.STOP_WORDS)),
-            *[(t,) for t in self.end_ids if t != end_id],
-        ]
-        streaming = bool(_scalar(inputs, interface.STREAM, False))
+        stop_words = [*self._encode(request.stop_words), *[(t,) for t in self.end_ids if t != end_id]]
         outputs = {
-            interface.REQUEST_OUTPUT_LEN.name: np.array([max_tokens], np.int32),
+            interface.REQUEST_OUTPUT_LEN.name: np.array([request.max_tokens], np.int32),
             interface.END_ID.name: np.array([end_id], np.int32),
-            interface.PAD_ID.name: np.array([int(_scalar(inputs, interface.PAD_ID_IN, end_id))], np.int32),
-            interface.RUNTIME_TOP_K.name: np.array([1 if greedy else top_k], np.int32),
-            interface.RUNTIME_TOP_P.name: np.array([1.0 if greedy else top_p], np.float32),
-            interface.TEMPERATURE.name: np.array([1.0 if greedy else temperature], np.float32),
-            interface.SEED.name: np.array([int(_scalar(inputs, interface.SEED_IN, 0))], np.uint64),
-            interface.MIN_TOKENS.name: np.array([int(_scalar(inputs, interface.MIN_TOKENS_IN, 0))], np.int32),
-            interface.STREAMING.name: np.array([streaming], bool),
-            interface.EXCLUDE_INPUT.name: np.array([bool(_scalar(inputs, interface.EXCLUDE_INPUT_IN, False))], bool),
+            interface.PAD_ID.name: np.array([end_id if request.pad_id is None else request.pad_id], np.int32),
+            interface.RUNTIME_TOP_K.name: np.array([1 if greedy else request.top_k], np.int32),
+            interface.RUNTIME_TOP_P.name: np.array([1.0 if greedy else request.top_p], np.float32),
+            interface.TEMPERATURE.name: np.array([1.0 if greedy else request.temperature], np.float32),
+            interface.SEED.name: np.array([request.seed], np.uint64),
+            interface.MIN_TOKENS.name: np.array([request.min_tokens], np.int32),
+            interface.STREAMING.name: np.array([request.stream], bool),
+            interface.EXCLUDE_INPUT.name: np.array([request.exclude_input_in_output], bool),
             interface.STOP_WORDS_LIST.name: word_list(stop_words),
-            interface.BAD_WORDS_LIST.name: word_list(self._encode(_strings(inputs, interface.BAD_WORDS))),
-            **self._engine_options(inputs),
+            interface.BAD_WORDS_LIST.name: word_list(self._encode(request.bad_words)),
         }
-        return _Parsed(call, outputs)
+        sent = request.to_inputs()
+        outputs.update((tensor.name, sent[tensor]) for tensor in ENGINE_OPTIONS if tensor in sent)
+        if request.logit_bias:
+            bias = np.zeros(self.pre.info.text.vocab_size, np.float32)
+            for token, weight in request.logit_bias.items():
+                bias[token] += weight
+            outputs[interface.EMBEDDING_BIAS.name] = bias
+        return outputs
 
-    def _engine_options(self, inputs: Arrays) -> dict[str, np.ndarray]:
-        """The penalties, log-prob and guided-decoding inputs sent, passed on to the llm as its tensorrt_llm inputs
-        (the engine's defaults apply to those not sent), and logit_bias as its embedding_bias: a bias per vocabulary
-        entry, as long as the model's vocabulary (TensorRT-LLM's decoder refuses any other length)."""
-        passed = {}
-        for tensor in interface.ENGINE_OPTIONS:
-            value = _scalar(inputs, tensor, None)
-            if value is not None:
-                value = value.encode() if isinstance(value, str) else value
-                passed[tensor.name] = np.array([value], dtype=interface.NUMPY_DTYPES[tensor.data_type])
-        repetition = passed.get(interface.REPETITION_PENALTY.name)
-        if repetition is not None and not float(repetition[0]) > 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {float(repetition[0])}")
-        guide_type = _scalar(inputs, interface.GUIDE_TYPE, None)
-        if guide_type is not None:
-            check_guide(guide_type, _scalar(inputs, interface.GUIDE, None))
-        elif interface.GUIDE.name in passed:
-            raise RequestError(f"{interface.GUIDE.name} was sent without {interface.GUIDE_TYPE.name}")
-        ids = inputs.get(interface.LOGIT_BIAS_IDS.name)
-        weights = inputs.get(interface.LOGIT_BIAS_WEIGHTS.name)
-        if ids is None and weights is None:
-            return passed
-        ids = np.asarray(ids if ids is not None else [], np.int64).reshape(-1)
-        weights = np.asarray(weights if weights is not None else [], np.float32).reshape(-1)
-        vocab_size = self.pre.info.text.vocab_size
-        if ids.size != weights.size or ids.size == 0:
-            raise RequestError(f"logit bias needs as many weights as ids, got {weights.size} and {ids.size}")
-        if ids.min() < 0 or ids.max() >= vocab_size or not np.isfinite(weights).all():
-            raise RequestError(f"logit bias takes token ids in [0, {vocab_size}) and finite weights")
-        bias = np.zeros(vocab_size, np.float32)
-        np.add.at(bias, ids, weights)
-        passed[interface.EMBEDDING_BIAS.name] = bias
-        return passed
-
-    def _encode(self, words: list[bytes]) -> list[list[int]]:
-        return [self.tokenizer.encode(w.decode(errors="replace"), add_special_tokens=False).ids for w in words]
-
-    def _messages(self, text: str, media: dict[str, list[bytes]], messages_json: str | None) -> list[dict[str, Any]]:
-        """The chat: one user turn (the images, the videos, then the text), or the JSON messages whose image and
-        video parts without data take the request's images and videos in order, followed by text_input as a user
-        turn if any."""
-        if messages_json is None:
-            parts: list[dict[str, Any]] = [{"type": kind, kind: data} for kind, sent in media.items() for data in sent]
-            return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-        try:
-            messages = json.loads(messages_json)
-        except json.JSONDecodeError as e:
-            raise MessageError(f"messages is not valid JSON: {e}") from None
-        if not isinstance(messages, list):
-            raise MessageError("messages must be a JSON list of chat messages")
-        pending = {kind: list(sent) for kind, sent in media.items()}
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            for part in content if isinstance(content, list) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in pending and kind not in part:
-                    if not pending[kind]:
-                        raise MessageError(f"messages have more {kind} parts than the {len(media[kind])} {kind}s sent")
-                    part[kind] = pending[kind].pop(0)
-        for kind, left in pending.items():
-            if left:
-                raise MessageError(
-                    f"{len(left)} of the {len(media[kind])} {kind}s sent have no {kind} part in messages"
-                )
-        if text:
-            messages.append({"role": "user", "content": text})
-        return messages
+    def _encode(self, words: Sequence[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
 
     def _outputs(self, parsed: _Parsed, request: Request) -> dict[str, Any]:
         length = request.num_tokens
-        max_tokens = int(parsed.outputs[interface.REQUEST_OUTPUT_LEN.name][0])
-        if length + max_tokens > self.limits.max_seq_len:
-            raise PromptTooLongError(
-                f"the prompt's {length} tokens + max_tokens {max_tokens} exceed the deployment's max_seq_len "
-                f"{self.limits.max_seq_len}; lower max_tokens or shorten the prompt"
-            )
+        parsed.request.check_length(length, self.limits.max_seq_len)
         cos_sin = (
             request.mrope_rotary_cos_sin(self.mrope_positions)
             if self.mrope_positions

@@ -33,6 +33,7 @@ from ..parameters import (
     PreprocessingParameters,
     VisionEncoderParameters,
 )
+from ..tensors import Tensor
 from . import metrics as stage_metrics
 from . import visual_cache
 
@@ -519,7 +520,7 @@ def _echoed_prompt(inputs: Mapping[str, Any]) -> int:
     """The prompt ids an llm response leads with: the tensorrt_llm backend's output_ids hold the prompt
     unless the request streams or sets exclude_input_in_output (tensorrtllm_backend inflight_batcher_llm)."""
 
-    def flag(tensor: interface.Tensor) -> bool:
+    def flag(tensor: Tensor) -> bool:
         value = inputs.get(tensor.name)
         return value is not None and bool(np.asarray(value).reshape(-1)[0])
 
