@@ -925,7 +925,7 @@ def _served_once(build_dir: Path, requests: Sequence[Request], log_path: Path) -
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.ports import free_ports
-    from .serving.server.serve import TritonServer
+    from .serving.server.tritonserver import TritonServer
 
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path)
     server.start()
@@ -1009,7 +1009,7 @@ def _served_tokens(
     from .contracts import BuildLayout
     from .serving.client import Client
     from .serving.ports import free_ports
-    from .serving.server.serve import TritonServer
+    from .serving.server.tritonserver import TritonServer
 
     # Verbose logging: the memory pool's fallbacks are logged at verbose levels too.
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path, log_verbose=1)
@@ -1188,7 +1188,7 @@ def _drains(server: Any) -> tuple[bool, str]:
     import threading
 
     from .serving.client import Client, InferenceError
-    from .serving.server.serve import SHM_DIR
+    from .serving.server.tritonserver import SHM_DIR
 
     def regions() -> int:
         return len(list(SHM_DIR.glob(f"{server.shm_prefix}*")))

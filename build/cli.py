@@ -19,7 +19,9 @@ from .serving.ports import (
     DEFAULT_OPENAI_PORT,
     DEFAULT_TRITON_REFRESH_S,
     LOCAL_TRITON_URL,
+    READY_TIMEOUT_S,
     REASONING_PARSERS,
+    STOP_GRACE_S,
     GatewayOptions,
     ServerPorts,
 )
@@ -217,7 +219,7 @@ def _cache(args: argparse.Namespace) -> None:
 
 
 def _repository_settings(args: argparse.Namespace):
-    from .serving.repository.writer import RepositorySettings
+    from .serving.repository.settings import RepositorySettings
 
     return RepositorySettings(
         max_queue_delay_us=args.max_queue_delay_us,
@@ -236,7 +238,7 @@ def _repository_settings(args: argparse.Namespace):
 
 def _add_repository_options(s: argparse.ArgumentParser) -> None:
     from .serving.backpressure import QUEUED_BATCHES
-    from .serving.repository.writer import VISUAL_CACHE_MAX_BYTES, VISUAL_CACHE_MIN_BYTES, RepositorySettings
+    from .serving.repository.settings import VISUAL_CACHE_MAX_BYTES, VISUAL_CACHE_MIN_BYTES, RepositorySettings
 
     d = RepositorySettings()
     g = s.add_argument_group("Triton repository")
@@ -433,7 +435,7 @@ def _positive_float(text: str) -> float:
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
     from .serving.backpressure import GATEWAY_IN_FLIGHT_BATCHES, GATEWAY_QUEUED_BATCHES
-    from .serving.gateway.settings import (
+    from .serving.ports import (
         BODY_SLACK_BYTES,
         DEFAULT_MAX_QUEUE_WAIT_S,
         DEFAULT_MAX_REQUEST_BYTES,
@@ -517,7 +519,6 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from .serving.server.serve import READY_TIMEOUT_S, STOP_GRACE_S
     from .serving.server.tritonserver_install import ENV_VAR, NGC_INSTALL
 
     defaults = ServerPorts()

@@ -29,7 +29,8 @@ from .manifest import (
     StageRecord,
     Target,
 )
-from .serving.repository.writer import RepositorySettings, gpu_memory_plan, model_configs, write_model_files
+from .serving.repository.settings import RepositorySettings
+from .serving.repository.writer import gpu_memory_plan, model_configs, write_model_files
 from .vision.engine import build_vision_engine, tensorrt_problem
 from .vision.export import export_vision
 from .vision.sidecar import VisionEngineProfile

@@ -35,7 +35,7 @@ import numpy as np
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 

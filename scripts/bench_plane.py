@@ -499,7 +499,7 @@ def concurrency_1(routes: dict[str, Route], requests: list[Request], count: int)
 @contextmanager
 def _server(repo: Path, log_path: Path) -> Iterator:
     from qwen3vl_trt.serving.ports import free_ports
-    from qwen3vl_trt.serving.server.serve import TritonServer
+    from qwen3vl_trt.serving.server.tritonserver import TritonServer
 
     with TritonServer(repo, free_ports(), log_path=log_path) as server:
         yield server
@@ -549,7 +549,8 @@ def floor_repository(plane: Path, floor: Path) -> Path:
 
 def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
     from qwen3vl_trt.pipeline import build
-    from qwen3vl_trt.serving.repository.writer import RepositorySettings, write_repository
+    from qwen3vl_trt.serving.repository.settings import RepositorySettings
+    from qwen3vl_trt.serving.repository.writer import write_repository
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)

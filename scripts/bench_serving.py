@@ -53,7 +53,7 @@ from qwen3vl_trt.errors import Qwen3VLTrtError
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
-from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 BATCHED_MODELS = (
@@ -437,7 +437,7 @@ def bench_own_servers(
     from qwen3vl_trt.pipeline import build
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.repository.writer import write_repository
-    from qwen3vl_trt.serving.server.serve import TritonServer
+    from qwen3vl_trt.serving.server.tritonserver import TritonServer
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)

@@ -31,7 +31,7 @@ import torch
 from benchutil import time_interleaved
 from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.vision_batching import RunCost, VisionBatching

@@ -37,7 +37,7 @@ from qwen3vl_trt.pipeline import build
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.server.launch import repository_models
-from qwen3vl_trt.serving.server.serve import SHM_DIR, process_shm_prefix
+from qwen3vl_trt.serving.server.tritonserver import SHM_DIR, process_shm_prefix
 from qwen3vl_trt.testing.redis_server import RedisServer
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint, synthetic_jpeg
 

@@ -26,7 +26,7 @@ from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import EnsembleParameters
 from qwen3vl_trt.serving.ports import ServerPorts
 from qwen3vl_trt.serving.repository import model_config as serving_config
-from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.serving.request import TEXT_INPUT
 from tritonclient.grpc import model_config_pb2 as mc
 

@@ -28,7 +28,7 @@ from qwen3vl_trt.manifest import VISION_STAGE, BuildManifest, StageRecord
 from qwen3vl_trt.pipeline import build, build_key
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
-from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 
 from tests.deployment import cli, user
 

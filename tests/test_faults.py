@@ -40,8 +40,8 @@ from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
 from qwen3vl_trt.serving.repository.writer import QUEUED_BATCHES
 from qwen3vl_trt.serving.request import TEXT_INPUT
-from qwen3vl_trt.serving.server.serve import TritonServer
 from qwen3vl_trt.serving.server.supervisor import group_stubs
+from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 

@@ -15,8 +15,8 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
 from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
 from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED, NO_ALTERNATIVES
-from qwen3vl_trt.serving.gateway.settings import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewaySettings
-from qwen3vl_trt.serving.ports import GatewayOptions
+from qwen3vl_trt.serving.gateway.settings import GatewaySettings
+from qwen3vl_trt.serving.ports import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewayOptions
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.gpu_image  # how tritonclient 2.68's errors map, at the GPU image's version too

@@ -168,3 +168,13 @@ def test_every_package_says_what_runs_where():
         assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), (
             f"{package} needs an __init__.py docstring"
         )
+
+
+def test_no_serving_module_is_over_600_lines():
+    """A serving module that grows past this is two rooms' worth: split it by what runs where."""
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in (REPO / "build" / "serving").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 600
+    }
+    assert not long, long

@@ -24,7 +24,8 @@ from qwen3vl_trt.serving.parameters import (
     VisionEncoderParameters,
 )
 from qwen3vl_trt.serving.repository import model_config as cfg
-from qwen3vl_trt.serving.repository.writer import RepositorySettings, model_configs
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
+from qwen3vl_trt.serving.repository.writer import model_configs
 from test_repository import MEMORY, built  # noqa: F401, F811 (the build fixture)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -506,7 +506,7 @@ def _served_tokens(model: Path, root: Path, **options: object) -> list[int]:
     from qwen3vl_trt.pipeline import build
     from qwen3vl_trt.serving.client import Client
     from qwen3vl_trt.serving.ports import free_ports
-    from qwen3vl_trt.serving.server.serve import TritonServer
+    from qwen3vl_trt.serving.server.tritonserver import TritonServer
 
     build(model, root / "build", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet, **options)
     server = TritonServer(root / "build" / "triton_repo", free_ports(), log_path=root / "server.log")

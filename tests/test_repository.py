@@ -23,9 +23,9 @@ from qwen3vl_trt.serving.parameters import PreprocessingParameters, VisionEncode
 from qwen3vl_trt.serving.repository import gpu_memory
 from qwen3vl_trt.serving.repository import model_config as cfg
 from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.serving.repository.writer import (
     REPOSITORY_FILE,
-    RepositorySettings,
     gpu_memory_plan,
     model_configs,
     write_model_files,

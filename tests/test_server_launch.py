@@ -44,8 +44,9 @@ from qwen3vl_trt.serving.server.launch import (
     server_command,
     world_size,
 )
-from qwen3vl_trt.serving.server.serve import SHM_DIR, ServeOptions, TritonServer, check_repository, serve
+from qwen3vl_trt.serving.server.serve import ServeOptions, check_repository, serve
 from qwen3vl_trt.serving.server.supervisor import group_stubs
+from qwen3vl_trt.serving.server.tritonserver import SHM_DIR, TritonServer
 from qwen3vl_trt.serving.server.tritonserver_install import TritonInstall, find_tritonserver
 from qwen3vl_trt.serving.server.warmup import WarmupError, WarmupRequest
 from tritonclient.grpc import model_config_pb2 as mc

@@ -23,7 +23,7 @@ from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.request import GUIDE_TEXT, LOGIT_BIAS_IDS, LOGIT_BIAS_WEIGHTS, GenerationRequest
-from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.testing.hf_reference import hf_request_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText

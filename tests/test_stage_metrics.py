@@ -12,7 +12,7 @@ from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Answer, Client, RequestRejectedError
 from qwen3vl_trt.serving.ports import free_ports
-from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from videos import clip
 

@@ -17,9 +17,9 @@ from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.parameters import PreprocessingParameters
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
-from qwen3vl_trt.serving.repository.writer import RepositorySettings
+from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.serving.request import GenerationRequest
-from qwen3vl_trt.serving.server.serve import TritonServer
+from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.visual_cache import (

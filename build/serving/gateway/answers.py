@@ -1,9 +1,10 @@
 """A choice's generated text made into the OpenAI answer: a Thinking checkpoint's reasoning split from its answer
 (reasoning.py), tool-call blocks made into `tool_calls` (tool_calls.py), log probabilities per token, whole
-(chat message, completion choice) or as the deltas a stream sends."""
+(chat message, completion choice) or as the chunks a stream sends (ChatChunks, CompletionChunks)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,16 +14,21 @@ from ..client import Answer
 from .planning import ChoiceRun, Plan
 from .protocol import (
     AssistantMessage,
+    ChatCompletionChunk,
     Choice,
     ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    FinishReason,
     FunctionCall,
     FunctionCallDelta,
     TokenLogprob,
     ToolCallChunk,
     ToolCallMessage,
+    sse_event,
 )
 from .reasoning import ReasoningStream, split_reasoning
 from .tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
@@ -139,3 +145,90 @@ class ChatDeltas:
                 )
                 out.append(Delta(tool_calls=[call]))
         return out
+
+
+# A streamed chunk as sent, and whether it carries generated text (for the latency metrics).
+Event = tuple[str, bool]
+
+
+class ChatChunks:
+    """A streamed chat choice's chunks: the role first, then its deltas, then the finish."""
+
+    def __init__(self, plan: Plan, run: ChoiceRun, tokens: TokenTexts):
+        self.plan, self.run, self.tokens = plan, run, tokens
+        self.deltas = ChatDeltas(plan)
+        self.started = False
+        self.pending: list[Answer] = []  # pieces whose log probabilities no chunk has carried yet
+        self.content = _ContentChunk(self._chunk(Delta(content=_ContentChunk.MARKER)))
+
+    def feed(self, piece: Answer) -> list[Event]:
+        out = self._start()
+        if not self.plan.logprobs and self.deltas.plain:  # the common case: text only, from a template
+            return out + ([(self.content.event(piece.text), True)] if piece.text else [])
+        self.pending.append(piece)
+        return out + [(self._chunk(delta), True) for delta in self.deltas.feed(piece.text)]
+
+    def finish(self) -> list[Event]:
+        out = self._start() + [(self._chunk(delta), True) for delta in self.deltas.finish()]
+        return [*out, (self._chunk(Delta(), "tool_calls" if self.deltas.called else self.run.finish_reason), False)]
+
+    def _start(self) -> list[Event]:
+        if self.started:
+            return []
+        self.started = True
+        return [(self._chunk(Delta(role="assistant", content="")), False)]
+
+    def _chunk(self, delta: Delta, finish_reason: FinishReason | None = None) -> str:
+        plan = self.plan
+        logprobs = None
+        if plan.logprobs and self.pending:
+            logprobs = ChoiceLogprobs(content=self.tokens.entries(Answer.joined(self.pending)))
+            self.pending = []
+        choice = ChunkChoice(index=self.run.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        chunk = ChatCompletionChunk(id=plan.id, created=plan.created, model=plan.model, choices=[choice])
+        return sse_event(chunk.model_dump_json(exclude=None if plan.include_usage else {"usage"}, exclude_none=False))
+
+
+class _ContentChunk:
+    """A choice's streamed events that carry text only, made from one serialized chunk (the choice's, with MARKER as
+    its text) by putting each text in its place: the same JSON as the chunk's model would give, at the cost of one
+    string escape per event."""
+
+    MARKER = "\x00"
+
+    def __init__(self, event: str):
+        self.prefix, self.suffix = event.split(json.dumps(self.MARKER), 1)
+
+    def event(self, text: str) -> str:
+        return self.prefix + json.dumps(text, ensure_ascii=False) + self.suffix
+
+
+class CompletionChunks:
+    """A streamed text completion's chunks: its text (the echoed prompt first), then the finish."""
+
+    def __init__(self, plan: Plan, run: ChoiceRun, tokens: TokenTexts):
+        self.plan, self.run, self.tokens = plan, run, tokens
+        self.offset = 0  # characters of the choice's text sent so far
+        self.content = _ContentChunk(self._chunk(_ContentChunk.MARKER, None))
+
+    def feed(self, piece: Answer) -> list[Event]:
+        text = piece.text
+        if self.offset and not self.plan.logprobs:  # the common case: text only, from a template
+            self.offset += len(text)
+            return [(self.content.event(text), True)] if text else []
+        if self.offset == 0 and self.plan.echo:
+            text = self.plan.echo + text
+            self.offset = len(self.plan.echo)
+        logprobs = completion_logprobs(piece, self.tokens, self.offset) if self.plan.logprobs else None
+        self.offset += len(piece.text)
+        return [(self._chunk(text, logprobs), bool(piece.text))] if text or logprobs else []
+
+    def finish(self) -> list[Event]:
+        text = self.plan.echo if self.offset == 0 else ""
+        return [(self._chunk(text, None, self.run.finish_reason), False)]
+
+    def _chunk(self, text: str, logprobs: CompletionLogprobs | None, finish_reason: FinishReason | None = None) -> str:
+        plan = self.plan
+        choice = CompletionChoice(index=self.run.index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        completion = Completion(id=plan.id, created=plan.created, model=plan.model, choices=[choice])
+        return sse_event(completion.model_dump_json(exclude=None if plan.include_usage else {"usage"}))

@@ -14,24 +14,20 @@ from .. import interface
 from ..backpressure import BackPressure
 from ..client import Client, ServerUnavailableError
 from ..parameters import PreprocessingParameters
-from ..ports import DEFAULT_TRITON_REFRESH_S, NO_GATEWAY_OPTIONS, GatewayOptions
+from ..ports import (
+    BODY_SLACK_BYTES,
+    DEFAULT_MAX_QUEUE_WAIT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REMOTE_MEDIA_TIMEOUT_S,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_STREAM_INTERVAL_MS,
+    DEFAULT_TRITON_REFRESH_S,
+    NO_GATEWAY_OPTIONS,
+    GatewayOptions,
+)
 from ..repository import model_config as serving_config
 from .auth import NO_API_KEYS, APIKeys
 from .fleet import FleetTarget
-
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# A streamed answer's chunks after its first text are written together at most this often: one socket write and one
-# pass through the HTTP stack for several tokens, which a GPU decoding 8B at 10 ms a step makes two or three; the first
-# text and the end are never held (scripts/bench_plane.py measures the CPU saved and the latency it adds).
-DEFAULT_STREAM_INTERVAL_MS = 20.0
-DEFAULT_MAX_QUEUE_WAIT_S = 30.0
-DEFAULT_REMOTE_MEDIA_TIMEOUT_S = 10.0  # for each http(s) image or video a request names
-# Besides its images, a request's body holds text, which the prompt's token limit bounds far below this.
-BODY_SLACK_BYTES = 4 * 2**20
-# The default body cap at most: several camera photos as base64 data URLs fit (a 12 MP JPEG is ~5 MB, ~7 MB
-# as base64); the limits' worst case (max_images images of max_image_bytes each) is over a gigabyte, and
-# parsing a body takes several times its size in memory. --max-request-bytes raises it.
-DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)

@@ -35,75 +35,22 @@ from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
 from ..backpressure import QUEUED_BATCHES, BackPressure
 from ..parameters import (
-    CACHE_MEMORY,
-    CACHE_TTL_S,
     EnsembleParameters,
     LLMParameters,
     PostprocessingParameters,
     PreprocessingParameters,
     VisionEncoderParameters,
     VisionParameters,
-    check_cache_setting,
 )
 from ..request import REQUEST_INPUTS
 from ..tensors import NUMPY_DTYPES, Tensor
 from . import gpu_memory
 from . import model_config as cfg
 from .gpu_memory import GpuMemoryPlan
+from .settings import DEFAULT_REPOSITORY_SETTINGS, VISUAL_CACHE_MAX_BYTES, VISUAL_CACHE_MIN_BYTES, RepositorySettings
 
 REPOSITORY_FILE = "qwen3vl_repository.json"  # Triton ignores files at a repository's top
 MODEL_FILE = "model.py"
-
-
-@dataclass(frozen=True)
-class RepositorySettings:
-    """Serving choices that are not engine limits. max_queue_delay_us: how long a dynamic batcher
-    waits to fill a batch. 0 (the default) executes what is queued as soon as the instance is free:
-    under load requests queue while it executes, so batches still form, and an idle server adds no
-    delay (each batched step would add the whole delay to every request otherwise);
-    dynamic_batching False serves one request per execution (for comparison).
-    max_queue_size: how many requests preprocessing and the python llm each hold waiting,
-    beyond which Triton refuses at once (None: QUEUED_BATCHES full batches); queue_timeout_us: refuse a
-    request that waited this long in such a queue (0: no limit but the queue's size).
-    attention_budget_bytes: the vision encoder's attention memory per run (see vision_batching).
-    visual_cache: where preprocessing keeps images' features (serving.stages.visual_cache): "memory" (an LRU in its
-    process within visual_cache_bytes, None: sized from the build by visual_cache_bytes()), a Redis URL
-    shared by replicas (entries expire after visual_cache_ttl_s), or "off".
-    GPU target (repository.gpu_memory): python_models_gpu is the GPU of the python models' instances (the LLM's
-    rank r runs on GPU r); kv_cache_free_gpu_mem_fraction None derives it from the GPU memory plan; gpu_memory_bytes
-    None reads each GPU's memory where torch sees it (the smallest of those the plan covers)."""
-
-    max_queue_delay_us: int = 0
-    dynamic_batching: bool = True
-    max_queue_size: int | None = None
-    queue_timeout_us: int = 0
-    attention_budget_bytes: int = 1 << 30
-    visual_cache: str = CACHE_MEMORY
-    visual_cache_bytes: int | None = None
-    visual_cache_ttl_s: int = CACHE_TTL_S
-    kv_cache_free_gpu_mem_fraction: float | None = None
-    python_models_gpu: int = 0
-    gpu_memory_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.python_models_gpu, bool) or not isinstance(self.python_models_gpu, int):
-            raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
-        if self.python_models_gpu < 0:
-            raise LimitsError(f"python_models_gpu must be a GPU index, got {self.python_models_gpu!r}")
-        if self.max_queue_size is not None and self.max_queue_size < 1:
-            raise LimitsError(f"max_queue_size must be at least 1, got {self.max_queue_size!r}")
-        if self.queue_timeout_us < 0:
-            raise LimitsError(f"queue_timeout_us must not be negative, got {self.queue_timeout_us!r}")
-        check_cache_setting(self.visual_cache)
-        if self.visual_cache_bytes is not None and self.visual_cache_bytes < 1:
-            raise LimitsError(f"the visual cache's byte budget must be positive, got {self.visual_cache_bytes!r}")
-        if self.visual_cache_ttl_s < 1:
-            raise LimitsError(f"the visual cache's TTL must be at least 1 s, got {self.visual_cache_ttl_s!r}")
-        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
-            raise LimitsError(f"the GPU's memory must be positive, got {self.gpu_memory_bytes!r} bytes")
-        fraction = self.kv_cache_free_gpu_mem_fraction
-        if fraction is not None and not 0.0 < fraction <= 1.0:
-            raise LimitsError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -119,12 +66,6 @@ class RepositoryRecord:
     def write(self, repo: Path) -> None:
         record = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if v is not None}
         (repo / REPOSITORY_FILE).write_text(json.dumps(record, indent=2) + "\n")
-
-
-# The default in-process visual cache: the features of QUEUED_BATCHES full batches of the largest requests, within
-# these bounds (a 2B model in bf16 keeps 16 KiB per visual token: 4 GiB is ~260 images of 1024 tokens).
-VISUAL_CACHE_MIN_BYTES = 256 << 20
-VISUAL_CACHE_MAX_BYTES = 4 << 30
 
 
 def visual_cache_bytes(limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings) -> int:
@@ -378,7 +319,7 @@ def model_configs(
     target: Target,
     limits: EngineLimits,
     llm: LLMConfig,
-    settings: RepositorySettings = RepositorySettings(),
+    settings: RepositorySettings = DEFAULT_REPOSITORY_SETTINGS,
     memory: GpuMemoryPlan | None = None,
 ) -> dict[str, mc.ModelConfig]:
     """The configuration of every model, for a build whose final location is `build.root` and whose
@@ -497,7 +438,7 @@ def write_repository(
     output: str | os.PathLike[str],
     target: Target | None = None,
     model_dir: str | os.PathLike[str] | None = None,
-    settings: RepositorySettings = RepositorySettings(),
+    settings: RepositorySettings = DEFAULT_REPOSITORY_SETTINGS,
     force: bool = False,
     log: Callable[[str], None] = print,
 ) -> Path:
