@@ -869,12 +869,12 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
     from .checkpoint import Checkpoint
     from .contracts import BuildLayout
     from .testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from .vision import VisionEncoder
+    from .vision import OnnxVisionRunner
     from .vision.export import parity_errors
     from .vision.trt_runner import VisionEngine
 
     layout = BuildLayout(build_dir)
-    inputs_from = VisionEncoder(layout.vision)  # the host metadata of the export (grid-dependent inputs)
+    inputs_from = OnnxVisionRunner(layout.vision)  # the host metadata of the export (grid-dependent inputs)
     engine = VisionEngine(layout.vision_engine)
     tower = load_hf_vision_tower(Checkpoint(model))
     rng = np.random.default_rng(0)

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     from qwen3vl_trt.checkpoint import Checkpoint
     from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
     from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
-    from qwen3vl_trt.vision import VisionEncoder
+    from qwen3vl_trt.vision import OnnxVisionRunner
     from qwen3vl_trt.vision.export import export_vision, parity_errors
 
     model_dir, onnx_dir = workdir / f"ckpt-{args.preset}", workdir / f"vision-{args.preset}-fp32"
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.info.vision
     reference = load_hf_vision_tower(ckpt)
-    encoder = VisionEncoder(onnx_dir, intra_op_threads=args.threads)
+    encoder = OnnxVisionRunner(onnx_dir, intra_op_threads=args.threads)
     grid = _grid_for(args.patches)
     pixels = np.random.default_rng(0).uniform(-1, 1, (args.patches, cfg.patch_dim)).astype(np.float32)
     feeds = encoder.inputs_for(pixels, grid)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
-from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision import OnnxVisionRunner
 from qwen3vl_trt.vision.engine import VisionEngineProfile, build_vision_engine
 from qwen3vl_trt.vision.export import export_vision, parity_errors
 from qwen3vl_trt.vision.trt_runner import VisionEngine
@@ -38,7 +38,7 @@ PROFILE = VisionEngineProfile(min_patches=4, opt_patches=1024, max_patches=8192,
 
 def check_tower(name: str, overrides: dict | None, dtypes: list[str], work: Path) -> list[dict]:
     model = make_tiny_checkpoint(work / name, vision_overrides=overrides, force=True)
-    portable = VisionEncoder(export_vision(model, work / f"{name}-portable", force=True).output_dir)
+    portable = OnnxVisionRunner(export_vision(model, work / f"{name}-portable", force=True).output_dir)
     rng = np.random.default_rng(0)
     feeds = []
     for grids in REQUESTS:

@@ -13,7 +13,7 @@ import pytest
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
 from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
-from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision import OnnxVisionRunner
 from qwen3vl_trt.vision.export import export_vision, parity_errors
 from qwen3vl_trt.vision.metadata import num_patches
 
@@ -63,7 +63,7 @@ class VisionParity:
     """Runs the same inputs through our ONNX (ORT) and the transformers tower."""
 
     def __init__(self, model_dir, onnx_dir):
-        self.encoder = VisionEncoder(onnx_dir)
+        self.encoder = OnnxVisionRunner(onnx_dir)
         self.reference = load_hf_vision_tower(Checkpoint(model_dir))
 
     def errors(self, pixel_values, grid_thw) -> dict[str, float]:

@@ -18,7 +18,7 @@ from qwen3vl_trt.contracts import (
     VISION_SIDECAR_FILE,
 )
 from qwen3vl_trt.errors import CheckpointError, InputError, OutputExistsError, Qwen3VLTrtError
-from qwen3vl_trt.vision import VisionEncoder, VisionSidecar
+from qwen3vl_trt.vision import OnnxVisionRunner, VisionSidecar
 from qwen3vl_trt.vision.export import ONNX_OPSET, check_onnx, export_vision
 
 ELEM_TYPES = {
@@ -128,8 +128,8 @@ def test_every_op_is_parsed_by_tensorrt_10_14(exports, dtype):
 def test_fp16_export_runs_close_to_fp32(exports):
     grid = np.array([[1, 48, 64]])  # large positions: rounded rotary frequencies would show here
     pixels = np.random.default_rng(0).uniform(-1, 1, (48 * 64, 1536)).astype(np.float32)
-    ref = VisionEncoder(exports["fp32"]).encode(pixels, grid)
-    half = VisionEncoder(exports["fp16"]).encode(pixels, grid)
+    ref = OnnxVisionRunner(exports["fp32"]).encode(pixels, grid)
+    half = OnnxVisionRunner(exports["fp16"]).encode(pixels, grid)
     for r, h in zip(ref, half, strict=True):
         assert h.dtype == np.float16
         assert np.abs(h.astype(np.float32) - r).max() / np.abs(r).max() < 1e-2
@@ -137,7 +137,7 @@ def test_fp16_export_runs_close_to_fp32(exports):
 
 def test_bf16_export_refuses_ort_clearly(exports):
     with pytest.raises(Qwen3VLTrtError, match="bf16"):
-        VisionEncoder(exports["bf16"])
+        OnnxVisionRunner(exports["bf16"])
 
 
 def test_sidecar_describes_the_graph(tiny_dense, exports):
@@ -233,7 +233,7 @@ def test_verify_needs_fp32(tiny_dense, tmp_path):
 
 
 def test_encoder_rejects_inputs_off_contract(vision_exports):
-    encoder = VisionEncoder(vision_exports["dense"])
+    encoder = OnnxVisionRunner(vision_exports["dense"])
     pixels = np.zeros((16, 1536), np.float32)
     with pytest.raises(InputError, match="1536"):
         encoder.encode(np.zeros((16, 1000), np.float32), [[1, 4, 4]])

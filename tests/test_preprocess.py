@@ -230,10 +230,10 @@ def test_prompt_table_rows_hold_main_and_deepstack_embeddings(preprocessors, vis
     """With the exported encoder's outputs, the row of each fake id is the visual token's main embedding
     and the next K rows its DeepStack features, in the order transformers scatters them."""
     from qwen3vl_trt.testing.hf_reference import run_hf_vision_tower
-    from qwen3vl_trt.vision import VisionEncoder
+    from qwen3vl_trt.vision import OnnxVisionRunner
 
     request = preprocessors["torchvision"](_three_image_chat())
-    encoder = VisionEncoder(vision_exports["dense"])
+    encoder = OnnxVisionRunner(vision_exports["dense"])
     feeds = {"pixel_values": request.pixel_values.numpy(), **request.vision_inputs}
     image_embeds, deepstack = (torch.from_numpy(a) for a in encoder.run(feeds))
     table = request.prompt_embedding_table(image_embeds, deepstack)

@@ -474,9 +474,9 @@ def greedy_pair(fp8: Path, vision_dir: Path, hf: torch.nn.Module, out: Path) -> 
     from qwen3vl_trt.runtime import ReferenceLLM, SamplingParams
     from qwen3vl_trt.runtime.local import engine_request
     from qwen3vl_trt.testing.hf_reference import hf_model_inputs
-    from qwen3vl_trt.vision import VisionEncoder
+    from qwen3vl_trt.vision import OnnxVisionRunner
 
-    pre, encoder = Preprocessor.from_pretrained(fp8), VisionEncoder(vision_dir)
+    pre, encoder = Preprocessor.from_pretrained(fp8), OnnxVisionRunner(vision_dir)
     llm = ReferenceLLM.from_checkpoint(convert_llm(fp8, out / "llm", dtype="fp32", progress=False))
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, end_ids=END_IDS)
     (result,) = llm.generate([engine_request(pre, encoder, MESSAGES, sampling)])

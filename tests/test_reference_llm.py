@@ -26,7 +26,7 @@ from qwen3vl_trt.serving.request import RETURN_LOG_PROBS
 from qwen3vl_trt.serving.stages.cpu_llm import InflightLLM
 from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
-from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision import OnnxVisionRunner
 from transformers import AutoModelForImageTextToText
 
 LOGIT_TOLERANCE = 1e-4  # max |ours - HF| / max |HF| at each prompt position, fp32
@@ -84,7 +84,7 @@ class Chain:
 
     def __init__(self, model_dir, vision_dir):
         self.pre = Preprocessor.from_pretrained(model_dir)
-        self.encoder = VisionEncoder(vision_dir)
+        self.encoder = OnnxVisionRunner(vision_dir)
         self.hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def engine_request(self, messages, sampling=None) -> LLMRequest:

@@ -1,6 +1,6 @@
 """The bf16 vision export against the transformers tower run in bf16, on the same inputs.
 
-ONNX Runtime's CPU provider has no bf16 kernels (no bf16 Gemm; VisionEncoder refuses the export),
+ONNX Runtime's CPU provider has no bf16 kernels (no bf16 Gemm; OnnxVisionRunner refuses the export),
 so the graph runs on ONNX's own reference evaluator (`onnx.reference`), which executes each op with
 the graph's declared dtypes.
 

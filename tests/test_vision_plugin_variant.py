@@ -23,7 +23,7 @@ from qwen3vl_trt.contracts import (
 )
 from qwen3vl_trt.errors import InputError, Qwen3VLTrtError
 from qwen3vl_trt.plugins import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from qwen3vl_trt.vision import VisionEncoder, VisionSidecar
+from qwen3vl_trt.vision import OnnxVisionRunner, VisionSidecar
 from qwen3vl_trt.vision.export import FP32_REL_TOLERANCE, check_onnx, export_vision, parity_errors
 from qwen3vl_trt.vision.metadata import attention_segments, graph_feeds, vision_metadata
 from qwen3vl_trt.vision.plugin_op import PLUGIN_DOMAIN_VERSION
@@ -127,15 +127,15 @@ def test_every_other_op_is_parsed_by_tensorrt_10_14(plugin_exports):
 def test_ort_custom_op_matches_the_portable_variant(tower, case, plugin_exports, vision_exports):
     grid = np.array(MIXED_GRIDS[case])
     pixels = random_pixels(grid, seed=len(case))
-    plugin = VisionEncoder(plugin_exports[tower]).encode(pixels, grid)
-    portable = VisionEncoder(vision_exports[tower]).encode(pixels, grid)
+    plugin = OnnxVisionRunner(plugin_exports[tower]).encode(pixels, grid)
+    portable = OnnxVisionRunner(vision_exports[tower]).encode(pixels, grid)
     for ours, theirs in zip(plugin, portable, strict=True):
         assert ours.shape == theirs.shape and ours.dtype == np.float32
         assert parity_errors(ours, theirs)[1] <= FP32_REL_TOLERANCE
 
 
 def test_concatenated_requests_equal_separate_runs(plugin_exports):
-    encoder = VisionEncoder(plugin_exports["dense"])
+    encoder = OnnxVisionRunner(plugin_exports["dense"])
     grids = [np.array([[1, 4, 6]]), np.array([[2, 2, 2], [1, 8, 4]])]
     pixels = [random_pixels(g, seed=i) for i, g in enumerate(grids)]
     separate = [encoder.encode(p, g) for p, g in zip(pixels, grids, strict=True)]
@@ -179,7 +179,7 @@ def test_a_reduced_precision_plugin_export_carries_its_dtype_and_refuses_ort(tin
     outputs = [o.type.tensor_type.elem_type for o in model.graph.output]
     assert outputs == [onnx.TensorProto.BFLOAT16] * len(VISION_OUTPUTS)
     with pytest.raises(Qwen3VLTrtError, match="bf16"):
-        VisionEncoder(out)
+        OnnxVisionRunner(out)
 
 
 def test_unknown_variant_is_refused(tiny_dense, tmp_path):

@@ -35,7 +35,7 @@ from qwen3vl_trt.plugins import registration
 from qwen3vl_trt.plugins.varlen_kernel import launch_grid, shipped_config
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.stages.vision_batching import ALONE, VisionBatching
-from qwen3vl_trt.vision import VisionEncoder
+from qwen3vl_trt.vision import OnnxVisionRunner
 from qwen3vl_trt.vision.engine import _device_memory_bytes, build_vision_engine, tensorrt_problem
 from qwen3vl_trt.vision.export import export_vision
 from qwen3vl_trt.vision.metadata import attention_segments
@@ -80,7 +80,7 @@ def engines(gpu, exports, tmp_path_factory):
     return {v: root / v for v in VARIANTS}, logs
 
 
-def _requests(encoder: VisionEncoder) -> list[dict[str, np.ndarray]]:
+def _requests(encoder: OnnxVisionRunner) -> list[dict[str, np.ndarray]]:
     return [encoder.inputs_for(random_pixels(g, seed=i), np.array(g)) for i, g in enumerate(REQUESTS)]
 
 
@@ -104,7 +104,7 @@ def test_the_engine_encodes_a_mixed_batch_as_onnx_runtime_does(gpu, exports, eng
     from qwen3vl_trt.vision.trt_runner import VisionEngine
 
     engine = VisionEngine(engines[0][variant])
-    encoder = VisionEncoder(exports[variant])
+    encoder = OnnxVisionRunner(exports[variant])
     requests = _requests(encoder)
     enqueue = engine.context.execute_async_v3
     engine.context.execute_async_v3 = lambda handle: gpu.note("enqueue", handle) or enqueue(handle)
@@ -149,7 +149,7 @@ def test_runs_outside_the_engine_profile_are_refused(gpu, exports, engines):
     from qwen3vl_trt.vision.trt_runner import VisionEngine
 
     engine = VisionEngine(engines[0]["plugin"])
-    encoder = VisionEncoder(exports["plugin"])
+    encoder = OnnxVisionRunner(exports["plugin"])
 
     def feeds(grids: list[list[int]]) -> dict[str, np.ndarray]:
         return encoder.inputs_for(random_pixels(grids), np.array(grids))
@@ -167,7 +167,7 @@ def test_the_engine_reads_what_is_bound_in_the_engine_dtypes(gpu, exports, engin
     from qwen3vl_trt.vision.trt_runner import VisionEngine
 
     engine = VisionEngine(engines[0]["portable"])
-    encoder = VisionEncoder(exports["portable"])
+    encoder = OnnxVisionRunner(exports["portable"])
     request = _requests(encoder)[0]
     want = torch.from_numpy(encoder.run(request)[0])
     # Inputs of other dtypes are cast to the engine's before they are bound.
@@ -202,7 +202,7 @@ def test_tensorrt_refusing_a_binding_or_the_enqueue_is_an_error(gpu, exports, en
     from qwen3vl_trt.vision.trt_runner import VisionEngine
 
     engine = VisionEngine(engines[0]["portable"])
-    request = _requests(VisionEncoder(exports["portable"]))[0]
+    request = _requests(OnnxVisionRunner(exports["portable"]))[0]
     monkeypatch.setattr(engine.context, "execute_async_v3", lambda stream: False)
     with pytest.raises(RuntimeError, match="TensorRT could not enqueue the vision engine"):
         engine.run(request)

@@ -14,14 +14,14 @@ from ..contracts import BuildLayout
 from ..detokenize import StreamingDetokenizer
 from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
 from ..preprocess import Preprocessor
-from ..vision.onnx_runner import VisionEncoder, VisionSidecar
+from ..vision.onnx_runner import OnnxVisionRunner, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
 from .sampling import SamplingParams
 
 
 def engine_request(
     pre: Preprocessor,
-    encoder: VisionEncoder,
+    encoder: OnnxVisionRunner,
     messages: list[dict[str, Any]],
     sampling: SamplingParams | None = None,
 ) -> LLMRequest:
@@ -62,7 +62,7 @@ class LocalPipeline:
         rebuild = f"qwen3vl-trt build --model {self.model_dir} --output {build.root} --force"
         VisionSidecar.load(build.vision).check_source(self.model_dir, config_sha256, rebuild)
         self.pre = Preprocessor.from_pretrained(self.model_dir)
-        self.encoder = VisionEncoder(build.vision, intra_op_threads)
+        self.encoder = OnnxVisionRunner(build.vision, intra_op_threads)
         self.llm = ReferenceLLM.from_checkpoint(build.llm_checkpoint)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.end_ids = generation_end_ids(self.model_dir)

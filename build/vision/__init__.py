@@ -1,6 +1,6 @@
 """The vision stage: the tower's model code, host-side metadata, ONNX export and its runner."""
 
-from .onnx_runner import VisionEncoder
+from .onnx_runner import OnnxVisionRunner
 from .sidecar import VisionSidecar
 
-__all__ = ["VisionEncoder", "VisionSidecar"]
+__all__ = ["OnnxVisionRunner", "VisionSidecar"]

@@ -157,9 +157,9 @@ def verify_against_transformers(
 ) -> list[Parity]:
     """Random pixels on several grids through ONNX Runtime and the transformers tower."""
     from ..testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from .onnx_runner import VisionEncoder
+    from .onnx_runner import OnnxVisionRunner
 
-    encoder = VisionEncoder(onnx_dir)
+    encoder = OnnxVisionRunner(onnx_dir)
     reference = load_hf_vision_tower(ckpt, tensors)
     rng = np.random.default_rng(seed)
     cases = [[list(g)] for g in VERIFY_GRIDS] + [[list(g) for g in VERIFY_GRIDS]]

@@ -1,6 +1,6 @@
 """Runs an exported vision encoder with ONNX Runtime.
 
-`VisionEncoder(onnx_dir).encode(pixel_values, grid_thw)` takes exactly what the transformers
+`OnnxVisionRunner(onnx_dir).encode(pixel_values, grid_thw)` takes exactly what the transformers
 processor produces and returns the LLM's visual inputs. The grid-dependent inputs come from
 vision_metadata, the same module preprocessing uses. `run` takes the per-patch inputs
 (contracts.VISION_INPUTS, several requests' concatenated) for either graph variant; the plugin
@@ -31,7 +31,7 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-class VisionEncoder:
+class OnnxVisionRunner:
     """ONNX Runtime session over an export-vision output directory."""
 
     def __init__(self, onnx_dir: str | os.PathLike[str], intra_op_threads: int | None = None):

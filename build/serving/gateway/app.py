@@ -81,7 +81,7 @@ CONNECTION_HEADROOM = 1024
 GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, streams still open after this are cut (uvicorn's timeout_graceful_shutdown)
 
 
-class Gateway:
+class GenerationDriver:
     """The deployment's answers to planned requests: whole, or streamed as server-sent events."""
 
     def __init__(
@@ -339,11 +339,11 @@ async def _merged(streams: list[AsyncGenerator[Event, None]]) -> AsyncGenerator[
 
 
 def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None = None) -> FastAPI:
-    """The gateway's app; readiness: as Gateway takes it."""
+    """The gateway's app; readiness: as GenerationDriver takes it."""
     metrics = GatewayMetrics()
     planner = Planner(settings)
     detokenizer = Detokenizer.from_model_dir(settings.model_dir, planner.tokenizer)
-    gateway = Gateway(settings, metrics, TokenTexts(planner.tokenizer), detokenizer, readiness)
+    gateway = GenerationDriver(settings, metrics, TokenTexts(planner.tokenizer), detokenizer, readiness)
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 
@@ -455,7 +455,7 @@ class GatewayServer:
 
         self.url = f"http://{host_port(host, port)}"
         app = create_app(settings, readiness)
-        self._gateway: Gateway = app.state.gateway
+        self._gateway: GenerationDriver = app.state.gateway
         config = uvicorn.Config(
             app,
             host=host,

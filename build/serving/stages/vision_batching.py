@@ -30,7 +30,7 @@ import torch
 from ...errors import InputError
 from ...llm.inputs import interleave_prompt_table
 from ...vision.metadata import vision_metadata
-from ...vision.onnx_runner import VisionEncoder, VisionSidecar
+from ...vision.onnx_runner import OnnxVisionRunner, VisionSidecar
 from .. import interface
 
 # Tensors of a run's attention per layer and head: the scores, the mask and the softmax.
@@ -151,7 +151,7 @@ class _OnnxRuntimeRuns:
     def __init__(
         self, vision_dir: str | Path, attention_budget_bytes: int, cost: RunCost, intra_op_threads: int | None = None
     ):
-        self.encoder = VisionEncoder(vision_dir, intra_op_threads)
+        self.encoder = OnnxVisionRunner(vision_dir, intra_op_threads)
         heads = self.encoder.sidecar.num_heads
         # The largest run whose attention tensors fit the budget: _ATTENTION_COPIES fp32 [heads, N, N].
         self.max_run_patches = math.isqrt(attention_budget_bytes // (_ATTENTION_COPIES * 4 * heads))
