@@ -38,7 +38,7 @@ from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.parameters import CACHE_MEMORY, PreprocessingParameters, VisionEncoderParameters
 from qwen3vl_trt.serving.repository import model_config
 from qwen3vl_trt.serving.request import GenerationRequest
-from qwen3vl_trt.serving.server import serve
+from qwen3vl_trt.serving.server import tritonserver
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.testing.tiny import synthetic_jpeg
@@ -126,7 +126,9 @@ def run(checkpoints, engine_build, tmp_path_factory):
         for need in GPU_NEEDS:
             patch.setattr(acceptance, need, _present)
         patch.setattr(
-            serve, "TritonServer", functools.partial(serve.TritonServer, visual_cache=CACHE_MEMORY, stop_grace=2)
+            tritonserver,
+            "TritonServer",
+            functools.partial(tritonserver.TritonServer, visual_cache=CACHE_MEMORY, stop_grace=2),
         )
         patch.setattr(Client, "generate", recorded.wrap(Client.generate))
         patch.setattr(stage_metrics, "read", functools.partial(_recorded_read, stage_metrics.read, metrics))
