@@ -236,6 +236,13 @@ BAD_REQUESTS = {
         "unsupported_parameter",
     ),
     "temperature out of range": (dict(messages=user("Hi."), temperature=5.0), 400, "temperature", None),
+    "top_p 0": (dict(messages=user("Hi."), top_p=0.0), 400, "top_p must be in (0, 1]", None),
+    "max_completion_tokens 0": (
+        dict(messages=user("Hi."), max_completion_tokens=0),
+        400,
+        "max_tokens must be at least 1",
+        None,
+    ),
     "no messages": (dict(messages=[]), 400, "messages", None),
     "unknown model": (dict(messages=user("Hi."), model="gpt-4o"), 404, "'gpt-4o' does not exist", "model_not_found"),
 }

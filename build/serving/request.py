@@ -196,18 +196,28 @@ class GenerationRequest:
     def to_inputs(self) -> dict[Tensor, np.ndarray]:
         """The ensemble's inputs for this request, without the batch dimension: the required ones and every other
         that differs from its default (what is left out, the stage reads as its default)."""
+        sent = self._encoded(engine_only=False)
+        if self.logit_bias:
+            sent[LOGIT_BIAS_IDS] = _array(LOGIT_BIAS_IDS, list(self.logit_bias))
+            sent[LOGIT_BIAS_WEIGHTS] = _array(LOGIT_BIAS_WEIGHTS, list(self.logit_bias.values()))
+        return sent
+
+    def engine_options(self) -> dict[Tensor, np.ndarray]:
+        """The inputs of ENGINE_OPTIONS this request sends, which the stage passes on to the llm as they are (the
+        media, messages and prompt are not encoded for it)."""
+        return self._encoded(engine_only=True)
+
+    def _encoded(self, engine_only: bool) -> dict[Tensor, np.ndarray]:
+        """The fields' tensors that to_inputs sends (engine_only: those of ENGINE_OPTIONS), and the guide's."""
         sent: dict[Tensor, np.ndarray] = {}
         for f in fields(self):
             wire, value = f.metadata.get("wire"), getattr(self, f.name)
-            if wire is None or (value == f.default and wire.tensor.optional):
+            if wire is None or (engine_only and not wire.engine) or (value == f.default and wire.tensor.optional):
                 continue
             if wire.json:
                 value = json.dumps(value)
             items = list(value) if wire.tensor.dims == (-1,) else [value]
             sent[wire.tensor] = _array(wire.tensor, items)
-        if self.logit_bias:
-            sent[LOGIT_BIAS_IDS] = _array(LOGIT_BIAS_IDS, list(self.logit_bias))
-            sent[LOGIT_BIAS_WEIGHTS] = _array(LOGIT_BIAS_WEIGHTS, list(self.logit_bias.values()))
         if self.guide is not None:
             sent[GUIDE_TYPE] = _array(GUIDE_TYPE, [self.guide.type])
             sent[GUIDE_TEXT] = _array(GUIDE_TEXT, [self.guide.text])

@@ -157,8 +157,11 @@ class Planner:
             raise request_error(e) from None
         # The prompt goes rendered and tokenized: preprocessing takes its ids and does neither again.
         content = dict(prompt_ids=ids, images=chat.images, videos=chat.videos)
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        request = self._request(body, body.max_completion_tokens or body.max_tokens, param, prompt_tokens, stops,
+        # max_completion_tokens over the deprecated max_tokens, as OpenAI takes them (0 is refused, not skipped).
+        named = body.max_completion_tokens is not None
+        param = "max_completion_tokens" if named else "max_tokens"
+        asked = body.max_completion_tokens if named else body.max_tokens
+        request = self._request(body, asked, param, prompt_tokens, stops,
                                 guide=guide, return_log_probs=body.logprobs, **content)  # fmt: skip
         return Plan(
             id=f"chatcmpl-{uuid.uuid4().hex}",

@@ -1,12 +1,13 @@
-"""The `preprocessing` model: a Triton request (tensorrtllm_backend-style inputs plus images and videos) ->
-the LLM engine's inputs, for a batch of requests at once, in two steps: `execute` checks and tokenizes
-each request, looks its images and videos up in the visual-feature cache and decodes only the others, each with
-the vision encoder's inputs for it alone (`VisualFeatures`); once the vision encoder has encoded those, `finish`
-stores them in the cache and lays each request's prompt table out from their rows, cached or new, in prompt order.
+"""The `preprocessing` model: a Triton request (a serving.request.GenerationRequest's inputs) -> the LLM engine's
+inputs, for a batch of requests at once, in two steps: `execute` reads each request and tokenizes it (unless its
+client sent it tokenized), looks its images and videos up in the visual-feature cache and decodes only the others,
+each with the vision encoder's inputs for it alone (`VisualFeatures`); once the vision encoder has encoded those,
+`finish` stores them in the cache and lays each request's prompt table out from their rows, cached or new, in prompt
+order.
 
-A request that cannot be served gets its own error; the others in the batch go on. Sampling inputs
-are turned into what the tensorrt_llm backend reads (greedy is runtime_top_k 1), with the defaults
-decided here once, so both targets' `llm` models receive every input.
+A request that cannot be served gets its own error; the others in the batch go on. The request's options are
+turned into what the tensorrt_llm backend reads (greedy is runtime_top_k 1; the defaults are the request's), so both
+targets' `llm` models receive every input.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ...preprocess.preprocessor import Request, VisualInput, VisualKind
 from ...vision.metadata import vision_metadata
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface
-from ..request import ENGINE_OPTIONS, GenerationRequest
+from ..request import GenerationRequest
 from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]
@@ -351,8 +352,7 @@ class Preprocessing:
             interface.STOP_WORDS_LIST.name: word_list(stop_words),
             interface.BAD_WORDS_LIST.name: word_list(self._encode(request.bad_words)),
         }
-        sent = request.to_inputs()
-        outputs.update((tensor.name, sent[tensor]) for tensor in ENGINE_OPTIONS if tensor in sent)
+        outputs.update((tensor.name, array) for tensor, array in request.engine_options().items())
         if request.logit_bias:
             bias = np.zeros(self.pre.info.text.vocab_size, np.float32)
             for token, weight in request.logit_bias.items():
