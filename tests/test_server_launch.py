@@ -343,6 +343,29 @@ def test_a_server_that_aborts_while_loading_is_started_once_more(tmp_path, nowhe
             pass
 
 
+def test_a_server_that_aborts_under_a_load_call_is_started_once_more(tmp_path, nowhere, monkeypatch):
+    """The abort can also end a model's load call (its gRPC stream removed) before serve sees the exit: the load's
+    failure is taken for the abort it is, and the server started once more, as an abort between calls is."""
+    (tmp_path / "repo").mkdir()
+    log = tmp_path / "server.log"
+    server = TritonServer(tmp_path / "repo", free_ports(), log_path=log)
+    server.overrides = {"a model with an override": None}  # so that serve loads the models itself
+    calls = []
+
+    def load(_client, _models, _timeout):
+        calls.append(server.pid)
+        if len(calls) == 1:  # tritonserver aborts while the call is in flight
+            (tritonserver,) = psutil.Process(server.pid).children()
+            tritonserver.send_signal(signal.SIGABRT)
+            raise ServingError("tritonserver could not load a model: Stream removed (Socket closed)")
+
+    monkeypatch.setattr(server, "_load", load)
+    with server:
+        assert server.reports_ready()
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert "tritonserver aborted while loading the models; starting it once more" in log.read_text()
+
+
 def test_bundled_server_on_an_empty_repository(tmp_path, nowhere):
     (tmp_path / "repo").mkdir()
     with TritonServer(tmp_path / "repo", free_ports()) as running:

@@ -68,6 +68,8 @@ def process_shm_prefix(pid: int) -> str:
     return f"qwen3vl_{pid}_"
 
 
+# How long a failed load call waits to see whether the server died under it (an abort is started once more).
+LOAD_EXIT_S = 5.0
 # How long `wait_ready` waits for superseded instances' stubs to end (seen: 1.7 s for the decoupled preprocessing).
 SUPERSEDED_STUBS_S = 30.0
 
@@ -282,7 +284,12 @@ class TritonServer:
                     raise ServingError(f"tritonserver {self._exited(status)} before it was ready; {self._log_tail()}")
                 try:
                     if not loaded and client.is_server_live(client_timeout=2.0):
-                        self._load(client, repository_models(self.repo), deadline - time.monotonic())
+                        try:
+                            self._load(client, repository_models(self.repo), deadline - time.monotonic())
+                        except ServingError:
+                            if self._ended_within(LOAD_EXIT_S) is None:
+                                raise
+                            continue  # it ended during a load call: the status check tells an abort from an exit
                         loaded = True
                     if loaded and client.is_server_ready(client_timeout=2.0):
                         break
@@ -298,6 +305,14 @@ class TritonServer:
             client.close()
         if self.overrides:
             self._await_superseded_stubs(deadline)
+
+    def _ended_within(self, seconds: float) -> int | None:
+        """The server's exit status if it ends within `seconds` (a load call fails as the server dies, before the
+        guard has reaped it), else None."""
+        deadline = time.monotonic() + seconds
+        while (status := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return status
 
     def _await_superseded_stubs(self, deadline: float) -> None:
         """Waits (until `deadline`) for the stubs of the instances that loading with overrides superseded to end:
