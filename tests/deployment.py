@@ -120,6 +120,28 @@ def group_gone(pgid: int, within: float = 5.0) -> bool:
     return True
 
 
+def process_stacks(pid: int) -> str:
+    """The process and its descendants (serve, tritonserver, the python stubs) with their threads' stacks, Python
+    and native (py-spy dump; tritonserver, not a Python process, by its name alone): what a stuck start leaves for
+    its failure message."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return f"process {pid} is gone"
+    parts = []
+    for process in processes:
+        try:
+            argv = " ".join(process.cmdline())[:160]
+        except psutil.Error:
+            continue
+        dump = subprocess.run(
+            ["py-spy", "dump", "--native", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60
+        )
+        parts.append(f"===== {process.pid} {argv}\n{dump.stdout}{dump.stderr}")
+    return "\n".join(parts)
+
+
 def repository_processes(repo: Path) -> list[psutil.Process]:
     """The running tritonservers and python stubs that serve `repo` (its path is on their command lines)."""
     found = []
