@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .limits import EngineLimits
 
 if TYPE_CHECKING:
     from .preprocess.preprocessor import VideoDecoderName
@@ -75,6 +76,10 @@ QUANT_LOGIT_GAPS = {"none": LOGIT_GAP, "int8-wo": 0.1, "int4-wo": 0.4, "fp8": 0.
 KV_CACHE_LOGIT_GAP = 0.1  # none + INT8 KV cache (fp8 + FP8 KV cache takes fp8's)
 MOE_QUANT_LOGIT_GAP = 0.3  # int8-wo and fp8 of the MoE checkpoint: routing near-ties dominate
 NEW_TOKENS = 8
+# The served builds answer top_logprobs: the engine gathers its generation logits (limits.max_top_logprobs).
+TOP_LOGPROBS = 5
+TOP_LOGPROB_GAP = 0.1  # largest |log prob - transformers' fp32 log-softmax|, in nats, of a bf16 engine's
+SERVED_LIMITS = EngineLimits(max_top_logprobs=TOP_LOGPROBS)
 # The quantized rows' tiny text model: dims the weight-only GEMMs and the 128x128 FP8 blocks take, with grouped-query
 # attention as every released Qwen3-VL has (4 query heads per key/value head, head_dim 128). With equal head counts
 # TensorRT-LLM's attention with q/k norms views the fused qkv interleaved per head (`layers/attention.py`,
@@ -432,7 +437,15 @@ class Acceptance:
             for run_name in ("miss", "hit"):
                 output = self.work / f"build-{name.replace(' ', '-')}-cache-{run_name}"
                 start = time.perf_counter()
-                manifest = build(model, output, target="gpu", force=True, cache=CacheSettings(cache), log=self.log)
+                manifest = build(
+                    model,
+                    output,
+                    target="gpu",
+                    force=True,
+                    cache=CacheSettings(cache),
+                    limits=SERVED_LIMITS,
+                    log=self.log,
+                )
                 seconds.append(time.perf_counter() - start)
                 records.append(manifest.cache)
             miss, hit = records
@@ -485,16 +498,18 @@ class Acceptance:
         drained: list[tuple[bool, str]] = []
         warmed: list[tuple[bool, str]] = []
         decoded: list[tuple[bool, str]] = []
+        alternatives: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, warm, ids, hits, guides, options, heals, drains = _served_tokens(
+            tokens, warm, ids, tops, hits, guides, options, heals, drains = _served_tokens(
                 self._built(name), requests, log_path
             )
             served.update(tokens)
             warmed.append(warm)
             decoded.append(ids)
+            alternatives.append(tops)
             cached.append(hits)
             guided.append(guides)
             sampled.append(options)
@@ -516,6 +531,8 @@ class Acceptance:
         sampling = f"logit bias, presence penalty and log probs on the engine ({name})"
         warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
         decoding = f"the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble ({name})"
+        topping = f"top_logprobs from the engine's generation logits vs transformers' log-softmax ({name})"
+        top_limit = f"{TOP_LOGPROBS} each, the likeliest served, gap <= {TOP_LOGPROB_GAP:g}"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
                 check = f"served tokens vs transformers greedy, {kind} ({name})"
@@ -523,6 +540,7 @@ class Acceptance:
             for check, check_limit in (
                 (warming, f"first / median <= {FIRST_REQUEST_RATIO:g}"),
                 (decoding, "same text and ids"),
+                (topping, top_limit),
                 (caching, "same tokens, 0 runs"),
                 (guiding, "both validate"),
                 (sampling, "biased, distinct, log probs <= 0"),
@@ -550,6 +568,7 @@ class Acceptance:
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(warming, f"first / median <= {FIRST_REQUEST_RATIO:g}", needs, lambda: warmed[0])
         self.row(decoding, "same text and ids", needs, lambda: decoded[0])
+        self.row(topping, top_limit, needs, lambda: alternatives[0])
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
         self.row(guiding, "both validate", needs, lambda: guided[0])
         self.row(sampling, "biased, distinct, log probs <= 0", needs, lambda: sampled[0])
@@ -605,7 +624,7 @@ def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
     acceptance.decode_row(models["dense"])
     acceptance.weight_only_layout_row()
     for name, model in models.items():
-        acceptance.build_row(name, model)
+        acceptance.build_row(name, model, limits=SERVED_LIMITS)
         acceptance.vision_engine_row(name, model)
         if name == "dense":
             acceptance.build_cache_row(name, model)
@@ -639,7 +658,6 @@ def run_device_check(work: Path, log: Callable[[str], None] = print) -> Report:
 def variants(work: Path, dense: Path) -> list[Variant]:
     """The builds with other options than the served rows': every --llm-quant and quantized KV cache from a block-FP8
     checkpoint (dense; MoE int8-wo and fp8), an fp32 engine, chunked context, tp 2."""
-    from .limits import EngineLimits
     from .testing.tiny import synthetic_jpeg
 
     fp8, twin = _block_fp8_checkpoint(work, moe=False)
@@ -998,10 +1016,11 @@ def _served_tokens(
     tuple[bool, str],
     tuple[bool, str],
     tuple[bool, str],
+    tuple[bool, str],
 ]:
     """serve's warm-up (see _warm_up), then greedy token ids of each request through the build's GPU repository on a
     real tritonserver, whether the tokens ensemble gives the same answers decoded by the client (see
-    _tokens_ensemble), then whether
+    _tokens_ensemble) and top_logprobs as transformers (see _top_logprobs), then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
     decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
     deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
@@ -1024,13 +1043,14 @@ def _served_tokens(
                 for kind, (prompt, images, videos) in requests.items()
             }
             ids = _checked(lambda c: _tokens_ensemble(c, build_dir, requests), client)
+            tops = _checked(lambda c: _top_logprobs(c, build_dir), client)
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
             guided = _checked(_guided_answers, client)
             options = _checked(_sampling_options, client)
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, warmed, ids, hits, guided, options, heals, _drains(server)
+        return tokens, warmed, ids, tops, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
 
@@ -1121,6 +1141,38 @@ def _tokens_ensemble(
     finally:
         decoding.close()
     return True, f"{len(cases)} requests, streamed and not: the same text and ids"
+
+
+def _top_logprobs(client: Any, build_dir: Path) -> tuple[bool, str]:
+    """top_logprobs from the engine's generation logits (the tensorrtllm backend's return_generation_logits), decoded
+    by the client: TOP_LOGPROBS alternatives per token, the served (greedy) token the likeliest, and every reported
+    log probability, the token's own among them, against transformers' log-softmax of its logits at that step
+    (teacher-forced on the served tokens), by token id."""
+    from .detokenize import Detokenizer
+    from .manifest import BuildManifest
+    from .serving.client import Client
+
+    model = BuildManifest.read(build_dir).model
+    prompt = "Describe a sunset in three words."
+    decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=Detokenizer.from_model_dir(model))
+    try:
+        answer = decoding.generate(prompt, [], max_tokens=NEW_TOKENS, top_logprobs=TOP_LOGPROBS)
+    finally:
+        decoding.close()
+    rows = _TransformersGreedy(model).log_softmax(prompt, [], [], answer.token_ids)
+    counted = all(len(top) == TOP_LOGPROBS for top in answer.top) and len(answer.top) == len(answer.token_ids)
+    likeliest = sum(top[0][0] == token for top, token in zip(answer.top, answer.token_ids, strict=False))
+    gaps = [
+        abs(p - float(row[t]))
+        for row, token, own, top in zip(rows, answer.token_ids, answer.log_probs, answer.top, strict=False)
+        for t, p in [(token, own), *top]
+    ]
+    worst = max(gaps, default=float("inf"))
+    figure = (
+        f"{len(answer.top)} tokens x {TOP_LOGPROBS} alternatives; the served token the likeliest "
+        f"{likeliest}/{len(answer.token_ids)}; largest |log prob - transformers'| {worst:.4f}"
+    )
+    return counted and likeliest == len(answer.token_ids) > 0 and worst <= TOP_LOGPROB_GAP, figure
 
 
 def _checked(check: Callable[[Any], tuple[bool, str]], client: Any) -> tuple[bool, str]:
@@ -1313,9 +1365,8 @@ class _TransformersGreedy:
         self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
         self.pre = Preprocessor.from_pretrained(model)
 
-    def score(
-        self, prompt: str, images: list[bytes], videos: list[bytes], served: list[int]
-    ) -> tuple[int, list[float]]:
+    def steps(self, prompt: str, images: list[bytes], videos: list[bytes], served: list[int]) -> Any:
+        """The logits that score each served token, float32 [len(served), vocab]."""
         import numpy as np
         import torch
 
@@ -1329,7 +1380,16 @@ class _TransformersGreedy:
             logits = self.model(**inputs).logits[0].float()
         # Row i scores the token after position i: the served tokens are scored by the rows from the prompt's last.
         start = len(request.input_ids) - 1
-        steps = logits[start : start + len(served)]
+        return logits[start : start + len(served)]
+
+    def log_softmax(self, prompt: str, images: list[bytes], videos: list[bytes], served: list[int]) -> Any:
+        """The log-softmax of those logits, numpy float32 [len(served), vocab]."""
+        return self.steps(prompt, images, videos, served).log_softmax(-1).numpy()
+
+    def score(
+        self, prompt: str, images: list[bytes], videos: list[bytes], served: list[int]
+    ) -> tuple[int, list[float]]:
+        steps = self.steps(prompt, images, videos, served)
         greedy = steps.argmax(-1).tolist()
         equal = next((i for i, (a, b) in enumerate(zip(served, greedy, strict=True)) if a != b), len(served))
         return equal, logit_gaps(steps, served)

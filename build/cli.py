@@ -660,6 +660,7 @@ def _engine_limits(args: argparse.Namespace):
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,
         max_visual_tokens=args.max_visual_tokens,
+        max_top_logprobs=args.max_top_logprobs,
     )
 
 
@@ -691,6 +692,11 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + generated tokens")
     g.add_argument("--max-num-tokens", type=int, default=d.max_num_tokens, help="tokens per engine step")
     g.add_argument("--max-visual-tokens", type=int, default=d.max_visual_tokens, help="visual tokens per request")
+    g.add_argument(
+        "--max-top-logprobs", type=int, default=d.max_top_logprobs,
+        help="alternatives a request may ask per generated token (top_logprobs; 0: none; costs GPU memory, see "
+        "docs/serving.md)",
+    )  # fmt: skip
 
 
 def _preprocess(args: argparse.Namespace) -> None:

@@ -15,11 +15,15 @@ from .errors import LimitsError
 # Prompt tokens of one request (visual tokens included), and visual tokens of one request.
 MAX_INPUT_LEN = 8192
 MAX_VISUAL_TOKENS = 8192
+# The most alternatives a generated token can report (OpenAI's top_logprobs cap).
+TOP_LOGPROBS_CAP = 20
 
 
-def _require_positive(limits: object) -> None:
+def _require_positive(limits: object, *, but: tuple[str, ...] = ()) -> None:
     for f in fields(limits):  # type: ignore[arg-type]
         value = getattr(limits, f.name)
+        if f.name in but:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise LimitsError(f"{type(limits).__name__}.{f.name} must be a positive integer, got {value!r}")
 
@@ -77,6 +81,10 @@ class EngineLimits:
     engine without context FMHA (fp32) gets max_num_tokens >= max_input_len from trtllm-build.
     max_visual_tokens: visual (merged) tokens of one request; the prompt table holds (K+1) rows for
     each, for every request of a batch. tokens_per_block: paged KV cache block size.
+    max_top_logprobs: the most alternatives a request may ask for each generated token (top_logprobs); 0 (the
+    default) serves none. Above 0 the GPU engine is built to return its generation logits
+    (--gather_generation_logits), which costs GPU memory and a host copy of the vocabulary's logits per token of
+    the requests that ask (docs/serving.md, "Top log probabilities").
     """
 
     max_batch_size: int = 8
@@ -85,9 +93,13 @@ class EngineLimits:
     max_num_tokens: int = 16384
     max_visual_tokens: int = MAX_VISUAL_TOKENS
     tokens_per_block: int = 32
+    max_top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        _require_positive(self)
+        _require_positive(self, but=("max_top_logprobs",))
+        top = self.max_top_logprobs
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS_CAP:
+            raise LimitsError(f"EngineLimits.max_top_logprobs must be in [0, {TOP_LOGPROBS_CAP}], got {top!r}")
         if self.max_seq_len <= self.max_input_len:
             raise LimitsError(
                 f"max_seq_len ({self.max_seq_len}) must exceed max_input_len ({self.max_input_len}) "

@@ -31,7 +31,12 @@ from qwen3vl_trt.serving.request import TEXT_INPUT
 from tritonclient.grpc import model_config_pb2 as mc
 
 LIMITS = EngineLimits(
-    max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024
+    max_batch_size=8,
+    max_input_len=1024,
+    max_seq_len=2048,
+    max_num_tokens=2048,
+    max_visual_tokens=1024,
+    max_top_logprobs=5,
 )
 # Without the visual cache: these deployments' tests see every image decoded and encoded (test_visual_cache has
 # deployments with it).

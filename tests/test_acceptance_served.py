@@ -186,6 +186,7 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
         "served tokens vs transformers greedy, one JPEG",
         "served tokens vs transformers greedy, an H.264 video",  # the host decodes it here, without a warning
         "the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble",
+        "top_logprobs from the engine's generation logits vs transformers' log-softmax",
         "a repeated image: a visual cache hit, no decode, no vision encoder",
         "guided decoding on the engine: a json_schema answer and a required tool call",
         "logit bias, presence penalty and log probs on the engine",
@@ -193,6 +194,9 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
     ):
         assert rows[check].status == PASS, rows[check]
     assert "0 server log lines on tensors missing the CUDA memory pool" in rows["serve the GPU repository"].figure
+    tops = rows["top_logprobs from the engine's generation logits vs transformers' log-softmax"].figure
+    pattern = r"alternatives; the served token the likeliest (\d+)/\1; largest \|log prob - transformers'\| 0\.0000$"
+    assert re.search(pattern, tops), tops
     for kind in ("text only", "one JPEG", "an H.264 video"):
         assert re.match(
             r"(\d+)/\1 tokens equal, largest gap 0\.000", rows[f"served tokens vs transformers greedy, {kind}"].figure

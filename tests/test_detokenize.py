@@ -54,3 +54,37 @@ def test_log_probs_are_those_of_the_tokens_shown(detokenizer):
     second = stream.piece(_ids([1001, end]), [[2]], np.array([[[-0.25, -0.5, -0.75]]], np.float32))
     assert first.log_probs == (-0.25,) and second.log_probs == (-0.5,)
     assert second.token_ids == [1001]
+
+
+def test_top_logprobs_from_either_backend_shape_equal_torch_log_softmax(detokenizer):
+    """Generation logits as the tensorrtllm backend answers them (streamed [1, n, beams, V], else [1, beams, T, V]
+    with rows past the generated tokens unset; V padded past the vocabulary) give each shown token's log-softmax
+    and its k likeliest alternatives, ties by id; the end id's row is not shown."""
+    import torch
+
+    vocab = detokenizer.vocab_size
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4, vocab + 8)) * 4).astype(np.float32)
+    logits[:, vocab:] = 50.0  # padding past the vocabulary: never an alternative
+    logits[1, [10, 11, 12]] = logits[1].max() + 1  # a three-way tie at the top
+    end = min(detokenizer.end_ids)
+    tokens = [1000, 10, 1002, end]
+    expected = torch.log_softmax(torch.from_numpy(logits[:, :vocab]), -1).numpy()
+
+    def check(answer, k):
+        assert answer.token_ids == tokens[:3]
+        assert answer.log_probs == pytest.approx([expected[i, t] for i, t in enumerate(tokens[:3])], abs=1e-4)
+        for i, top in enumerate(answer.top):
+            ids = sorted(range(vocab), key=lambda t: (-expected[i, t], t))[:k]
+            assert [t for t, _ in top] == ids
+            assert [p for _, p in top] == pytest.approx(expected[i, ids], abs=1e-4)
+        assert [t for t, _ in answer.top[1]][:3] == [10, 11, 12][:k]
+
+    for k in (1, 3, 5):
+        whole = np.concatenate([logits, np.full((6, vocab + 8), np.nan, np.float32)])  # max_tokens 10
+        check(detokenizer.stream(k).piece(_ids(tokens), [[4]], generation_logits=whole[None, None]), k)
+        stream = detokenizer.stream(k)
+        pieces = [
+            stream.piece(_ids([t]), [[1]], generation_logits=logits[i, None, None][None]) for i, t in enumerate(tokens)
+        ]
+        check(Answer.joined(pieces), k)

@@ -216,12 +216,13 @@ BAD_REQUESTS = {
         "--allow-remote-media",
         None,
     ),
-    "top_logprobs": (
-        dict(messages=user("Hi."), logprobs=True, top_logprobs=3),
+    "top_logprobs over the deployment's": (
+        dict(messages=user("Hi."), logprobs=True, top_logprobs=LIMITS.max_top_logprobs + 1),
         400,
-        "top_logprobs",
-        "unsupported_parameter",
+        f"serves top_logprobs up to {LIMITS.max_top_logprobs}",
+        None,
     ),
+    "top_logprobs without logprobs": (dict(messages=user("Hi."), top_logprobs=2), 400, "needs logprobs true", None),
     "tool_choice without tools": (dict(messages=user("Hi."), tool_choice="required"), 400, "needs tools", None),
     "a tool result without its call id": (
         dict(messages=[*user("Hi."), {"role": "tool", "content": "21"}]),

@@ -14,7 +14,7 @@ from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
 from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
-from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED, NO_ALTERNATIVES
+from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED
 from qwen3vl_trt.serving.gateway.settings import GatewaySettings
 from qwen3vl_trt.serving.ports import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewayOptions
 from tritonclient.utils import InferenceServerException
@@ -128,7 +128,7 @@ def test_triton_refusals_map_to_the_errors_the_gateway_answers():
 
 
 def test_every_refusal_text_is_whole():
-    texts = [why for _, why in _UNSUPPORTED.values()] + [NO_ALTERNATIVES]
+    texts = [why for _, why in _UNSUPPORTED.values()]
     for text in texts:
         assert text.count("(") == text.count(")"), text  # no sentence cut off inside its parentheses
         assert text[-1].isalnum() or text[-1] in ").'", text

@@ -125,6 +125,28 @@ def test_plan_reads_the_engine_sizes_of_a_build(tmp_path):
         gpu_memory.plan(0, (0,), GIB, limits, tmp_path, tmp_path / "vision.plan", 0, 1536, 4, llm)
 
 
+def test_an_engine_for_top_logprobs_plans_its_logits_buffers_and_one_without_them_is_refused(tmp_path):
+    """max_top_logprobs > 0: the runtime's generation-logits buffers (8 steps of a full batch, float32, the vocabulary
+    padded to the world size) come off what the KV cache finds free; limits that ask for top_logprobs over an engine
+    built without gathering its generation logits are refused with the flag to rebuild with."""
+    engine = _engine_dir(tmp_path)
+    (tmp_path / "vision.plan").write_bytes(b"\0" * 300)
+    limits = EngineLimits(max_batch_size=4, max_input_len=64, max_seq_len=128, max_visual_tokens=16, max_top_logprobs=5)
+    llm = replace(LLM_8B, hidden_size=64, intermediate_size=128, rotary_dim=16)
+    args = (80 * GIB, limits, engine, tmp_path / "vision.plan", 77, 1536, 4, llm)
+    with pytest.raises(LimitsError, match="built without --gather_generation_logits.*--max-top-logprobs 5"):
+        gpu_memory.plan(0, (0,), *args)
+    config = json.loads((engine / "config.json").read_text())
+    config["build_config"]["gather_generation_logits"] = True
+    (engine / "config.json").write_text(json.dumps(config))
+    plan = gpu_memory.plan(0, (0,), *args)
+    assert plan.generation_logits_bytes == (8 * 4 + 8) * llm.vocab_size * 4  # 151,936: a multiple of the world size
+    without = gpu_memory.plan(0, (0,), 80 * GIB, replace(limits, max_top_logprobs=0), *args[2:])
+    assert without.generation_logits_bytes == 0
+    assert without.free_at_kv_cache - plan.free_at_kv_cache == plan.generation_logits_bytes
+    assert "generation logits' buffers" in plan.describe() and "generation logits" not in without.describe()
+
+
 def test_the_engine_config_says_whether_it_has_paged_context_fmha(tmp_path):
     """build_config.plugin_config.use_paged_context_fmha and build_config.max_num_tokens, where TensorRT-LLM's runtime
     reads them (gptJsonConfig.cpp); an fp32 engine is built without paged context FMHA (llm.engine_build)."""

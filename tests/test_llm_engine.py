@@ -231,6 +231,25 @@ def test_launcher_sets_mrope_and_engine_positions_before_the_build(bf16_checkpoi
     assert inputs["mrope_rotary_cos_sin_size"] == LIMITS.max_seq_len * model["rotary_embedding_dim"]
 
 
+def test_an_engine_for_top_logprobs_gathers_its_generation_logits(bf16_checkpoints, trtllm_standin, tmp_path):
+    """max_top_logprobs > 0: trtllm-build's --gather_generation_logits, which the tensorrtllm backend needs (its
+    executor config never sets gatherGenerationLogits), lands in the engine's build_config, where the runtime
+    (gptJsonConfig.cpp) and serving's memory plan read it; without it the engine has none."""
+    from qwen3vl_trt.serving.repository.gpu_memory import LLMEngineBuild
+
+    ckpt = bf16_checkpoints["dense"]
+    _, config = read_trtllm_config(ckpt)
+    for top, gathered in ((0, False), (5, True)):
+        limits = dataclasses.replace(LIMITS, max_top_logprobs=top)
+        argv = launcher_command(str(ckpt), str(tmp_path / f"engine-{top}"), config, limits)[3:]
+        assert (engine_build.GATHER_GENERATION_LOGITS in argv) == gathered
+        result = _launch(argv, trtllm_standin)
+        assert result.returncode == 0, result.stderr[-3000:]
+        engine, _ = _engine(tmp_path / f"engine-{top}")
+        assert engine["build_config"]["gather_generation_logits"] is gathered
+        assert LLMEngineBuild.read(tmp_path / f"engine-{top}").gather_generation_logits is gathered
+
+
 def test_parallel_build_workers_build_each_rank_from_our_class(bf16_checkpoints, trtllm_standin, tmp_path):
     """--workers 2 over a tp=2 checkpoint: upstream's spawn pool, whose fresh processes import TensorRT-LLM (MODEL_MAP
     without our architecture), unpickle the config and import the model class; each builds its rank."""

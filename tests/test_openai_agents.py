@@ -16,18 +16,23 @@ from pathlib import Path
 from typing import Literal
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
+import torch
 from deployment import LIMITS, Gateway, build_cpu_repository, data_url, error_body, port_flags
 from images import jpeg
 from pydantic import BaseModel, Field
+from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.serving.gateway.planning import Planner
 from qwen3vl_trt.serving.gateway.protocol import APIError, ChatCompletionRequest
 from qwen3vl_trt.serving.gateway.settings import GatewaySettings
 from qwen3vl_trt.serving.ports import free_ports
+from qwen3vl_trt.testing.hf_reference import hf_greedy_log_softmax, hf_request_inputs
 from qwen3vl_trt.testing.ports import free_port
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, make_tiny_checkpoint
 from tokenizers import Tokenizer
+from transformers import AutoModelForImageTextToText
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -291,8 +296,6 @@ def test_logprobs_logit_bias_penalties_seed_and_n(served):
     answer = client.chat.completions.create(**ask, logprobs=True, top_logprobs=0)
     plain, entries = answer.choices[0], answer.choices[0].logprobs.content
     assert len(entries) == answer.usage.completion_tokens > 0 and all(e.logprob <= 0.0 for e in entries)
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
     (token,) = tokenizer.encode(" owl", add_special_tokens=False).ids
     biased = client.chat.completions.create(**ask, logit_bias={str(token): 100}).choices[0]
     assert biased.message.content == " owl" * 12
@@ -312,6 +315,79 @@ def test_logprobs_logit_bias_penalties_seed_and_n(served):
     assert texts == {i: first.choices[i].message.content for i in (0, 1)}
 
 
+@pytest.fixture(scope="module")
+def reference(served):
+    """transformers' greedy tokens and log-softmax rows (hf_greedy_log_softmax) for chat messages or a raw prompt,
+    and each token's text as logprobs report it."""
+    hf = AutoModelForImageTextToText.from_pretrained(served.model_dir, dtype=torch.float32).eval()
+    pre = Preprocessor.from_pretrained(served.model_dir)
+    tokenizer = Tokenizer.from_file(str(served.model_dir / "tokenizer.json"))
+
+    def scores(max_tokens: int, messages=None, prompt=None):
+        request = pre(messages, prompt=prompt)
+        inputs = hf_request_inputs(hf, request, pre.info.image_token_id, pre.info.video_token_id)
+        return hf_greedy_log_softmax(hf, inputs, max_tokens, (IM_END_ID, ENDOFTEXT_ID))
+
+    scores.text = lambda token: tokenizer.decode([token], skip_special_tokens=False)
+    return scores
+
+
+def _expected_entries(reference, tokens, rows, k):
+    """(text, log prob, [(alternative's text, its log prob)] * k) per token, as transformers' log-softmax gives them."""
+    return [
+        (
+            reference.text(t),
+            float(row[t]),
+            [(reference.text(a), float(row[a])) for a in np.argsort(-row, kind="stable")[:k]],
+        )
+        for t, row in zip(tokens, rows, strict=True)
+    ]
+
+
+def _assert_entries_equal(got, expected):
+    assert [(text, [a for a, _ in top]) for text, _, top in got] == [
+        (text, [a for a, _ in top]) for text, _, top in expected
+    ]
+    for (_, p, top), (_, q, reference_top) in zip(got, expected, strict=True):
+        assert p == pytest.approx(q, abs=1e-4)
+        assert [a for _, a in top] == pytest.approx([b for _, b in reference_top], abs=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_top_logprobs_equal_transformers_log_softmax(served, reference, k):
+    """Chat (top_logprobs) and completions (logprobs k), streamed and not: each token's log probability and its k
+    alternatives (texts and log probabilities) are transformers' log-softmax of the model's logits, within 1e-4."""
+    client = _client(served)
+    messages = _user("Count.")
+    expected = _expected_entries(reference, *reference(6, messages=messages), k)
+    ask = dict(model="dense", messages=messages, max_tokens=6, logprobs=True, top_logprobs=k)
+
+    def chat_entries(content):
+        return [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in content]
+
+    whole = client.chat.completions.create(**ask)
+    _assert_entries_equal(chat_entries(whole.choices[0].logprobs.content), expected)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    _assert_entries_equal(chat_entries(streamed), expected)
+
+    prompt = "Once upon a time"
+    expected = _expected_entries(reference, *reference(6, prompt=prompt), k)
+    ask = dict(model="dense", prompt=prompt, max_tokens=6, logprobs=k)
+
+    def completion_entries(logprobs):
+        return [
+            (text, p, list(top.items()))
+            for text, p, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+        ]
+
+    done = client.completions.create(**ask)
+    _assert_entries_equal(completion_entries(done.choices[0].logprobs), expected)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True) if c.choices[0].logprobs]
+    joined = [entry for logprobs in chunks for entry in completion_entries(logprobs)]
+    _assert_entries_equal(joined, expected)
+
+
 def test_text_completions(served):
     client = _client(served)
     done = client.completions.create(model="dense", prompt="Once upon a time", max_tokens=6, logprobs=0)
@@ -323,7 +399,7 @@ def test_text_completions(served):
     chunks = list(client.completions.create(model="dense", prompt="A", max_tokens=4, n=2, stream=True, seed=1,
                                             temperature=1.0))  # fmt: skip
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
-    for refused in (dict(logprobs=3), dict(echo=True, logprobs=0), dict(suffix="end")):
+    for refused in (dict(echo=True, logprobs=0), dict(suffix="end")):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="dense", prompt="A", max_tokens=4, **refused)
 

@@ -248,9 +248,9 @@ class _Stream:
         self.responses: list[dict] = []  # what each send carried
         self.done = threading.Event()
 
-    def send(self, tokens, final, log_probs=None):
+    def send(self, tokens, final, log_probs=None, generation_logits=None):
         self.tokens.extend(tokens)
-        self.responses.append(dict(tokens=list(tokens), final=final, log_probs=log_probs))
+        self.responses.append(dict(tokens=list(tokens), final=final, log_probs=log_probs, logits=generation_logits))
         if final:
             self.done.set()
 
@@ -316,6 +316,47 @@ def test_the_inflight_llm_returns_the_log_probs_of_its_tokens(converted, runtime
             assert stream.responses[-1]["log_probs"] == pytest.approx([lp for _, lp in kept])
             if streaming:  # cumulative: the k-th response has k log probs
                 assert [len(r["log_probs"]) for r in stream.responses] == list(range(1, len(kept) + 1))
+    finally:
+        engine.close()
+
+
+def test_the_inflight_llm_returns_the_generation_logits_of_its_tokens(converted, runtimes):
+    """return_generation_logits: each response carries the raw logits of its tokens in the tensorrtllm backend's
+    shapes without the batch dimension ([n, 1, V] streamed, [1, T, V] at the end), which are the runtime's logits at
+    those positions (its prompt logits over the prompt and the tokens), with an embedding bias that the sampling
+    applies and they do not."""
+    end_ids = (IM_END_ID, ENDOFTEXT_ID)
+    llm = runtimes("dense")
+    ids = np.arange(5, 25, dtype=np.int32)
+    bias = np.zeros(llm.vocab_size, np.float32)
+    bias[[7, 11]] = 3.0
+    engine = InflightLLM(converted["dense"], end_ids, max_batch_size=2)
+    engine.start()
+    try:
+        inputs = {
+            interface.INPUT_IDS.name: ids,
+            interface.REQUEST_OUTPUT_LEN.name: np.array([5], np.int32),
+            interface.RUNTIME_TOP_K.name: np.array([1], np.int32),
+            interface.EMBEDDING_BIAS.name: bias,
+            interface.RETURN_GENERATION_LOGITS.name: np.array([True]),
+            interface.EXCLUDE_INPUT.name: np.array([True]),
+        }
+        for streaming in (False, True):
+            stream = _Stream()
+            engine.submit({**inputs, interface.STREAMING.name: np.array([streaming])}, stream, f"logits-{streaming}")
+            assert stream.done.wait(60) and not stream.errors
+            sent = [r["logits"] for r in stream.responses if r["tokens"]]
+            if streaming:
+                assert [r.shape for r in sent] == [(1, 1, llm.vocab_size)] * len(stream.tokens)
+                rows = np.concatenate([r[:, 0] for r in sent])
+            else:
+                (whole,) = sent
+                assert whole.shape == (1, len(stream.tokens), llm.vocab_size)
+                rows = whole[0]
+            whole_ids = np.concatenate([ids, np.asarray(stream.tokens[:-1], np.int32)])
+            expected = llm.prompt_logits(LLMRequest(whole_ids)).numpy()[len(ids) - 1 :]
+            np.testing.assert_allclose(rows, expected, atol=1e-4)
+            assert stream.tokens == [int(np.argmax(r + bias)) for r in rows]  # picked from the biased logits
     finally:
         engine.close()
 

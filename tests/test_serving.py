@@ -24,7 +24,7 @@ from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.request import GUIDE_TEXT, LOGIT_BIAS_IDS, LOGIT_BIAS_WEIGHTS, GenerationRequest
 from qwen3vl_trt.serving.server.tritonserver import TritonServer
-from qwen3vl_trt.testing.hf_reference import hf_request_inputs
+from qwen3vl_trt.testing.hf_reference import hf_greedy_log_softmax, hf_request_inputs
 from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
@@ -58,6 +58,14 @@ class Deployment:
         with torch.no_grad():
             out = self._hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(END_IDS))
         return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
+
+    def expected_log_softmax(self, prompt, images=(), max_tokens=16) -> tuple[list[int], np.ndarray]:
+        """transformers' greedy tokens for the same request and the log-softmax of the model's logits at each."""
+        self.expected(prompt, images, max_tokens=1)  # loads the model and the preprocessor
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        r = self._pre([{"role": "user", "content": parts}])
+        inputs = hf_request_inputs(self._hf, r, self._pre.info.image_token_id, self._pre.info.video_token_id)
+        return hf_greedy_log_softmax(self._hf, inputs, max_tokens, END_IDS)
 
     def statistics(self, model: str) -> dict:
         stats = self.client().grpc.get_inference_statistics(model_name=model, as_json=True)
@@ -121,8 +129,9 @@ def test_streaming_sends_the_same_text_as_deltas(dense):
     [
         ("Describe this picture.", [PHOTO], {"max_tokens": 16, "return_log_probs": True}),
         ("Go on.", [], {"max_tokens": 400, "min_tokens": 400}),
+        ("Describe this picture.", [PHOTO], {"max_tokens": 8, "top_logprobs": 3}),
     ],
-    ids=["image, log probs", "long stream"],
+    ids=["image, log probs", "long stream", "image, top logprobs"],
 )
 def test_the_tokens_ensemble_decoded_by_the_client_equals_the_text_ensemble(dense, prompt, images, options):
     """Clients that decode the ids themselves (the tokens ensemble, no postprocessing step per streamed token) get the
@@ -141,9 +150,27 @@ def test_the_tokens_ensemble_decoded_by_the_client_equals_the_text_ensemble(dens
         got = tokens_client.generate(prompt, images, stream=stream, on_text=pieces.append, **options)
         assert got == expected
         assert "".join(pieces) == expected.text
-        assert len(pieces) > 1 if stream else len(pieces) == 1
-    if options.get("return_log_probs"):
+        # A request with top_logprobs is streamed by the engine either way (one row of logits per response).
+        assert len(pieces) > 1 if stream or "top_logprobs" in options else len(pieces) == 1
+    if options.get("return_log_probs") or options.get("top_logprobs"):
         assert len(expected.log_probs) == len(expected.token_ids)
+    if options.get("top_logprobs"):
+        assert [len(top) for top in expected.top] == [options["top_logprobs"]] * len(expected.token_ids)
+
+
+@pytest.mark.parametrize("k, stream", [(1, False), (5, True)])
+def test_top_logprobs_equal_transformers_log_softmax(dense, k, stream):
+    """Each generated token's k alternatives, and its own log probability, are transformers' log-softmax of the
+    model's logits at that step (greedy, so the token is the likeliest), within 1e-4."""
+    client = Client(dense.url, timeout_s=120, detokenizer=Detokenizer.from_model_dir(dense.model_dir))
+    answer = client.generate("Describe this picture.", [PHOTO], max_tokens=8, top_logprobs=k, stream=stream)
+    tokens, log_softmax = dense.expected_log_softmax("Describe this picture.", [PHOTO], max_tokens=8)
+    assert answer.token_ids == tokens
+    for token, chosen, top, row in zip(tokens, answer.log_probs, answer.top, log_softmax, strict=True):
+        likeliest = np.argsort(-row, kind="stable")[:k]
+        assert [t for t, _ in top] == likeliest.tolist() and top[0][0] == token
+        np.testing.assert_allclose([p for _, p in top], row[likeliest], atol=1e-4)
+        assert chosen == pytest.approx(float(row[token]), abs=1e-4)
 
 
 def test_seed_makes_sampling_reproducible(dense):

@@ -63,6 +63,7 @@ UPSTREAM_INPUTS = {
     "frequency_penalty": ("TYPE_FP32", [1], True, True, False),
     "repetition_penalty": ("TYPE_FP32", [1], True, True, False),
     "return_log_probs": ("TYPE_BOOL", [1], True, True, False),
+    "return_generation_logits": ("TYPE_BOOL", [1], True, True, False),
     "embedding_bias": ("TYPE_FP32", [-1], False, True, True),
     "guided_decoding_guide_type": ("TYPE_STRING", [1], False, True, True),
     "guided_decoding_guide": ("TYPE_STRING", [1], False, True, True),
@@ -77,6 +78,9 @@ UPSTREAM_OUTPUTS = {
     "output_ids": ("TYPE_INT32", [-1, -1]),
     "sequence_length": ("TYPE_INT32", [-1]),
     "output_log_probs": ("TYPE_FP32", [-1, -1]),
+    # ${logits_datatype}: the engine's logits dtype, float32 as convert-llm writes logits_dtype (model_state.cc checks
+    # a response's logits against it).
+    "generation_logits": ("TYPE_FP32", [-1, -1, -1]),
 }
 
 

@@ -58,6 +58,7 @@ BUILD_LIMIT_FIELDS = (
     "max_beam_width",
     "max_prompt_embedding_table_size",
 )
+GATHER_GENERATION_LOGITS = "--gather_generation_logits"
 TIMING_CACHE_FILE = "timing.cache"  # in the engine directory: TensorRT's timing cache of the build
 
 
@@ -109,7 +110,10 @@ def trtllm_build_flags(checkpoint_dir: str, output_dir: str, config: LLMConfig, 
     }
     if config.moe is not None:
         flags["--moe_plugin"] = plugin_dtype
-    return [str(item) for pair in flags.items() for item in pair]
+    argv = [str(item) for pair in flags.items() for item in pair]
+    # The tensorrtllm backend returns generation logits (top_logprobs) only from an engine built to gather them: its
+    # executor config never sets gatherGenerationLogits, so the engine's build_config must.
+    return [*argv, GATHER_GENERATION_LOGITS] if build.max_top_logprobs else argv
 
 
 def launcher_command(checkpoint_dir: str, output_dir: str, config: LLMConfig, build: EngineLimits) -> list[str]:
@@ -176,6 +180,7 @@ def launcher_arguments(
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--kv_cache_type", choices=["paged"], required=True)
     parser.add_argument("--output_timing_cache", required=True)
+    parser.add_argument(GATHER_GENERATION_LOGITS, action="store_true")
     parser.add_argument("--workers", type=int, default=1, help="build processes (capped at the visible GPUs)")
     add_plugin_argument(parser.add_argument_group("plugin config arguments"))
     return parser.parse_args(argv)
@@ -213,6 +218,7 @@ def launch(argv: Sequence[str] | None) -> int:
         **{name: getattr(args, name) for name in BUILD_LIMIT_FIELDS},
         kv_cache_type=KVCacheType(args.kv_cache_type),
         output_timing_cache=args.output_timing_cache,
+        gather_generation_logits=args.gather_generation_logits,
         use_mrope=True,
         plugin_config=plugin_config,
     )

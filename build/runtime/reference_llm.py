@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 
 TokenCallback = Callable[[int, int], None]
 """Called as (request index, token id) for every generated token, in order."""
-StepCallback = Callable[[int, int, float | None], None]
-"""Called as (request index, token id, its log prob or None without return_log_probs) for every generated token."""
+StepCallback = Callable[[int, int, float | None, np.ndarray | None], None]
+"""Called as (request index, token id, its log prob or None without return_log_probs, the raw float32 logits
+[vocab_size] it was picked from or None without return_generation_logits) for every generated token."""
 Observer = Callable[[str, torch.Tensor], None]
 """Called during a prefill with the input of each quantized linear of a layer ("qkv", "dense", "mlp", "down",
 "experts", "experts_down"), its keys and values ("kv") and its queries ("q"; rotated, as keys are): what
@@ -570,4 +571,5 @@ class DecodeBatch:
         if self.on_token is not None:
             self.on_token(seq.index, seq.next_id)
         if self.on_step is not None:
-            self.on_step(seq.index, seq.next_id, log_prob)
+            raw = logits.float().numpy(force=True).copy() if sampler.params.return_generation_logits else None
+            self.on_step(seq.index, seq.next_id, log_prob, raw)

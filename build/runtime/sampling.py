@@ -68,7 +68,8 @@ class SamplingParams:
     sequence's last token cannot be picked where the tokens before it were just generated.
     repetition_penalty (> 0, 1: off), presence_penalty and frequency_penalty (0: off) and embedding_bias
     (float32 [vocab_size], added to the logits) shape the logits as the engine does; return_log_probs records
-    each chosen token's log prob; guide masks each step's logits.
+    each chosen token's log prob; return_generation_logits hands each step's raw logits to the decode batch's step
+    callback (the executor's OutputConfig.returnGenerationLogits); guide masks each step's logits.
     """
 
     max_new_tokens: int = 64
@@ -85,6 +86,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     embedding_bias: torch.Tensor | None = field(default=None, compare=False, repr=False)
     return_log_probs: bool = False
+    return_generation_logits: bool = False
     guide: LogitsGuide | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

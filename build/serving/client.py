@@ -111,30 +111,39 @@ class _Decoding:
     """One request's responses -> the Answer pieces they carry (None for the empty final response): the text
     ensemble's as the server decoded them, the tokens ensemble's decoded here (detokenize.TextStream)."""
 
-    def __init__(self, detokenizer: Detokenizer | None):
-        self.text = detokenizer.stream() if detokenizer is not None else None
+    def __init__(self, detokenizer: Detokenizer | None, top_logprobs: int):
+        self.text = detokenizer.stream(top_logprobs) if detokenizer is not None else None
+        self.top_logprobs = top_logprobs
 
     def __call__(self, result: Any) -> Answer | None:
         if self.text is None:
-            return _answer(result)
+            return _answer(result, self.top_logprobs)
         ids = result.as_numpy(interface.LLM_OUTPUT_IDS.name)
         if ids is None:
             return None
         length = result.as_numpy(interface.SEQUENCE_LENGTH.name)
-        return self.text.piece(ids, length, result.as_numpy(interface.OUTPUT_LOG_PROBS.name))
+        log_probs = result.as_numpy(interface.OUTPUT_LOG_PROBS.name)
+        return self.text.piece(ids, length, log_probs, result.as_numpy(interface.GENERATION_LOGITS.name))
 
 
-def _answer(result: Any) -> Answer | None:
-    """The new text and token ids one response of the text ensemble carries (None for the empty final response)."""
+def _answer(result: Any, top_logprobs: int) -> Answer | None:
+    """The new text and token ids one response of the text ensemble carries (None for the empty final response), with
+    the first top_logprobs of the alternatives it sends (as many as the deployment serves)."""
     text = result.as_numpy(interface.TEXT_OUTPUT.name)
     if text is None:
         return None
     ids = result.as_numpy(interface.OUTPUT_IDS_OUT.name).reshape(-1)
     log_probs = result.as_numpy(interface.LOG_PROBS_OUT.name)
+    top_ids, top_log_probs = (result.as_numpy(t.name) for t in (interface.TOP_IDS_OUT, interface.TOP_LOG_PROBS_OUT))
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if top_ids is not None and top_log_probs is not None:
+        rows = zip(top_ids.reshape(len(ids), -1), top_log_probs.reshape(len(ids), -1), strict=True)
+        top = tuple(tuple(zip(i[:top_logprobs].tolist(), p[:top_logprobs].tolist(), strict=True)) for i, p in rows)
     return Answer(
         b"".join(text.reshape(-1)).decode(),
         [int(t) for t in ids],
         () if log_probs is None else tuple(float(p) for p in log_probs.reshape(-1)),
+        top,
     )
 
 
@@ -146,10 +155,11 @@ class Generation:
     ids of each response). cancel(), from any thread, ends the request on the server; so does leaving
     the iteration early."""
 
-    def __init__(self, client: Client, inputs: list[Any], request_id: str | None = None):
+    def __init__(self, client: Client, request: GenerationRequest, request_id: str | None = None):
         self._client = client
         self.request_id = request_id or uuid.uuid4().hex
-        self._decode = _Decoding(client.detokenizer)
+        self._decode = _Decoding(client.detokenizer, request.top_logprobs)
+        inputs = request_inputs(request)
         self._responses: queue.Queue[Any] = queue.Queue()
         self._open = True
         self._lock = threading.Lock()
@@ -280,7 +290,7 @@ class Client:
         """Starts one request (request_id: what the server logs it as; default a new uuid) and returns its
         responses as they arrive (see Generation). A Client runs one request at a time: use one Client per
         concurrent request."""
-        return Generation(self, request_inputs(request), request_id)
+        return Generation(self, request, request_id)
 
     def stream(
         self,
@@ -394,7 +404,7 @@ class AsyncClient:
         RequestTimedOutError. Leaving the iteration early, cancelling the task iterating it, or its deadline,
         cancels the stream and stops the request on the llm (stop)."""
         responses = self._send(self.model, request_inputs(request), request_id)
-        decode = _Decoding(self.detokenizer)
+        decode = _Decoding(self.detokenizer, request.top_logprobs)
         watch = _Watch(self, responses, deadline)
         finished = False
         try:

@@ -68,7 +68,10 @@ def _implementing(spec: TensorSpec, optional: bool = False) -> Tensor:
 TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 OUTPUT_IDS_OUT = Tensor("output_ids", "INT32", (-1,))
 LOG_PROBS_OUT = Tensor("output_log_probs", "FP32", (-1,))  # one per id of output_ids, when asked for
-REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT, LOG_PROBS_OUT)
+# With top_logprobs k: each id's k likeliest alternatives and their log probabilities, [ids, k].
+TOP_IDS_OUT = Tensor("output_top_ids", "INT32", (-1, -1))
+TOP_LOG_PROBS_OUT = Tensor("output_top_log_probs", "FP32", (-1, -1))
+REQUEST_OUTPUTS: tuple[Tensor, ...] = (TEXT_OUTPUT, OUTPUT_IDS_OUT, LOG_PROBS_OUT, TOP_IDS_OUT, TOP_LOG_PROBS_OUT)
 
 # -- preprocessing -> vision_encoder (BLS, one request per image the visual cache did not hold) ----------
 VISION_PIXELS = _implementing(PIXEL_VALUES)
@@ -108,6 +111,8 @@ EXCLUDE_INPUT = scalar_tensor("exclude_input_in_output", "BOOL")
 STOP_WORDS_LIST = Tensor("stop_words_list", "INT32", (2, -1), optional=True)
 BAD_WORDS_LIST = Tensor("bad_words_list", "INT32", (2, -1), optional=True)
 EMBEDDING_BIAS = Tensor("embedding_bias", "FP32", (-1,), optional=True)  # [vocab_size], added to the logits
+# The engine's logits of every generated token in the responses (GENERATION_LOGITS), for a request's top_logprobs.
+RETURN_GENERATION_LOGITS = scalar_tensor("return_generation_logits", "BOOL")
 MROPE_COS_SIN = _implementing(MROPE_ROTARY_COS_SIN, optional=True)
 MROPE_DELTAS = _implementing(MROPE_POSITION_DELTAS, optional=True)
 EXTRA_IDS = _implementing(PROMPT_TABLE_EXTRA_IDS, optional=True)
@@ -127,6 +132,7 @@ LLM_REQUEST: tuple[Tensor, ...] = (
     STOP_WORDS_LIST,
     BAD_WORDS_LIST,
     EMBEDDING_BIAS,
+    RETURN_GENERATION_LOGITS,
     *ENGINE_OPTIONS,  # passed on from the request as they are (serving.request)
     MROPE_COS_SIN,
     MROPE_DELTAS,
@@ -143,7 +149,13 @@ LLM_OUTPUT_IDS = Tensor("output_ids", "INT32", (-1, -1))  # [beams, tokens]
 SEQUENCE_LENGTH = Tensor("sequence_length", "INT32", (-1,))  # per beam
 # [beams, tokens]: the log probability of each token a response carries, when the request asked (return_log_probs)
 OUTPUT_LOG_PROBS = Tensor("output_log_probs", "FP32", (-1, -1), optional=True)
-LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH, OUTPUT_LOG_PROBS)
+# With return_generation_logits: the raw logits of the tokens a response carries, float32 (the checkpoint's
+# logits_dtype), the vocabulary padded to a multiple of the TP size. The tensorrtllm backend answers [n, beams, V] when
+# streaming (the response's n new tokens) and [beams, max_tokens, V] otherwise, whose rows past the generated tokens
+# mean nothing (model_instance_state.cc fillTritonResponse; batch_manager/llmRequest.h, the generation logits host
+# buffer; llmRequest.cpp createResult); detokenize.TextStream reads either.
+GENERATION_LOGITS = Tensor("generation_logits", "FP32", (-1, -1, -1), optional=True)
+LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH, OUTPUT_LOG_PROBS, GENERATION_LOGITS)
 # Triton ensembles let a step after a decoupled model read only what that model produced, so
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
 # The tokens ensemble answers them under their own names: what its clients decode (qwen3vl_trt.detokenize).

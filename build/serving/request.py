@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import MessageError, PromptTooLongError, RequestError
 from ..guided_decoding import Guide
+from ..limits import TOP_LOGPROBS_CAP
 from .tensors import NUMPY_DTYPES, Tensor, scalar_tensor
 
 Check = Callable[[Any], bool]
@@ -107,6 +108,9 @@ class GenerationRequest:
     repetition_penalty: float | None = _wire("repetition_penalty", "FP32", None, check=lambda v: v > 0, bound="> 0",
                                              engine=True)  # fmt: skip
     return_log_probs: bool = _wire("return_log_probs", "BOOL", False, engine=True)
+    # Each generated token's likeliest alternatives (the engine's generation logits; check_top_logprobs).
+    top_logprobs: int = _wire("top_logprobs", "INT32", 0, check=lambda v: 0 <= v <= TOP_LOGPROBS_CAP,
+                              bound=f"in [0, {TOP_LOGPROBS_CAP}]")  # fmt: skip
     logit_bias: Mapping[int, float] | None = None
     guide: Guide | None = None
 
@@ -136,6 +140,9 @@ class GenerationRequest:
             raise MessageError("messages must be a JSON list of chat messages", field="messages")
         if self.tools is not None and not isinstance(self.tools, list):
             raise MessageError("tools must be a JSON list", field="tools")
+        if self.top_logprobs and not self.exclude_input_in_output:
+            raise RequestError("top_logprobs are reported for generated tokens only: send exclude_input_in_output "
+                               "true with them", field="top_logprobs")  # fmt: skip
         if self.guide is not None and self.min_tokens:
             raise RequestError("min_tokens cannot go with a guide (a JSON response_format or a required tool call): "
                                "the grammar decides where the answer ends", field="min_tokens")  # fmt: skip
@@ -152,6 +159,16 @@ class GenerationRequest:
         outside = sorted(i for i in bias if i >= vocab_size)
         if outside:
             raise RequestError(f"logit_bias: {outside[0]} is not a token id below {vocab_size}", field="logit_bias")
+
+    def check_top_logprobs(self, max_top_logprobs: int) -> None:
+        """RequestError unless the deployment serves as many alternatives per token as the request asks."""
+        if self.top_logprobs > max_top_logprobs:
+            served = (
+                f"serves top_logprobs up to {max_top_logprobs}"
+                if max_top_logprobs
+                else "was built without top_logprobs (qwen3vl-trt build --max-top-logprobs N serves them)"
+            )
+            raise RequestError(f"top_logprobs {self.top_logprobs}: this deployment {served}", field="top_logprobs")
 
     def check_length(self, prompt_tokens: int, max_seq_len: int) -> None:
         """PromptTooLongError unless the prompt and max_tokens fit the deployment's context (max_seq_len)."""

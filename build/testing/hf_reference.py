@@ -163,6 +163,21 @@ def hf_request_inputs(
     )
 
 
+def hf_greedy_log_softmax(
+    model: Any, inputs: dict[str, Any], max_new_tokens: int, end_ids: Sequence[int]
+) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens for these model inputs (end ids dropped, as the server does) and the log-softmax of
+    the model's own logits at each of them (generate's output_logits: before any logits processor), float32
+    [tokens, vocab]: what top_logprobs reports."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(end_ids),
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    generated = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    rows = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).numpy()
+    kept = [i for i, t in enumerate(generated) if t not in end_ids]
+    return [generated[i] for i in kept], rows[kept]
+
+
 def hf_video_reference(processor: Any, text: str, path: str | os.PathLike[str], images: Sequence[Any] = ()) -> dict:
     """transformers' processor outputs (numpy) for a prompt text with one video file, decoded as transformers does
     with PyAV (video_utils.load_video, backend "pyav", the video processor's own sampling); a container that records

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from ...detokenize import Alternatives
 from ..client import Answer
 from .planning import ChoiceRun, Plan
 from .protocol import (
@@ -28,6 +29,7 @@ from .protocol import (
     TokenLogprob,
     ToolCallChunk,
     ToolCallMessage,
+    TopLogprob,
     sse_event,
 )
 from .reasoning import ReasoningStream, split_reasoning
@@ -41,10 +43,32 @@ class TokenTexts:
         self.tokenizer = tokenizer
 
     def entries(self, answer: Answer) -> list[TokenLogprob]:
+        """Each token's chat logprobs entry, with its alternatives when the answer has them (top_logprobs)."""
+        tops = answer.top or [()] * len(answer.token_ids)
         return [
-            TokenLogprob(token=text, logprob=log_prob, bytes=list(text.encode()))
-            for text, log_prob in zip(self.texts(answer.token_ids), answer.log_probs, strict=False)
+            TokenLogprob(token=text, logprob=log_prob, bytes=list(text.encode()), top_logprobs=self.alternatives(top))
+            for text, log_prob, top in zip(self.texts(answer.token_ids), answer.log_probs, tops, strict=False)
         ]
+
+    def alternatives(self, top: Alternatives) -> list[TopLogprob]:
+        texts = self.texts([t for t, _ in top])
+        return [
+            TopLogprob(token=text, logprob=p, bytes=list(text.encode()))
+            for text, (_, p) in zip(texts, top, strict=True)
+        ]
+
+    def by_text(self, answer: Answer) -> list[dict[str, float]] | None:
+        """Each token's alternatives as completions report them: log probability by text (a text two tokens share
+        keeps the likelier's)."""
+        if not answer.top:
+            return None
+        tops: list[dict[str, float]] = []
+        for top in answer.top:
+            entries: dict[str, float] = {}
+            for text, (_, p) in zip(self.texts([t for t, _ in top]), top, strict=True):
+                entries.setdefault(text, p)  # the likeliest first
+            tops.append(entries)
+        return tops
 
     def texts(self, token_ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
@@ -81,7 +105,9 @@ def completion_logprobs(answer: Answer, tokens: TokenTexts, offset: int) -> Comp
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return CompletionLogprobs(tokens=texts, token_logprobs=list(answer.log_probs), text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=list(answer.log_probs), top_logprobs=tokens.by_text(answer), text_offset=offsets
+    )
 
 
 @dataclass

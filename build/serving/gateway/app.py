@@ -183,7 +183,7 @@ class GenerationDriver:
                 run.completion_tokens += len(piece.token_ids)
                 text = run.stop_finder.feed(piece.text)
                 if text or piece.token_ids:
-                    yield Answer(text, piece.token_ids, piece.log_probs)
+                    yield dataclasses.replace(piece, text=text)
                 if run.stop_finder.stopped:
                     return
             tail = run.stop_finder.flush()

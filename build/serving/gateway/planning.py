@@ -26,6 +26,7 @@ from ...preprocess import Preprocessor
 from ...preprocess.prompts import normalize_messages
 from ..request import GenerationRequest
 from .protocol import (
+    COMPLETION_PARAMS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -161,8 +162,8 @@ class Planner:
         named = body.max_completion_tokens is not None
         param = "max_completion_tokens" if named else "max_tokens"
         asked = body.max_completion_tokens if named else body.max_tokens
-        request = self._request(body, asked, param, prompt_tokens, stops,
-                                guide=guide, return_log_probs=body.logprobs, **content)  # fmt: skip
+        request = self._request(body, asked, {"max_tokens": param}, prompt_tokens, stops, guide=guide,
+                                return_log_probs=body.logprobs, top_logprobs=body.top_logprobs, **content)  # fmt: skip
         return Plan(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
@@ -191,8 +192,8 @@ class Planner:
             ids, prompt_tokens = tokenize() if short else await anyio.to_thread.run_sync(tokenize)
         except RequestError as e:
             raise request_error(e) from None
-        request = self._request(body, body.max_tokens, "max_tokens", prompt_tokens, stops, prompt_ids=ids,
-                                return_log_probs=body.logprobs is not None)  # fmt: skip
+        request = self._request(body, body.max_tokens, COMPLETION_PARAMS, prompt_tokens, stops, prompt_ids=ids,
+                                return_log_probs=body.logprobs is not None, top_logprobs=body.logprobs)  # fmt: skip
         return Plan(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
@@ -206,14 +207,15 @@ class Planner:
         self,
         body: SamplingRequest,
         max_tokens: int | None,
-        max_tokens_param: str,
+        params: dict[str, str],
         prompt_tokens: int,
         stops: list[str],
         **content: Any,
     ) -> GenerationRequest:
         """The deployment's request of the body: its sampling options, `content` (the prompt or messages, media,
         tools, guide) and max_tokens, all the room the context leaves when the body asks for none. Refused where
-        GenerationRequest refuses it, with its message and the body's name of the field at fault."""
+        GenerationRequest refuses it, with its message and the body's name of the field at fault (`params`: the
+        body's names of fields where they are not the usual ones)."""
         max_seq_len = self.settings.limits.max_seq_len
         try:
             request = GenerationRequest(
@@ -227,9 +229,10 @@ class Planner:
                 **content,
             )
             request.check_vocabulary(self.vocab_size)
+            request.check_top_logprobs(self.settings.limits.max_top_logprobs)
             request.check_length(prompt_tokens, max_seq_len)
         except RequestError as e:
-            raise request_error(e, max_tokens=max_tokens_param) from None
+            raise request_error(e, **params) from None
         return request
 
     def _shared(self, body: SamplingRequest, started: float, stops: list[str]) -> dict[str, Any]:

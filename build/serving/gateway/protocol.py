@@ -81,6 +81,8 @@ _ERROR_CODES: list[tuple[type[RequestError], str]] = [
 # The body's names of GenerationRequest's fields where they differ (OpenAI's), else the field's own.
 _PARAMS = {"prompt": "messages", "images": "messages", "videos": "messages", "stop_words": "stop",
            "guide": "response_format", "return_log_probs": "logprobs"}  # fmt: skip
+# The completions body names top_logprobs logprobs (an int).
+COMPLETION_PARAMS = {"top_logprobs": "logprobs"}
 
 
 def request_error(error: RequestError, **params: str) -> APIError:
@@ -203,12 +205,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (lambda v: v is not None, "predicted outputs are not served"),
     "web_search_options": (lambda v: v is not None, "web search is not served"),
 }
-# TensorRT-LLM 1.2.1's tensorrt_llm backend returns the sampled token's log probability only (no output for
-# alternatives: triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt, fillTritonResponse).
-NO_ALTERNATIVES = (
-    "this deployment returns the chosen token's log probability only (TensorRT-LLM 1.2.1's backend returns no "
-    "alternatives)"
-)
 
 
 def refuse_unsupported(body: SamplingRequest) -> None:
@@ -216,13 +212,9 @@ def refuse_unsupported(body: SamplingRequest) -> None:
     for name, (asks, why) in _UNSUPPORTED.items():
         if name in extra and asks(extra[name]):
             raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
-        raise APIError(400, f"top_logprobs > 0: {NO_ALTERNATIVES}; send top_logprobs 0",
-                       param="top_logprobs", code="unsupported_parameter")  # fmt: skip
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs true", param="top_logprobs")
     if isinstance(body, CompletionRequest):
-        if body.logprobs:
-            raise APIError(400, f"logprobs > 0: {NO_ALTERNATIVES}; send logprobs 0",
-                           param="logprobs", code="unsupported_parameter")  # fmt: skip
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs: the engine returns no log probabilities for the prompt",
                            param="echo", code="unsupported_parameter")  # fmt: skip
@@ -325,11 +317,14 @@ class AssistantMessage(BaseModel):
         return body
 
 
-class TokenLogprob(BaseModel):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[Any] = Field(default_factory=list)  # alternatives: none (refuse_unsupported)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # top_logprobs of them, the likeliest first
 
 
 class ChoiceLogprobs(BaseModel):
@@ -410,7 +405,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: list[Any] | None = None  # alternatives: none (refuse_unsupported)
+    top_logprobs: list[dict[str, float]] | None = None  # with logprobs > 0: each token's alternatives by their text
     text_offset: list[int]
 
 

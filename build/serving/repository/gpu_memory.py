@@ -92,6 +92,7 @@ class LLMEngineBuild:
 
     max_num_tokens: int
     paged_context_fmha: bool
+    gather_generation_logits: bool = False
 
     @classmethod
     def read(cls, engine_dir: Path) -> LLMEngineBuild:
@@ -105,7 +106,9 @@ class LLMEngineBuild:
             raise CheckpointError(
                 f"{path}: 'build_config.plugin_config.use_paged_context_fmha' must be a boolean; {fix}"
             )
-        return cls(max_num_tokens=max_num_tokens, paged_context_fmha=paged)
+        # gptJsonConfig.cpp: parseJsonFieldOr(builderConfig, "gather_generation_logits", false).
+        gather = bool(json_entry(content, "build_config", dict, str(path), fix).get("gather_generation_logits", False))
+        return cls(max_num_tokens=max_num_tokens, paged_context_fmha=paged, gather_generation_logits=gather)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class GpuMemoryPlan:
     # The engine's use_paged_context_fmha (LLMEngineBuild), read here with its sizes: the llm model's KV-cache reuse
     # and chunked context need it.
     llm_paged_context_fmha: bool
+    # The generation logits' buffers of an engine built to return them (max_top_logprobs), before its KV cache.
+    generation_logits_bytes: int = 0
 
     @property
     def shares_llm_gpu(self) -> bool:
@@ -159,7 +164,12 @@ class GpuMemoryPlan:
     @property
     def free_at_kv_cache(self) -> int:
         """What the rank finds free when it sizes its KV cache: the fraction applies to this."""
-        return self.free_at_llm_load - self.llm_activation_bytes - self.prompt_table_buffer_bytes
+        return (
+            self.free_at_llm_load
+            - self.llm_activation_bytes
+            - self.prompt_table_buffer_bytes
+            - self.generation_logits_bytes
+        )
 
     @property
     def python_gpu_left_bytes(self) -> int:
@@ -210,6 +220,11 @@ class GpuMemoryPlan:
             f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
             f"  - its activations (estimated from max_num_tokens): {_gib(self.llm_activation_bytes)}",
             f"  - its prompt-table buffer: {_gib(self.prompt_table_buffer_bytes)}",
+            *(
+                [f"  - its generation logits' buffers: {_gib(self.generation_logits_bytes)}"]
+                if self.generation_logits_bytes
+                else []
+            ),  # fmt: skip
             f"  = free when it sizes its KV cache: {_gib(self.free_at_kv_cache)}",
             *([f"  python models: {_gib(self.python_models_bytes)}", *python] if shared else []),
             f"  LLM mrope tables of a full batch: {_gib(self.mrope_tables_bytes)}",
@@ -275,6 +290,12 @@ def plan(
     if not weights.is_file():
         raise LimitsError(f"{weights} does not exist: build the LLM engine first")
     engine = LLMEngineBuild.read(llm_engine_dir)
+    if limits.max_top_logprobs and not engine.gather_generation_logits:
+        raise LimitsError(
+            f"max_top_logprobs is {limits.max_top_logprobs} but the LLM engine in {llm_engine_dir} was built without "
+            "--gather_generation_logits: build it again with these limits (qwen3vl-trt build-llm-engine "
+            f"--max-top-logprobs {limits.max_top_logprobs})"
+        )
     row_bytes = prompt_table_token_bytes(llm.dtype, llm.hidden_size, llm.deepstack_count)
     return GpuMemoryPlan(
         gpu=gpu,
@@ -289,6 +310,7 @@ def plan(
         prompt_table_buffer_bytes=prompt_table_buffer_bytes(limits, llm),
         mrope_tables_bytes=mrope_tables_bytes(limits, llm),
         llm_paged_context_fmha=engine.paged_context_fmha,
+        generation_logits_bytes=generation_logits_bytes(limits, llm) if limits.max_top_logprobs else 0,
     )
 
 
@@ -301,6 +323,16 @@ def llm_activation_bytes(max_num_tokens: int, llm: LLMConfig) -> int:
         + _ACTIVATION_INTERMEDIATE_COPIES * intermediate // llm.mapping.tp_size
     )
     return max_num_tokens * per_token * _DTYPE_BYTES[llm.dtype]
+
+
+def generation_logits_bytes(limits: EngineLimits, llm: LLMConfig) -> int:
+    """What an engine that gathers generation logits allocates for them on its last pipeline rank, per runtime buffer
+    set: [kCACHE_LENGTH = 8, max_batch_size x beams, V] and [beams, 8, V] in the logits' dtype (float32: the
+    checkpoint's logits_dtype), V the vocabulary padded to a multiple of the world size
+    (batch_manager/runtimeBuffers.cpp at 092a5a15, GenerationLogitsCache; runtime/modelConfig.h getVocabSizePadded)."""
+    world = llm.mapping.world_size
+    vocab = -(-llm.vocab_size // world) * world
+    return llm.mapping.pp_size * (8 * limits.max_batch_size + 8) * vocab * 4
 
 
 def prompt_table_buffer_bytes(limits: EngineLimits, llm: LLMConfig) -> int:

@@ -54,9 +54,16 @@ the step itself once many requests decode together."""
 
 class TokenStream(Protocol):
     """Where one request's tokens go. log_probs: the generated tokens' log probs so far, sent with return_log_probs
-    only."""
+    only; generation_logits: the raw logits of the tokens sent (interface.GENERATION_LOGITS), with
+    return_generation_logits only."""
 
-    def send(self, tokens: list[int], final: bool, log_probs: list[float] | None = None) -> None: ...
+    def send(
+        self,
+        tokens: list[int],
+        final: bool,
+        log_probs: list[float] | None = None,
+        generation_logits: np.ndarray | None = None,
+    ) -> None: ...
     def finish(self) -> None: ...  # the end of a stream whose tokens were all sent
     def fail(self, error: Exception) -> None: ...
     def cancelled(self) -> bool: ...
@@ -71,6 +78,7 @@ class _Job:
     request_id: str
     tokens: list[int] = field(default_factory=list)  # the prompt's ids first when it is echoed
     log_probs: list[float] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)  # the generated tokens' not sent yet
     result: GenerationResult | None = None
 
 
@@ -154,6 +162,7 @@ class InflightLLM:
             frequency_penalty=float(_value(inputs, request.FREQUENCY_PENALTY, 0.0)),
             embedding_bias=embedding_bias,
             return_log_probs=bool(_value(inputs, request.RETURN_LOG_PROBS, False)),
+            return_generation_logits=bool(_value(inputs, interface.RETURN_GENERATION_LOGITS, False)),
         )
 
     def _guide(self, inputs: Mapping[str, Any]) -> LogitsGuide | None:
@@ -250,7 +259,7 @@ class InflightLLM:
             self._finish(batch, jobs)
 
     def _batch(self, jobs: dict[int, _Job]) -> DecodeBatch:
-        return DecodeBatch(self.llm, on_step=lambda index, token, log_prob: self._token(jobs[index], token, log_prob))
+        return DecodeBatch(self.llm, on_step=lambda index, *step: self._token(jobs[index], *step))
 
     def _cancelled(self, jobs: dict[int, _Job], stopping: dict[str, float], ask_triton: bool) -> list[int]:
         """The jobs to drop: named by a stop request, or (when ask_triton) cancelled by Triton."""
@@ -284,18 +293,29 @@ class InflightLLM:
                     job.stream.fail(e)
                     del jobs[index]
 
-    def _token(self, job: _Job, token: int, log_prob: float | None) -> None:
+    def _token(self, job: _Job, token: int, log_prob: float | None, logits: np.ndarray | None) -> None:
         if token in job.end_ids:
             return
         job.tokens.append(token)
         if log_prob is not None:
             job.log_probs.append(log_prob)
+        if logits is not None:
+            job.logits.append(logits)
         if job.streaming:
             self._send(job, [token], final=False)
 
     def _send(self, job: _Job, tokens: list[int], final: bool) -> None:
-        log_probs = list(job.log_probs) if job.request.sampling.return_log_probs else None
-        job.stream.send(tokens, final=final, log_probs=log_probs)
+        sampling = job.request.sampling
+        log_probs = list(job.log_probs) if sampling.return_log_probs else None
+        logits = None
+        if sampling.return_generation_logits:
+            # The backend's shapes (interface.GENERATION_LOGITS; the stream adds the batch dimension): [n, 1, V]
+            # streamed, else [1, T, V] (upstream's T is max_tokens, its rows past the generated ones unset; here the
+            # generated ones).
+            rows = np.stack(job.logits) if job.logits else np.zeros((0, self.llm.vocab_size), np.float32)
+            logits = rows[:, None] if job.streaming else rows[None]
+            job.logits.clear()
+        job.stream.send(tokens, final=final, log_probs=log_probs, generation_logits=logits)
 
     def _finish(self, batch: DecodeBatch, jobs: dict[int, _Job]) -> None:
         running = {seq.index for seq in batch.sequences}

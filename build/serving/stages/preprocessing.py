@@ -317,6 +317,7 @@ class Preprocessing:
     def _parse(self, inputs: Arrays) -> _Parsed:
         request = GenerationRequest.from_inputs(inputs)
         request.check_vocabulary(self.pre.info.text.vocab_size)
+        request.check_top_logprobs(self.limits.max_top_logprobs)
         if request.guide is not None:
             check_guide(request.guide.type, request.guide.text)
         call: dict[str, Any]
@@ -347,8 +348,11 @@ class Preprocessing:
             interface.TEMPERATURE.name: np.array([1.0 if greedy else request.temperature], np.float32),
             interface.SEED.name: np.array([request.seed], np.uint64),
             interface.MIN_TOKENS.name: np.array([request.min_tokens], np.int32),
-            interface.STREAMING.name: np.array([request.stream], bool),
+            # A request with top_logprobs streams: each response carries its tokens' rows of logits, where the one
+            # response of a request that does not would carry max_tokens rows (interface.GENERATION_LOGITS).
+            interface.STREAMING.name: np.array([request.stream or request.top_logprobs > 0], bool),
             interface.EXCLUDE_INPUT.name: np.array([request.exclude_input_in_output], bool),
+            interface.RETURN_GENERATION_LOGITS.name: np.array([request.top_logprobs > 0], bool),
             interface.STOP_WORDS_LIST.name: word_list(stop_words),
             interface.BAD_WORDS_LIST.name: word_list(self._encode(request.bad_words)),
         }

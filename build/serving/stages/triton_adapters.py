@@ -428,7 +428,8 @@ class PostprocessingModel(_BatchModel):
     def load(self) -> None:
         from .postprocessing import Detokenizing
 
-        self.component = Detokenizing(PostprocessingParameters.from_stub_config(self.config).model_dir)
+        parameters = PostprocessingParameters.from_stub_config(self.config)
+        self.component = Detokenizing(parameters.model_dir, top_logprobs=parameters.limits.max_top_logprobs)
 
     def execute(self, requests: Sequence[Any]) -> list[Any]:
         inputs = [self.read(r) for r in requests]
@@ -448,15 +449,19 @@ class _ResponseStream:
         # (python_backend src/metric.cc SendMessage), too dear for every streamed token.
         self.generated = 0
 
-    def send(self, tokens: list[int], final: bool, log_probs: list[float] | None = None) -> None:
+    def send(
+        self, tokens: list[int], final: bool, log_probs: list[float] | None = None, generation_logits: Any = None
+    ) -> None:
         outputs = {
             interface.LLM_OUTPUT_IDS.name: np.array([tokens], dtype=np.int32),
             interface.SEQUENCE_LENGTH.name: np.array([len(tokens)], dtype=np.int32),
         }
         # As the tensorrtllm backend (model_instance_state.cc fillTritonResponse): output_log_probs [1, beams, k]
-        # only with return_log_probs.
+        # only with return_log_probs, generation_logits only with return_generation_logits.
         if log_probs is not None:
             outputs[interface.OUTPUT_LOG_PROBS.name] = np.array([log_probs], dtype=np.float32)
+        if generation_logits is not None:
+            outputs[interface.GENERATION_LOGITS.name] = generation_logits
         self.sender.send(response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         self.generated += len(tokens) - self.echoed
         self.echoed = 0  # only a request's one response when not streaming holds the prompt

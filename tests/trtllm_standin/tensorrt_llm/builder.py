@@ -26,6 +26,7 @@ class BuildConfig(BaseModel):
     kv_cache_type: KVCacheType | None = None
     strongly_typed: bool = True
     output_timing_cache: str | None = "model.cache"  # relative to the working directory, as upstream's default
+    gather_generation_logits: bool = False
     use_mrope: bool = False
     plugin_config: PluginConfig = Field(default_factory=PluginConfig)
 
