@@ -37,6 +37,7 @@ WRITTEN = {
         "max_num_tokens": 4096,
         "max_visual_tokens": 1024,
         "tokens_per_block": 32,
+        "max_top_logprobs": 0,
     },
     "target": "cpu",
     "stages": [
@@ -82,7 +83,7 @@ def test_reads_a_manifest_as_written(tmp_path):
     build = _write(tmp_path / "b", WRITTEN)
     manifest = BuildManifest.read(build, required_stages=(VISION_STAGE, LLM_CHECKPOINT_STAGE))
     assert manifest.model == Path("/models/Qwen3-VL-2B-Instruct") and manifest.target == "cpu"
-    assert manifest.limits == EngineLimits(4, 2048, 4096, 4096, 1024, 32)
+    assert manifest.limits == EngineLimits(4, 2048, 4096, 4096, 1024, 32, max_top_logprobs=0)
     assert [s.stage for s in manifest.stages] == list(STAGES)
     assert manifest.done_stages() == (VISION_STAGE, LLM_CHECKPOINT_STAGE, TRITON_REPO_STAGE)
     vision = manifest.stage(VISION_STAGE)
@@ -92,6 +93,9 @@ def test_reads_a_manifest_as_written(tmp_path):
     assert manifest.source == "pulled" and manifest.cache is not None and manifest.cache.wait_s == 41.0
     # Written again, it is the same file.
     assert manifest.as_json() == WRITTEN
+    # One written before max_top_logprobs existed serves none.
+    older = {**WRITTEN, "limits": {k: v for k, v in WRITTEN["limits"].items() if k != "max_top_logprobs"}}
+    assert BuildManifest.read(_write(tmp_path / "older", older)).limits.max_top_logprobs == 0
 
 
 @pytest.mark.parametrize("cache", [{"key": "k"}, {**WRITTEN["cache"], "source": "borrowed"}, "pulled"])  # type: ignore[dict-item]
