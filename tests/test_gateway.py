@@ -223,6 +223,12 @@ BAD_REQUESTS = {
         None,
     ),
     "top_logprobs without logprobs": (dict(messages=user("Hi."), top_logprobs=2), 400, "needs logprobs true", None),
+    "top_logprobs without max_tokens": (
+        dict(messages=user("Hi."), logprobs=True, top_logprobs=2, max_tokens=None),
+        400,
+        "top_logprobs needs max_completion_tokens",
+        None,
+    ),
     "tool_choice without tools": (dict(messages=user("Hi."), tool_choice="required"), 400, "needs tools", None),
     "a tool result without its call id": (
         dict(messages=[*user("Hi."), {"role": "tool", "content": "21"}]),

@@ -162,6 +162,12 @@ class Planner:
         named = body.max_completion_tokens is not None
         param = "max_completion_tokens" if named else "max_tokens"
         asked = body.max_completion_tokens if named else body.max_tokens
+        if body.top_logprobs and asked is None:
+            # The engine holds each such request's logits for max_tokens tokens in pinned host memory (TensorRT-LLM's
+            # llmRequest.h allocGenerationLogitsHost): not the whole context's worth by default.
+            raise APIError(400, "top_logprobs needs max_completion_tokens (or max_tokens): the engine holds the "
+                           "logits of that many tokens in host memory per request",
+                           param="max_completion_tokens")  # fmt: skip
         request = self._request(body, asked, {"max_tokens": param}, prompt_tokens, stops, guide=guide,
                                 return_log_probs=body.logprobs, top_logprobs=body.top_logprobs, **content)  # fmt: skip
         return Plan(
