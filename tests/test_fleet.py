@@ -296,12 +296,15 @@ def test_requests_spread_over_replicas_and_survive_one_killed(fleet, capsys):
     assert all(expected.values()) and expected_long
 
     # Spread: twelve requests at once, round robin over both replicas, each replica's answers the same.
-    before = [first.served(), second.served()]
+    before, retries = [first.served(), second.served()], gateway.retries()
     with ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(lambda i: _ask(gateway, PROMPTS[i % 3], 24), range(12)))
     assert [o.text for o in outcomes] == [expected[PROMPTS[i % 3]] for i in range(12)]
-    spread = _served_since((first, second), before, 12)
-    assert sum(spread) == 12 and min(spread) >= 4, spread
+    # The twelve, and any the gateway sent again to the other replica (one whose replica seemed gone on this busy
+    # machine, which may have answered it too): its retries count them.
+    resent = int(gateway.retries() - retries)
+    spread = _served_since((first, second), before, 12 + resent)
+    assert 12 <= sum(spread) <= 12 + resent and min(spread) >= 4, (spread, resent)
     cached = len(list(redis.client().scan_iter(match="qwen3vl:features:*")))
     assert cached == 1, "the replicas share one visual-feature cache: one image, one entry"
     lines = [f"spread: 12 requests -> {first.url}: {spread[0]}, {second.url}: {spread[1]} (Triton statistics)"]
