@@ -48,6 +48,7 @@ from tritonclient.utils import InferenceServerException
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 STOP_GRACE_S = 5.0
+SUPERVISED_STOP_GRACE_S = 30.0  # serve's default: a stop after a crash must not take it
 IN_FLIGHT_ERROR_S = 10.0  # a request in a stage whose stub died ends with an error this soon
 RECOVERY_S = 120.0  # generous for two shared cores: detection (0.5 s) plus the stage's own load time
 # Work that keeps a stage busy long enough to be killed in it: half a second of vision, and about 0.2 s of
@@ -65,7 +66,7 @@ def repo(checkpoints, tmp_path_factory):
 def supervised(repo):
     """The CPU deployment, served with a one-request queue (serve --max-queue-size 1)."""
     server = TritonServer(
-        repo, free_ports(), log_path=repo.parent / "server.log", stop_grace=STOP_GRACE_S, max_queue_size=1
+        repo, free_ports(), log_path=repo.parent / "server.log", stop_grace=SUPERVISED_STOP_GRACE_S, max_queue_size=1
     )
     server.start()
     server.wait_ready()
@@ -271,17 +272,28 @@ def test_a_killed_server_is_started_again_and_serves(supervised):
     assert Client(supervised.url, timeout_s=120).generate("Hello again.", VISION_WORK[:1], max_tokens=4).token_ids
 
 
-def test_a_stop_after_a_crash_is_bounded_and_leaves_nothing(supervised, repo):
+def test_a_stop_after_a_healed_crash_takes_what_any_stop_takes_and_leaves_nothing(supervised, repo):
+    """Requests in the llm when its stub died are never released by python_backend r24.10, nor the models they
+    reached (the ensemble, preprocessing): the stop ends the server once it has unloaded the rest, not after its
+    grace (as it did: 31 s of 30 behind the gateway's streams). The fixture's queue holds one request."""
     request = InFlight(supervised.url, "Describe this picture. " * 20, [], max_tokens=400)
-    assert request.first_text.wait(60)
+    assert request.first_text.wait(60), "no token came"
+    restarts, healed = _log(supervised).count(SERVER_RESTARTED), len(supervised.supervisor.recoveries)
     os.kill(_stub(supervised, LLM).pid, signal.SIGKILL)
-    time.sleep(1.0)  # the supervisor is reloading it now
+    killed = time.monotonic()
+    while len(supervised.supervisor.recoveries) == healed:
+        assert time.monotonic() - killed < RECOVERY_S, f"{LLM} not back after {RECOVERY_S:g} s"
+        time.sleep(0.2)
+    assert request.done.wait(IN_FLIGHT_ERROR_S)
     started = time.monotonic()
-    supervised.stop()
-    assert time.monotonic() - started < STOP_GRACE_S + 5.0
+    assert supervised.stop() == 0
+    took = time.monotonic() - started
+    print(f"stopped {took:.1f} s after SIGTERM, {time.monotonic() - killed:.1f} s after the kill")
+    assert took < SUPERVISED_STOP_GRACE_S / 2
+    if _log(supervised).count(SERVER_RESTARTED) == restarts:  # the crash took only the stub (see above)
+        assert "still hold, which its dead stub never ends; ending it" in _log(supervised)
     assert group_gone(supervised.pid)
     assert repository_processes(repo) == []
-    request.generation.cancel()
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

@@ -127,6 +127,10 @@ class StageSupervisor:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stage-supervisor", daemon=True)
         self.recoveries: list[tuple[str, float]] = []  # (model, seconds until it was back), for callers
+        # Stages whose stub died while the server ran. The server may hold requests that such a stub had for good
+        # (python_backend r24.10 never releases a dead decoupled stub's response factories), and with them the
+        # ensembles and models those requests reached, which then never unload: a stop knows not to wait for them.
+        self.crashed: set[str] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -171,6 +175,7 @@ class StageSupervisor:
                     self._log(f"tritonserver could not be started again: {str(e).splitlines()[0] if str(e) else e!r}")
                 return
             self.recoveries.append(("tritonserver", time.monotonic() - now))
+            self.crashed.clear()  # a new server holds nothing of the old one's stubs
 
     def _outlive_server(self) -> None:
         """Waits for the stop in progress to end the server (bounded by its grace period): a server this thread
@@ -216,6 +221,7 @@ class StageSupervisor:
             unready = not_ready - broken.keys()
             for model, what in broken.items():
                 self._log(f"stage '{model}' {what}: unloading and loading it again")
+                self.crashed.add(model)
                 dead = {s.pid for s in crashed if s.model == model}
                 handled.update(dead)
                 self._recover(model, dead)

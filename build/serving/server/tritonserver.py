@@ -74,6 +74,13 @@ LOAD_EXIT_S = 5.0
 SUPERSEDED_STUBS_S = 30.0
 
 
+# A stopping server one of whose stages crashed is ended once its stubs have not changed for this long in the
+# unloading phase (TritonServer._unloaded_but_held): a model with nothing in flight unloads within a second or
+# two (its stub's finalize), one held by a dead stub's requests never does.
+UNLOAD_STALL_S = 2.0
+UNLOAD_POLL_S = 0.2
+
+
 class TritonServer:
     """A tritonserver (or its MPI ranks) under its guard, in its own process group; as a context manager,
     started and ready. A single server is supervised (server.supervisor): a stage whose python stub dies is
@@ -132,6 +139,7 @@ class TritonServer:
         self._log_lock = threading.Lock()
         self._restarting = threading.Lock()  # held while a restart replaces the process; a stop waits for that
         self._stopping = threading.Event()  # set by stop(): a restart in progress gives up waiting for readiness
+        self._stubs_at_stop: set[int] | None = None  # the stubs' pids when the server was first told to stop
 
     @property
     def url(self) -> str:
@@ -409,9 +417,11 @@ class TritonServer:
             client.close()
 
     def signal(self, signum: int) -> None:
-        """Sends `signum` to the server's process group."""
+        """Sends `signum` to the server's process group; the first SIGTERM notes the stubs that ran then."""
         if self._process is None:
             return
+        if signum == signal.SIGTERM and self._stubs_at_stop is None:
+            self._stubs_at_stop = set(group_stubs(self._process.pid).live)
         try:
             os.killpg(self._process.pid, signum)
         except ProcessLookupError:
@@ -432,9 +442,9 @@ class TritonServer:
         return 128 - status if status < 0 else status
 
     def stop(self) -> int | None:
-        """SIGTERM to the group (a clean shutdown), SIGKILL to what is left after stop_grace seconds; bounded
-        also when a stage crashed (then tritonserver waits for requests its dead stub held, and is killed).
-        The server's exit status; None if it was never started."""
+        """SIGTERM to the group (a clean shutdown), SIGKILL to what is left after stop_grace seconds, or as soon
+        as what is left waits only for requests a crashed stage's stub held (_unloaded_but_held). The server's exit
+        status (0 for the second); None if it was never started."""
         self._stopping.set()
         if self.supervisor is not None:
             self.supervisor.stop(wait=False)  # a reload in progress ends with the server
@@ -443,12 +453,17 @@ class TritonServer:
         if process is None:
             return None
         self.signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=self.stop_grace)
-        except subprocess.TimeoutExpired:
-            self.log(f"tritonserver did not stop within {self.stop_grace:g} s of SIGTERM; killing it")
+        deadline = time.monotonic() + self.stop_grace
+        held = self._unloaded_but_held(process, deadline) if self.supervisor and self.supervisor.crashed else False
+        if not held:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"tritonserver did not stop within {self.stop_grace:g} s of SIGTERM; killing it")
         self.signal(signal.SIGKILL)  # the server if it hung, or whatever of its group outlived it
         status = self.wait()
+        if held:
+            status = 0  # nothing was left but what the crashed stage held: a completed stop
         self._remove_shared_memory()
         if self.supervisor is not None:
             self.supervisor.stop()
@@ -464,6 +479,35 @@ class TritonServer:
                 self._log.close()
                 self._log = None
         return status
+
+    def _unloaded_but_held(self, process: subprocess.Popen[bytes], deadline: float) -> bool:
+        """After SIGTERM to a server one of whose stages crashed: whether it came to wait only for what that stage's
+        dead stub held (then it is to be ended), rather than exiting or reaching the deadline.
+
+        tritonserver 2.51 stops in two phases (core r24.10 server.cc InferenceServer::Stop): it waits for the
+        requests in flight, then unloads every model and waits for each to be gone. Every model's stub is
+        stopped in the second phase only, so the first stub to exit says the first is over: no request is in
+        flight any more. A model that requests of a crashed stub reached (its ensembles, the steps before it) is
+        never gone: those requests are never released. So once a stub has exited and the stubs left have stayed
+        the same for UNLOAD_STALL_S, nothing is left to wait for."""
+        supervisor = self.supervisor
+        assert supervisor is not None
+        stubs = self._stubs_at_stop or set()
+        unloading, since = False, time.monotonic()
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(UNLOAD_POLL_S)
+            now, live = time.monotonic(), set(group_stubs(process.pid).live)
+            if live != stubs:
+                unloading = unloading or bool(stubs - live)
+                stubs, since = live, now
+            elif unloading and now - since >= UNLOAD_STALL_S:
+                crashed = ", ".join(sorted(supervisor.crashed))
+                self.log(
+                    f"tritonserver has unloaded its models but those that requests of the crashed stage ({crashed}) "
+                    "still hold, which its dead stub never ends; ending it"
+                )
+                return True
+        return False
 
     def _remove_shared_memory(self) -> None:
         """Removes the python-backend regions this server's stubs left (a killed server's; a clean stop leaves
