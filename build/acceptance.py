@@ -406,10 +406,10 @@ class Acceptance:
         """`qwen3vl-trt build` of `model` for the GPU target with build()'s `options`."""
 
         def run() -> tuple[bool, str]:
-            from .pipeline import build
+            from .pipeline import BuildOptions, build
 
             output = self.work / f"build-{_slug(name)}"
-            manifest = build(model, output, target="gpu", force=True, log=self.log, **options)
+            manifest = build(model, output, BuildOptions(**options), target="gpu", force=True, log=self.log)
             self._builds[name] = output
             stages = manifest.done_stages()
             return True, f"{len(stages)} stages: {', '.join(stages)}"
@@ -429,7 +429,7 @@ class Acceptance:
             from .build_cache.key import NO_GPU
             from .build_cache.store import CacheSettings
             from .contracts import BuildLayout
-            from .pipeline import build
+            from .pipeline import BuildOptions, build
 
             cache = self.work / "build-cache"
             shutil.rmtree(cache, ignore_errors=True)
@@ -440,10 +440,10 @@ class Acceptance:
                 manifest = build(
                     model,
                     output,
+                    BuildOptions(limits=SERVED_LIMITS),
                     target="gpu",
                     force=True,
                     cache=CacheSettings(cache),
-                    limits=SERVED_LIMITS,
                     log=self.log,
                 )
                 seconds.append(time.perf_counter() - start)

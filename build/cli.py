@@ -15,19 +15,12 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .chat_templates import RELEASED_TEMPLATES
 from .errors import Qwen3VLTrtError
-from .serving.ports import (
-    DEFAULT_OPENAI_PORT,
-    DEFAULT_TRITON_REFRESH_S,
-    LOCAL_TRITON_URL,
-    READY_TIMEOUT_S,
-    REASONING_PARSERS,
-    STOP_GRACE_S,
-    GatewayOptions,
-    ServerPorts,
-)
+from .serving.gateway.options import DEFAULT_GATEWAY_OPTIONS, DEFAULT_OPENAI_PORT, REASONING_PARSERS, GatewayOptions
+from .serving.ports import LOCAL_TRITON_URL, READY_TIMEOUT_S, STOP_GRACE_S, ServerPorts
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .pipeline import BuildOptions
     from .serving.server.serve import ServeOptions
 
 
@@ -147,17 +140,10 @@ def _build(args: argparse.Namespace) -> None:
         build(
             args.model,
             args.output,
-            dtype=args.dtype,
-            llm_dtype=args.llm_dtype,
-            llm_quant=args.llm_quant,
-            **_quantization_options(args),
-            tp=args.tp,
-            pp=args.pp,
-            limits=_engine_limits(args),
+            _build_options(args),
             target=args.target,
             settings=_repository_settings(args),
             force=args.force,
-            vision_engine_dtype=args.vision_engine_dtype,
             cache=cache,
         )
     finally:
@@ -168,25 +154,34 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _build_options(args: argparse.Namespace) -> BuildOptions:
+    from .pipeline import BuildOptions
+
+    return BuildOptions(
+        dtype=args.dtype,
+        vision_engine_dtype=args.vision_engine_dtype,
+        llm_dtype=args.llm_dtype,
+        llm_quant=args.llm_quant,
+        **_quantization_options(args),
+        tp=args.tp,
+        pp=args.pp,
+        limits=_engine_limits(args),
+    )
+
+
 def _build_key(args: argparse.Namespace) -> None:
     from .build_cache.store import BuildCache
     from .checkpoint import Checkpoint
-    from .llm.convert import check_llm_options
     from .pipeline import build_key
 
     ckpt = Checkpoint(args.model)
-    options = _quantization_options(args)
-    llm = check_llm_options(
-        ckpt, args.llm_dtype, args.llm_quant, args.tp, args.pp, options["kv_cache_dtype"], options["gpu_arch"]
-    )
+    options = _build_options(args)
+    llm = options.check(ckpt)
     remembered = None if args.cache is None else BuildCache(args.cache).open().remembered
     log = (lambda _line: None) if args.json else print
     # stdout is the key's alone with --json: TensorRT-LLM prints a banner when imported.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        key = build_key(
-            ckpt, args.dtype, args.vision_engine_dtype, llm, options["kv_cache_dtype"], options["gpu_arch"], args.tp,
-            args.pp, options["calibration_data"], _engine_limits(args), args.checkpoint_id, remembered, log,
-        )  # fmt: skip
+        key = build_key(ckpt, options, llm, args.checkpoint_id, remembered, log)
     print(json.dumps({"key": key.key, "parts": dict(key.parts)}, indent=2) if args.json else key.describe())
 
 
@@ -320,6 +315,8 @@ def _write_repo(args: argparse.Namespace) -> None:
 
 
 def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    """The gateway's options; `openai` alone fronts a fleet (serve's gateway, its own replica)."""
+    fleet = DEFAULT_GATEWAY_OPTIONS
     return GatewayOptions(
         served_model_name=args.served_model_name,
         allow_remote_media=args.allow_remote_media,
@@ -333,6 +330,8 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         api_keys=tuple(args.api_key),
         api_key_files=tuple(args.api_key_file),
         open_metrics=args.open_metrics,
+        triton_refresh_s=getattr(args, "triton_refresh", fleet.triton_refresh_s),
+        replica_ready_port=getattr(args, "replica_ready_port", fleet.replica_ready_port),
     )
 
 
@@ -371,9 +370,7 @@ def _openai(args: argparse.Namespace) -> int:
         _gateway_options(args),
         args.address,
         args.port,
-        refresh_s=args.triton_refresh,
         wait_s=args.wait_ready,
-        replica_ready_port=args.replica_ready_port,
     )
 
 
@@ -435,13 +432,9 @@ def _positive_float(text: str) -> float:
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
     from .serving.backpressure import GATEWAY_IN_FLIGHT_BATCHES, GATEWAY_QUEUED_BATCHES
-    from .serving.ports import (
-        BODY_SLACK_BYTES,
-        DEFAULT_MAX_QUEUE_WAIT_S,
-        DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_REQUEST_TIMEOUT_S,
-        DEFAULT_STREAM_INTERVAL_MS,
-    )
+    from .serving.gateway.options import BODY_SLACK_BYTES, MAX_DEFAULT_REQUEST_BYTES
+
+    defaults = DEFAULT_GATEWAY_OPTIONS
 
     parser.add_argument(
         "--served-model-name", help="the `model` clients ask for (default: the checkpoint's folder name)"
@@ -454,15 +447,16 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
-        default="auto",
+        default=defaults.reasoning_parser,
         help="split <think>...</think> into reasoning_content: auto (default: when the chat template opens a "
         "reasoning block, as the Thinking checkpoints' does), qwen3 (always), none (the text as generated)",
     )
     parser.add_argument(
         "--stream-interval-ms",
         type=_non_negative_float,
+        default=defaults.stream_interval_ms,
         help="a streamed answer's chunks after its first text go out together at most this often, each as it is "
-        f"(default: {DEFAULT_STREAM_INTERVAL_MS:g}; 0: each as it comes)",
+        "(default: %(default)g; 0: each as it comes)",
     )
     parser.add_argument(
         "--max-concurrent-requests",
@@ -478,20 +472,21 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue-wait",
         type=_positive_float,
-        help="seconds a queued request waits for a slot before it is refused with 429 "
-        f"(default: {DEFAULT_MAX_QUEUE_WAIT_S:g})",
+        default=defaults.max_queue_wait_s,
+        help="seconds a queued request waits for a slot before it is refused with 429 (default: %(default)g)",
     )
     parser.add_argument(
         "--max-request-bytes",
         type=_positive_int,
         help="larger request bodies are refused with 413 (default: max images x max image bytes as base64 plus "
-        f"{BODY_SLACK_BYTES // 2**20} MiB, at most {DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB)",
+        f"{BODY_SLACK_BYTES // 2**20} MiB, at most {MAX_DEFAULT_REQUEST_BYTES // 2**20} MiB)",
     )
     parser.add_argument(
         "--request-timeout",
         type=_positive_float,
+        default=defaults.request_timeout_s,
         help="seconds a request may take; then it ends with an error and is cancelled on the server "
-        f"(default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
+        "(default: %(default)g)",
     )
     # No type= on --api-key: argparse would repeat a refused value in its error message.
     parser.add_argument(
@@ -967,8 +962,8 @@ def _add_openai_parser(sub: _Subparsers) -> None:
     s.add_argument(
         "--triton-refresh",
         type=_positive_float,
-        default=DEFAULT_TRITON_REFRESH_S,
-        help=f"seconds between resolutions of the names in --triton-url (default: {DEFAULT_TRITON_REFRESH_S:g})",
+        default=DEFAULT_GATEWAY_OPTIONS.triton_refresh_s,
+        help="seconds between resolutions of the names in --triton-url (default: %(default)g)",
     )
     s.add_argument("--repo", type=pathlib.Path, help="the deployment's model repository (default: ask the server)")
     s.add_argument(

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     args = p.parse_args(argv)
 
-    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.pipeline import BuildOptions, build
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.testing.redis_server import RedisServer
     from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (build_dir / "triton_repo").exists():
             print(f"building it for the CPU target in {build_dir}", file=sys.stderr, flush=True)
             limits = EngineLimits(max_batch_size=args.max_batch_size)
-            build(model_dir, build_dir, llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
+            build(
+                model_dir, build_dir, BuildOptions(llm_dtype="fp32", limits=limits), target="cpu", log=lambda *_: None
+            )
         repo = build_dir / "triton_repo"
 
         pools = {c: photo_pool(args.pool, seed=c) for c in args.concurrency}

@@ -75,12 +75,12 @@ class OwnGateway:
     """A tiny (or given) checkpoint built for the CPU target and served with --openai-port."""
 
     def __init__(self, model_dir: Path | None, scratch: Path):
-        from qwen3vl_trt.pipeline import build
+        from qwen3vl_trt.pipeline import BuildOptions, build
         from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 
         self.model_dir = model_dir or make_tiny_checkpoint(scratch / "checkpoint")
         _log(f"building {self.model_dir} for the CPU target")
-        build(self.model_dir, scratch / "build", llm_dtype="fp32", target="cpu", log=lambda *_: None)
+        build(self.model_dir, scratch / "build", BuildOptions(llm_dtype="fp32"), target="cpu", log=lambda *_: None)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         ports = [str(free_port()) for _ in range(4)]

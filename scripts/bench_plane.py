@@ -548,13 +548,15 @@ def floor_repository(plane: Path, floor: Path) -> Path:
 
 
 def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
-    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.pipeline import BuildOptions, build
     from qwen3vl_trt.serving.repository.settings import RepositorySettings
     from qwen3vl_trt.serving.repository.writer import write_repository
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)
-    build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
+    build(
+        model_dir, scratch / "build", BuildOptions(llm_dtype="fp32", limits=limits), target="cpu", log=lambda *_: None
+    )
     # Without the visual cache: every image request is decoded and encoded (the cycle repeats its images).
     settings = RepositorySettings(visual_cache="off")
     served = write_repository(scratch / "build", scratch / "served", "cpu", settings=settings, log=lambda *_: None)

@@ -434,14 +434,16 @@ def bench_own_servers(
 ) -> tuple[dict, Level]:
     """Builds `model_dir` for the CPU target and benchmarks its server with the default settings (and
     with dynamic batching off, when asked) beside the same requests in one process; the one-process level."""
-    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.pipeline import BuildOptions, build
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.repository.writer import write_repository
     from qwen3vl_trt.serving.server.tritonserver import TritonServer
 
     _log(f"building {model_dir} for the CPU target in {scratch}")
     limits = EngineLimits(max_batch_size=args.max_batch_size)
-    build(model_dir, scratch / "build", llm_dtype="fp32", limits=limits, target="cpu", log=lambda *_: None)
+    build(
+        model_dir, scratch / "build", BuildOptions(llm_dtype="fp32", limits=limits), target="cpu", log=lambda *_: None
+    )
     one_process = OneProcessRoute(model_dir, scratch / "build", args.max_tokens, args.one_process_threads)
     warm_up(one_process, ONE_PROCESS, requests, answers)
     # Without the visual cache: the workload's cycle repeats its images, which the cache would answer from memory

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import tritonclient.grpc as grpcclient
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.pipeline import BuildOptions, build
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.server.launch import repository_models
@@ -64,7 +64,7 @@ def repository(work: Path) -> Path:
     repo = work / "build" / "triton_repo"
     if not repo.is_dir():
         model = make_tiny_checkpoint(work / "ckpt")
-        build(model, work / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", log=_quiet)
+        build(model, work / "build", BuildOptions(llm_dtype="fp32", limits=LIMITS), target="cpu", log=_quiet)
     return repo
 
 

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.pipeline import BuildOptions, build
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import EnsembleParameters
 from qwen3vl_trt.serving.ports import ServerPorts
@@ -49,7 +49,14 @@ def _quiet(*_args, **_kwargs) -> None:
 
 def build_cpu_repository(model_dir: Path, root: Path, settings: RepositorySettings = SETTINGS) -> Path:
     """`qwen3vl-trt build --target cpu` of the checkpoint under root; the Triton model repository's path."""
-    build(model_dir, root / "build", llm_dtype="fp32", limits=LIMITS, target="cpu", settings=settings, log=_quiet)
+    build(
+        model_dir,
+        root / "build",
+        BuildOptions(llm_dtype="fp32", limits=LIMITS),
+        target="cpu",
+        settings=settings,
+        log=_quiet,
+    )
     return root / "build" / "triton_repo"
 
 

@@ -108,7 +108,7 @@ def engine_build(tiny_dense, cpu_repository, tmp_path_factory):
 class Served:
     report: acceptance.Report
     recorded: Recorded
-    built: list[dict]  # the stood-in builds' options
+    built: list[dict]  # the stood-in builds' target, tp and other flags
     metrics: dict  # the first metrics read (before the vision_encoder's stub is killed)
 
 
@@ -136,8 +136,8 @@ def run(checkpoints, engine_build, tmp_path_factory):
         run._builds["dense"] = engine_build
         run.served_rows("dense", checkpoints["dense"])
 
-        def build(model, output, **options):
-            built.append(options)
+        def build(model, output, options, **flags):
+            built.append({**flags, "tp": options.tp})
             output.mkdir(parents=True)
             return type("Manifest", (), {"done_stages": lambda self: ["llm_checkpoint"]})()
 

@@ -23,9 +23,8 @@ from qwen3vl_trt.build_cache.key import BuildKey, Platform
 from qwen3vl_trt.build_cache.store import ENTRY_FILE, BuildCache, CacheSettings, EntryProblem
 from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.llm.convert import check_llm_options
 from qwen3vl_trt.manifest import VISION_STAGE, BuildManifest, StageRecord
-from qwen3vl_trt.pipeline import build, build_key
+from qwen3vl_trt.pipeline import BuildOptions, build, build_key
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.serving.repository.settings import RepositorySettings
@@ -35,7 +34,7 @@ from tests.deployment import cli, user
 # The cache's behaviour does not depend on the transformers version (the builds only use it to export).
 pytestmark = [pytest.mark.once, pytest.mark.slow]
 
-FAST = {"dtype": "fp16"}  # an export without the fp32 parity run: these tests are about the cache
+FAST = BuildOptions(dtype="fp16")  # an export without the fp32 parity run: these tests are about the cache
 
 
 def _quiet(*_args) -> None:
@@ -55,11 +54,8 @@ def _artifact_hashes(build_dir: Path) -> dict[str, str]:
 
 def _key(ckpt_dir: Path, **options):
     ckpt = Checkpoint(ckpt_dir)
-    llm = check_llm_options(ckpt, options.get("llm_dtype"), None, 1, 1)
-    from qwen3vl_trt.limits import EngineLimits
-
-    limits = options.get("limits", EngineLimits())
-    return build_key(ckpt, options.get("dtype", "fp32"), "bf16", llm, "auto", None, 1, 1, None, limits, log=_quiet)
+    build_options = BuildOptions(**options)
+    return build_key(ckpt, build_options, build_options.check(ckpt), log=_quiet)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +63,7 @@ def published(tiny_dense, tmp_path_factory) -> tuple[Path, Path, BuildManifest, 
     """A miss: the cache, the build directory, its manifest and its log."""
     root = tmp_path_factory.mktemp("published")
     lines: list[str] = []
-    first = build(tiny_dense, root / "b1", cache=CacheSettings(root / "cache"), log=lines.append, **FAST)
+    first = build(tiny_dense, root / "b1", FAST, cache=CacheSettings(root / "cache"), log=lines.append)
     return root / "cache", root / "b1", first, lines
 
 
@@ -83,10 +79,10 @@ def test_second_build_is_a_hit_with_the_same_artifacts_and_its_own_repository(ti
     second = build(
         tiny_dense,
         tmp_path / "b2",
+        FAST,
         cache=CacheSettings(cache, mode="copy"),
         settings=settings,
         log=lines.append,
-        **FAST,
     )
     assert second.cache is not None and second.cache.source == "pulled" and second.cache.key == first.cache.key
     assert second.cache.pull_bytes > 0 and any("hit for key" in line for line in lines)
@@ -291,7 +287,7 @@ def test_a_damaged_entry_is_rebuilt_never_served(tiny_dense, tmp_path, monkeypat
     # Truncated: the next build refuses the entry, moves it aside and builds again; the result is whole.
     _rewrite(large, lambda data: data[: len(data) // 2])
     lines: list[str] = []
-    rebuilt = build(tiny_dense, tmp_path / "b2", cache=CacheSettings(cache), log=lines.append, **FAST)
+    rebuilt = build(tiny_dense, tmp_path / "b2", FAST, cache=CacheSettings(cache), log=lines.append)
     assert rebuilt.cache is not None and rebuilt.cache.source == "built"
     assert rebuilt.cache.refused is not None and "truncated" in rebuilt.cache.refused
     assert any("refused" in line for line in lines)

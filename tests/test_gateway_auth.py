@@ -23,7 +23,7 @@ from qwen3vl_trt.serving.gateway.auth import (
     key_id,
 )
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
-from qwen3vl_trt.serving.ports import GatewayOptions
+from qwen3vl_trt.serving.gateway.options import GatewayOptions
 from starlette.testclient import TestClient
 
 KEY = "sk-qwen3vl-test-Zx81Qa"  # given on the command line

@@ -14,9 +14,9 @@ from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
 from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
+from qwen3vl_trt.serving.gateway.options import BODY_SLACK_BYTES, MAX_DEFAULT_REQUEST_BYTES, GatewayOptions
 from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED
 from qwen3vl_trt.serving.gateway.settings import GatewaySettings
-from qwen3vl_trt.serving.ports import BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES, GatewayOptions
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.gpu_image  # how tritonclient 2.68's errors map, at the GPU image's version too
@@ -93,7 +93,7 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
     assert settings.max_concurrent_requests == 2 * LIMITS.max_batch_size
     assert settings.max_queued_requests == 8 * LIMITS.max_batch_size
     assert settings.max_request_bytes == min(
-        DEFAULT_MAX_REQUEST_BYTES, 4 * -(-images.max_image_bytes // 3) * images.max_images + BODY_SLACK_BYTES
+        MAX_DEFAULT_REQUEST_BYTES, 4 * -(-images.max_image_bytes // 3) * images.max_images + BODY_SLACK_BYTES
     )
 
     args = parser().parse_args(
@@ -101,14 +101,22 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
         + ["--max-request-bytes", "1000", "--request-timeout", "9", "--served-model-name", "m"]
     )
     options = _gateway_options(args)
-    assert options == GatewayOptions("m", False, 3, 0, 2.5, 1000, 9.0)
+    assert options == GatewayOptions(
+        served_model_name="m",
+        max_concurrent_requests=3,
+        max_queued_requests=0,
+        max_queue_wait_s=2.5,
+        max_request_bytes=1000,
+        request_timeout_s=9.0,
+        replica_ready_port=8003,
+    )
     settings = GatewaySettings.resolve("127.0.0.1:8001", tmp_path / "checkpoint", LIMITS, options)
-    assert (settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s) == (3, 0, 2.5)
-    assert (settings.max_request_bytes, settings.request_timeout_s, settings.served_model_name) == (1000, 9.0, "m")
+    assert (settings.max_concurrent_requests, settings.max_queued_requests, settings.max_request_bytes) == (3, 0, 1000)
+    assert settings.served_model_name == "m"
     with pytest.raises(SystemExit):
         parser().parse_args(["openai", "--max-concurrent-requests", "0"])
     # Each replica's readiness: its serve's endpoint (the port `serve --ready-port` defaults to), or 0: over gRPC.
-    assert args.replica_ready_port == 8003 and settings.replica_ready_port == 0
+    assert GatewaySettings.resolve("127.0.0.1:8001", tmp_path, LIMITS).options.replica_ready_port == 0
     assert parser().parse_args(["openai", "--replica-ready-port", "0"]).replica_ready_port == 0
     with pytest.raises(SystemExit):
         parser().parse_args(["openai", "--replica-ready-port", "70000"])

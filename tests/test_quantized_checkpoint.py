@@ -503,12 +503,12 @@ def test_greedy_tokens_of_moe_fp8_equal_transformers_on_the_dequantized_twin(mad
 def _served_tokens(model: Path, root: Path, **options: object) -> list[int]:
     """Greedy tokens for MESSAGES from the CPU deployment built (build --target cpu) from `model` with `options`."""
     from deployment import LIMITS, SETTINGS
-    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.pipeline import BuildOptions, build
     from qwen3vl_trt.serving.client import Client
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.server.tritonserver import TritonServer
 
-    build(model, root / "build", limits=LIMITS, target="cpu", settings=SETTINGS, log=_quiet, **options)
+    build(model, root / "build", BuildOptions(limits=LIMITS, **options), target="cpu", settings=SETTINGS, log=_quiet)
     server = TritonServer(root / "build" / "triton_repo", free_ports(), log_path=root / "server.log")
     server.start()
     try:

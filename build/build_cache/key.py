@@ -16,7 +16,6 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import BuildCacheError
-from ..limits import EngineLimits
 
 NO_GPU = "none"
 
@@ -106,23 +105,6 @@ def code_digest() -> str:
 
 
 @dataclass(frozen=True)
-class ArtifactOptions:
-    """The build options that change artifacts, resolved (the LLM dtype and --llm-quant as chosen, the GPU arch the
-    LLM options were checked for); calibration: the calibration file's sha256, or "builtin"."""
-
-    vision_dtype: str
-    vision_engine_dtype: str
-    llm_dtype: str
-    llm_quant: str
-    kv_cache_dtype: str
-    gpu_arch: str
-    tp: int
-    pp: int
-    calibration: str
-    limits: EngineLimits
-
-
-@dataclass(frozen=True)
 class BuildKey:
     """A key (hex) and the parts it was made from, flat strings (the manifest, metrics and `build-key` show them)."""
 
@@ -130,13 +112,9 @@ class BuildKey:
     parts: Mapping[str, str]
 
     @classmethod
-    def of(cls, checkpoint: str, platform: Platform, options: ArtifactOptions) -> BuildKey:
-        parts = {"checkpoint": checkpoint, **{k: str(v) for k, v in asdict(platform).items()}}
-        for name, value in asdict(options).items():
-            if name == "limits":
-                parts.update({f"limits.{k}": str(v) for k, v in value.items()})
-            else:
-                parts[name] = str(value)
+    def of(cls, checkpoint: str, platform: Platform, options: Mapping[str, str]) -> BuildKey:
+        """options: the build options' parts (pipeline.BuildOptions.key_parts)."""
+        parts = {"checkpoint": checkpoint, **{k: str(v) for k, v in asdict(platform).items()}, **options}
         canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"))
         return cls(hashlib.sha256(f"qwen3vl-trt build key 1\n{canonical}".encode()).hexdigest()[:32], parts)
 

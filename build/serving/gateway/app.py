@@ -43,7 +43,7 @@ from ..client import (
     ServerBusyError,
     ServerUnavailableError,
 )
-from ..ports import DEFAULT_OPENAI_PORT, DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, GatewayOptions, host_port
+from ..ports import host_port
 from .admission import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -58,6 +58,7 @@ from .answers import ChatChunks, CompletionChunks, Event, TokenTexts, chat_choic
 from .auth import APIKeyGuard, access_note
 from .fleet import Fleet, FleetTarget, GrpcProbe, LocalProbe, ReplicaProbe, ServeProbe
 from .metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
+from .options import DEFAULT_OPENAI_PORT, GatewayOptions
 from .planning import ChoiceRun, Plan, Planner
 from .protocol import (
     APIError,
@@ -94,7 +95,7 @@ class GenerationDriver:
     ):
         """detokenizer: the served checkpoint's, which decodes the tokens ensemble's responses here (no python step
         per streamed token in the server). readiness: the readiness of the `serve` process this gateway runs in, its
-        one replica's (None: the replicas are asked, as settings.replica_ready_port says)."""
+        one replica's (None: the replicas are asked, as the options' replica_ready_port says)."""
         self.settings = settings
         self.metrics = metrics
         self.tokens = tokens
@@ -115,12 +116,16 @@ class GenerationDriver:
         probe: ReplicaProbe
         if self.readiness is not None:
             probe = LocalProbe(self.readiness)
-        elif settings.replica_ready_port:
-            probe = ServeProbe(settings.replica_ready_port)
+        elif settings.options.replica_ready_port:
+            probe = ServeProbe(settings.options.replica_ready_port)
         else:
             probe = GrpcProbe()
         self._client = Fleet(
-            target, refresh_s=settings.triton_refresh_s, metrics=self.metrics, probe=probe, detokenizer=self.detokenizer
+            target,
+            refresh_s=settings.options.triton_refresh_s,
+            metrics=self.metrics,
+            probe=probe,
+            detokenizer=self.detokenizer,
         )
         await self._client.start()
 
@@ -150,7 +155,7 @@ class GenerationDriver:
             except RequestTimedOutError:
                 raise APIError(
                     504,
-                    f"the request did not finish within this gateway's {self.settings.request_timeout_s:g} s "
+                    f"the request did not finish within this gateway's {self.settings.options.request_timeout_s:g} s "
                     "limit; it was cancelled on the server",
                     type="server_error",
                     code="timeout",
@@ -249,7 +254,7 @@ class GenerationDriver:
             raise
         metrics = self.metrics
 
-        interval = self.settings.stream_interval_s
+        interval = self.settings.options.stream_interval_ms / 1000
 
         async def body() -> AsyncIterator[str]:
             last: float | None = None  # when the last write with generated text went out
@@ -344,7 +349,9 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     planner = Planner(settings)
     detokenizer = Detokenizer.from_model_dir(settings.model_dir, planner.tokenizer)
     gateway = GenerationDriver(settings, metrics, TokenTexts(planner.tokenizer), detokenizer, readiness)
-    admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queue_wait_s)
+    admission = Admission(
+        settings.max_concurrent_requests, settings.max_queued_requests, settings.options.max_queue_wait_s
+    )
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
 
     @contextlib.asynccontextmanager
@@ -363,7 +370,7 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
         ChatRequestGuard, max_request_bytes=settings.max_request_bytes, admission=admission, metrics=metrics
     )
     # Added last, so outermost: a request without a valid key takes no admission slot and sends no body.
-    app.add_middleware(APIKeyGuard, keys=settings.api_keys, open_metrics=settings.open_metrics, metrics=metrics)
+    app.add_middleware(APIKeyGuard, keys=settings.api_keys, open_metrics=settings.options.open_metrics, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError) -> JSONResponse:
@@ -496,22 +503,18 @@ def run_openai(
     options: GatewayOptions,
     address: str = "127.0.0.1",
     port: int = DEFAULT_OPENAI_PORT,
-    refresh_s: float = DEFAULT_TRITON_REFRESH_S,
     wait_s: float = 0.0,
-    replica_ready_port: int = DEFAULT_PORTS.ready,
 ) -> int:
     """`qwen3vl-trt openai`: the gateway alone, in front of a running deployment or a fleet of replicas (its
-    settings read from the repository when given, else asked of a replica, waiting up to wait_s for one), each
-    replica's readiness asked of its serve on replica_ready_port (0: of its tritonserver, over gRPC).
+    settings read from the repository when given, else asked of a replica, waiting up to wait_s for one).
     SIGINT or SIGTERM stops it within GRACEFUL_SHUTDOWN_S (uvicorn handles both)."""
     if repo is not None:
         settings = GatewaySettings.from_repository(triton_url, repo, options)
     else:
         settings = GatewaySettings.from_server(triton_url, options, wait_s)
-    settings = dataclasses.replace(settings, triton_refresh_s=refresh_s, replica_ready_port=replica_ready_port)
     server = GatewayServer(settings, address, port)
     print(f"OpenAI gateway on {server.url}/v1 (model {settings.served_model_name!r}) -> {triton_url}", flush=True)
-    if note := access_note(settings.api_keys, settings.open_metrics, address, server.url):
+    if note := access_note(settings.api_keys, options.open_metrics, address, server.url):
         print(note, file=sys.stderr, flush=True)
     server.run()
     return 0

@@ -39,9 +39,10 @@ from typing import Protocol
 from ...detokenize import Detokenizer
 from ...errors import ServingError
 from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
-from ..ports import DEFAULT_PORTS, DEFAULT_TRITON_REFRESH_S, host_port
+from ..ports import DEFAULT_PORTS, host_port
 from ..request import GenerationRequest
 from .metrics import GatewayMetrics
+from .options import DEFAULT_GATEWAY_OPTIONS
 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
@@ -261,7 +262,7 @@ class Fleet:
         self,
         target: FleetTarget,
         model: str | None = None,
-        refresh_s: float = DEFAULT_TRITON_REFRESH_S,
+        refresh_s: float = DEFAULT_GATEWAY_OPTIONS.triton_refresh_s,
         metrics: GatewayMetrics | None = None,
         probe: ReplicaProbe | None = None,
         detokenizer: Detokenizer | None = None,

@@ -123,8 +123,8 @@ class Planner:
         # A Thinking template's generation prompt opens the reasoning, so guided output starts after it ends.
         self.opens_reasoning = prompts.opens_reasoning
         json_object_guide()  # the grammar library's start (seconds) is paid here, not by the first guided request
-        self.reasoning = settings.reasoning_parser == "qwen3" or (
-            settings.reasoning_parser == "auto" and prompts.opens_reasoning
+        self.reasoning = settings.options.reasoning_parser == "qwen3" or (
+            settings.options.reasoning_parser == "auto" and prompts.opens_reasoning
         )
 
     def _check_model(self, model: str) -> None:
@@ -248,7 +248,7 @@ class Planner:
             "model": self.settings.served_model_name,
             "stops": stops,
             "include_usage": bool(body.stream_options and body.stream_options.include_usage),
-            "deadline": started + self.settings.request_timeout_s,
+            "deadline": started + self.settings.options.request_timeout_s,
             "n": body.n,
         }
 
@@ -308,7 +308,7 @@ class Planner:
     async def _fetch_remote_media(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages whose http(s) image and video URLs are replaced by the downloaded bytes, when the gateway
         allows it (preprocessing refuses URLs it would have to fetch)."""
-        if not self.settings.allow_remote_media:
+        if not self.settings.options.allow_remote_media:
             return messages
         fetched = []
         for message in messages:
@@ -328,7 +328,7 @@ class Planner:
         limit = limits.max_image_bytes if kind == "image" else limits.max_video_bytes
 
         def get() -> bytes:
-            with urllib.request.urlopen(url, timeout=self.settings.remote_media_timeout_s) as response:
+            with urllib.request.urlopen(url, timeout=self.settings.options.remote_media_timeout_s) as response:
                 data = response.read(limit + 1)
             if len(data) > limit:
                 raise APIError(

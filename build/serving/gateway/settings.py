@@ -1,98 +1,73 @@
-"""The gateway's settings: what a deployment it fronts runs with (read from its model repository or asked of a
-replica) and the bounds the gateway keeps, as given (GatewayOptions) or else defaulted here and from the engine
-limits (serving.backpressure)."""
+"""The gateway's settings: what the deployment it fronts runs with (read from its model repository or asked of a
+replica) and the gateway's options (gateway.options), with the bounds they leave to the engine limits resolved
+(serving.backpressure)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ...limits import EngineLimits
 from .. import interface
 from ..backpressure import BackPressure
 from ..client import Client, ServerUnavailableError
 from ..parameters import PreprocessingParameters
-from ..ports import (
-    BODY_SLACK_BYTES,
-    DEFAULT_MAX_QUEUE_WAIT_S,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_REMOTE_MEDIA_TIMEOUT_S,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    DEFAULT_STREAM_INTERVAL_MS,
-    DEFAULT_TRITON_REFRESH_S,
-    NO_GATEWAY_OPTIONS,
-    GatewayOptions,
-)
 from ..repository import model_config as serving_config
 from .auth import NO_API_KEYS, APIKeys
 from .fleet import FleetTarget
+from .options import BODY_SLACK_BYTES, DEFAULT_GATEWAY_OPTIONS, MAX_DEFAULT_REQUEST_BYTES, GatewayOptions
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """triton_url: the deployment's gRPC endpoints (one, or a fleet of replicas: see fleet.FleetTarget), names
-    among them resolved again every triton_refresh_s. model_dir and limits: the checkpoint and engine limits
-    the deployment's preprocessing runs with (read from its model config). served_model_name: the
-    `model` clients ask for. remote_media_timeout_s: how long fetching one remote image or video may take.
-    replica_ready_port: where each replica's `serve` answers whether it is ready (fleet.ServeProbe); 0 asks
-    tritonserver's own gRPC readiness instead (fleet.GrpcProbe, for plain tritonservers).
-    The rest as GatewayOptions describes them; resolve gives every field its default."""
+    """What the gateway runs with: the deployment it fronts and the options it was given.
+
+    triton_url: the deployment's gRPC endpoints (one, or a fleet of replicas: see fleet.FleetTarget). model_dir and
+    limits: the checkpoint and engine limits the deployment's preprocessing runs with (read from its model config).
+    api_keys: the options' keys, loaded (its repr: key ids only). The bounds the options leave to the limits are
+    resolved here, once (the properties)."""
 
     triton_url: str
     model_dir: Path
     limits: EngineLimits
-    served_model_name: str
-    allow_remote_media: bool
-    remote_media_timeout_s: float
-    request_timeout_s: float
-    max_concurrent_requests: int
-    max_queued_requests: int
-    max_queue_wait_s: float
-    max_request_bytes: int
-    triton_refresh_s: float
-    api_keys: APIKeys = NO_API_KEYS  # its repr: key ids only
-    open_metrics: bool = False
-    reasoning_parser: str = "auto"
-    replica_ready_port: int = 0
-    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_MS / 1000
+    options: GatewayOptions = DEFAULT_GATEWAY_OPTIONS
+    api_keys: APIKeys = NO_API_KEYS
 
     @classmethod
     def resolve(
-        cls, triton_url: str, model_dir: Path, limits: EngineLimits, options: GatewayOptions = NO_GATEWAY_OPTIONS
+        cls, triton_url: str, model_dir: Path, limits: EngineLimits, options: GatewayOptions = DEFAULT_GATEWAY_OPTIONS
     ) -> GatewaySettings:
-        """Options as given, else the defaults: requests in flight and queued as BackPressure plans them for the
-        limits; bodies up to max_images images of max_image_bytes each as base64, plus BODY_SLACK_BYTES, and at
-        most DEFAULT_MAX_REQUEST_BYTES."""
-        images = limits.request_limits()
+        return cls(triton_url, model_dir, limits, options, APIKeys.load(options.api_keys, options.api_key_files))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.options.served_model_name or self.model_dir.name
+
+    @property
+    def max_concurrent_requests(self) -> int:
+        """As given, else as BackPressure plans the gateway's share for the limits."""
+        given = self.options.max_concurrent_requests
+        return BackPressure.plan(self.limits).gateway_in_flight if given is None else given
+
+    @property
+    def max_queued_requests(self) -> int:
+        given = self.options.max_queued_requests
+        return BackPressure.plan(self.limits).gateway_queued if given is None else given
+
+    @property
+    def max_request_bytes(self) -> int:
+        """As given, else max_images images of max_image_bytes each as base64, plus BODY_SLACK_BYTES, and at most
+        MAX_DEFAULT_REQUEST_BYTES."""
+        if self.options.max_request_bytes is not None:
+            return self.options.max_request_bytes
+        images = self.limits.request_limits()
         base64_image = 4 * -(-images.max_image_bytes // 3)
-        plan = BackPressure.plan(limits)
-        return cls(
-            triton_url,
-            model_dir,
-            limits,
-            options.served_model_name or model_dir.name,
-            allow_remote_media=options.allow_remote_media,
-            remote_media_timeout_s=DEFAULT_REMOTE_MEDIA_TIMEOUT_S,
-            request_timeout_s=_given(options.request_timeout_s, DEFAULT_REQUEST_TIMEOUT_S),
-            max_concurrent_requests=_given(options.max_concurrent_requests, plan.gateway_in_flight),
-            max_queued_requests=_given(options.max_queued_requests, plan.gateway_queued),
-            max_queue_wait_s=_given(options.max_queue_wait_s, DEFAULT_MAX_QUEUE_WAIT_S),
-            max_request_bytes=_given(
-                options.max_request_bytes,
-                min(images.max_images * base64_image + BODY_SLACK_BYTES, DEFAULT_MAX_REQUEST_BYTES),
-            ),
-            triton_refresh_s=DEFAULT_TRITON_REFRESH_S,
-            api_keys=APIKeys.load(options.api_keys, options.api_key_files),
-            open_metrics=options.open_metrics,
-            reasoning_parser=options.reasoning_parser,
-            stream_interval_s=_given(options.stream_interval_ms, DEFAULT_STREAM_INTERVAL_MS) / 1000,
-        )
+        return min(images.max_images * base64_image + BODY_SLACK_BYTES, MAX_DEFAULT_REQUEST_BYTES)
 
     @classmethod
     def from_repository(
-        cls, triton_url: str, repo: Path, options: GatewayOptions = NO_GATEWAY_OPTIONS
+        cls, triton_url: str, repo: Path, options: GatewayOptions = DEFAULT_GATEWAY_OPTIONS
     ) -> GatewaySettings:
         config = serving_config.read(Path(repo) / interface.PREPROCESSING)
         params = PreprocessingParameters.from_model_config(config)
@@ -100,7 +75,7 @@ class GatewaySettings:
 
     @classmethod
     def from_server(
-        cls, triton_url: str, options: GatewayOptions = NO_GATEWAY_OPTIONS, wait_s: float = 0.0
+        cls, triton_url: str, options: GatewayOptions = DEFAULT_GATEWAY_OPTIONS, wait_s: float = 0.0
     ) -> GatewaySettings:
         """Asks a replica for its preprocessing model's configuration (once, before serving), waiting up to
         wait_s for one to answer (replicas load their engines for minutes)."""
@@ -135,7 +110,3 @@ class GatewaySettings:
                 print(f"waiting up to {wait_s:g} s for a replica of {triton_url} to answer", flush=True)
                 waiting = True
             time.sleep(1.0)
-
-
-def _given(value: Any, default: Any) -> Any:
-    return default if value is None else value

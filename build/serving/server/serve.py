@@ -17,14 +17,13 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ...errors import ServingError
+from ..gateway.options import DEFAULT_GATEWAY_OPTIONS, GatewayOptions
 from ..interface import ENSEMBLE
 from ..parameters import REPOSITORY_SCHEMA, EnsembleParameters, ParameterError
 from ..ports import (
     DEFAULT_PORTS,
-    NO_GATEWAY_OPTIONS,
     READY_TIMEOUT_S,
     STOP_GRACE_S,
-    GatewayOptions,
     ServerPorts,
     host_port,
 )
@@ -84,7 +83,7 @@ class ServeOptions:
     log_verbose: int = 0
     ready_timeout: float = READY_TIMEOUT_S
     openai_port: int | None = None
-    gateway: GatewayOptions = NO_GATEWAY_OPTIONS
+    gateway: GatewayOptions = DEFAULT_GATEWAY_OPTIONS
     stop_grace: float = STOP_GRACE_S
     max_queue_size: int | None = None
     visual_cache: str | None = None
@@ -193,7 +192,7 @@ def serve(args: ServeOptions) -> int:
             gateway = GatewayServer(settings, args.address, args.openai_port, readiness=readiness.replica_ready)
             gateway.start()
             readiness.also_requires(gateway.serving)
-            if note := access_note(settings.api_keys, settings.open_metrics, args.address, gateway.url):
+            if note := access_note(settings.api_keys, args.gateway.open_metrics, args.address, gateway.url):
                 print(note, file=sys.stderr, flush=True)
         try:
             warmer.warm()
