@@ -13,14 +13,14 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from . import __version__
-from .chat_templates import RELEASED_TEMPLATES
 from .errors import Qwen3VLTrtError
+from .hf.chat_templates import RELEASED_TEMPLATES
 from .serving.gateway.options import DEFAULT_GATEWAY_OPTIONS, DEFAULT_OPENAI_PORT, REASONING_PARSERS, GatewayOptions
 from .serving.ports import LOCAL_TRITON_URL, READY_TIMEOUT_S, STOP_GRACE_S, ServerPorts
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .pipeline import BuildOptions
+    from .hf.checkpoint import Checkpoint
+    from .pipeline.build import BuildOptions
     from .serving.server.serve import ServeOptions
 
 
@@ -45,7 +45,7 @@ def _media_parts(args: argparse.Namespace) -> list[dict]:
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
-    from .testing.tiny import make_tiny_checkpoint
+    from .qa.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(
         args.output, moe=args.moe, seed=args.seed, preset=args.preset, force=args.force, template=args.template
@@ -54,8 +54,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    from .checkpoint import Checkpoint
-    from .contracts import VISUAL_PREFIX
+    from .common.contracts import VISUAL_PREFIX
+    from .hf.checkpoint import Checkpoint
 
     ckpt = Checkpoint(args.model)
     ckpt.verify_shards()
@@ -83,7 +83,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _quantization_summary(ckpt: Checkpoint) -> dict | None:
     """What inspect says of the checkpoint's own quantization (None: unquantized)."""
-    from .contracts import VISUAL_PREFIX
+    from .common.contracts import VISUAL_PREFIX
 
     q = ckpt.info.quantization
     if q is None:
@@ -124,7 +124,7 @@ def _build_vision_engine(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> None:
     from .build_cache.store import CacheSettings
-    from .pipeline import build
+    from .pipeline.build import build
 
     if args.cache is None and args.checkpoint_id is not None:
         raise Qwen3VLTrtError("--checkpoint-id names the checkpoint in a build cache key: give --cache too")
@@ -155,7 +155,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 def _build_options(args: argparse.Namespace) -> BuildOptions:
-    from .pipeline import BuildOptions
+    from .pipeline.build import BuildOptions
 
     return BuildOptions(
         dtype=args.dtype,
@@ -171,8 +171,8 @@ def _build_options(args: argparse.Namespace) -> BuildOptions:
 
 def _build_key(args: argparse.Namespace) -> None:
     from .build_cache.store import BuildCache
-    from .checkpoint import Checkpoint
-    from .pipeline import build_key
+    from .hf.checkpoint import Checkpoint
+    from .pipeline.build import build_key
 
     ckpt = Checkpoint(args.model)
     options = _build_options(args)
@@ -605,7 +605,7 @@ def _quantization_options(args: argparse.Namespace) -> dict:
 
 
 def _convert_llm(args: argparse.Namespace) -> None:
-    from .calibration import convert_calibrated
+    from .pipeline.calibration import convert_calibrated
 
     path = convert_calibrated(
         args.model,
@@ -647,7 +647,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _engine_limits(args: argparse.Namespace):
-    from .limits import EngineLimits
+    from .common.limits import EngineLimits
 
     return EngineLimits(
         max_batch_size=args.max_batch_size,
@@ -678,7 +678,7 @@ def _build_llm_engine(args: argparse.Namespace) -> None:
 
 
 def _add_limits(s: argparse.ArgumentParser) -> None:
-    from .limits import EngineLimits
+    from .common.limits import EngineLimits
 
     d = EngineLimits()
     g = s.add_argument_group("engine limits")
@@ -815,7 +815,7 @@ def _gpu_arch(value: str) -> int:
 
 
 def _add_llm_quant(s: argparse.ArgumentParser) -> None:
-    from .dtypes import KV_CACHE_DTYPE_CHOICES, LLM_QUANT_CHOICES
+    from .common.dtypes import KV_CACHE_DTYPE_CHOICES, LLM_QUANT_CHOICES
 
     s.add_argument(
         "--llm-quant",
@@ -1090,7 +1090,7 @@ def parser() -> argparse.ArgumentParser:
 def _gpu_acceptance(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .acceptance import run_acceptance, write_report
+    from .qa.acceptance import run_acceptance, write_report
 
     with tempfile.TemporaryDirectory(prefix="qwen3vl-trt-acceptance-") as scratch:
         report = run_acceptance(pathlib.Path(args.work or scratch))

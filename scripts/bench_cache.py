@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 PROMPT = "Describe this picture."
 # Photo sizes (height, width): from the processor's minimum (256 patches) to 4x that.
@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     args = p.parse_args(argv)
 
-    from qwen3vl_trt.pipeline import BuildOptions, build
+    from qwen3vl_trt.pipeline.build import BuildOptions, build
+    from qwen3vl_trt.qa.redis_server import RedisServer
+    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
     from qwen3vl_trt.serving.ports import free_ports
-    from qwen3vl_trt.testing.redis_server import RedisServer
-    from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 
     with ExitStack() as stack:
         work = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cache-")))

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from qwen3vl_trt.safetensors_io import StreamingWriter, TensorPlan
-from qwen3vl_trt.testing.tiny import PRESETS, TinySpec, build_config
+from qwen3vl_trt.hf.safetensors_io import StreamingWriter, TensorPlan
+from qwen3vl_trt.qa.tiny import PRESETS, TinySpec, build_config
 from tqdm import tqdm
 
 TEXT_2B = dict(

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from bench_convert import TEXT_2B
 from benchutil import time_interleaved
-from qwen3vl_trt.torch_dtypes import TORCH_DTYPES
+from qwen3vl_trt.common.torch_dtypes import TORCH_DTYPES
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
 
 def write_hf_checkpoint(model_dir: Path, layers: int, dtype: torch.dtype) -> None:
     """A random-weight Qwen3-VL (tiny vision tower, 2B text shapes) in save_pretrained's format."""
-    from qwen3vl_trt.testing.tiny import PRESETS, TinySpec, build_config
+    from qwen3vl_trt.qa.tiny import PRESETS, TinySpec, build_config
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     spec = TinySpec(PRESETS["tiny"].vision, dict(TEXT_2B, num_hidden_layers=layers), tie_word_embeddings=True)
@@ -64,8 +64,8 @@ def write_hf_checkpoint(model_dir: Path, layers: int, dtype: torch.dtype) -> Non
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
     from qwen3vl_trt.llm.convert import convert_llm
+    from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID
     from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM, SamplingParams
-    from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID
     from transformers import AutoModelForImageTextToText
 
     torch.set_num_threads(args.threads)

@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from qwen3vl_trt.testing.ports import free_port
+from qwen3vl_trt.qa.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF_VERSION = "0.13.0"
@@ -75,8 +75,8 @@ class OwnGateway:
     """A tiny (or given) checkpoint built for the CPU target and served with --openai-port."""
 
     def __init__(self, model_dir: Path | None, scratch: Path):
-        from qwen3vl_trt.pipeline import BuildOptions, build
-        from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+        from qwen3vl_trt.pipeline.build import BuildOptions, build
+        from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 
         self.model_dir = model_dir or make_tiny_checkpoint(scratch / "checkpoint")
         _log(f"building {self.model_dir} for the CPU target")

@@ -77,9 +77,9 @@ from bench_serving import (
     warm_up,
     workload,
 )
-from qwen3vl_trt.detokenize import Detokenizer
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.decoding.detokenize import Detokenizer
 from qwen3vl_trt.errors import Qwen3VLTrtError
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.repository import model_config as cfg
@@ -548,7 +548,7 @@ def floor_repository(plane: Path, floor: Path) -> Path:
 
 
 def bench(model_dir: Path, scratch: Path, args: argparse.Namespace) -> dict:
-    from qwen3vl_trt.pipeline import BuildOptions, build
+    from qwen3vl_trt.pipeline.build import BuildOptions, build
     from qwen3vl_trt.serving.repository.settings import RepositorySettings
     from qwen3vl_trt.serving.repository.writer import write_repository
 
@@ -803,7 +803,7 @@ def main() -> None:
             scratch = Path(tmp)
             model_dir = args.model
             if model_dir is None:
-                from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+                from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 
                 model_dir = make_tiny_checkpoint(scratch / "checkpoint")
             result = bench(model_dir, scratch, args)

@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="images per batched request in --device cuda mode")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as scratch:
-        from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+        from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 
         model_dir = make_tiny_checkpoint(Path(scratch) / "ckpt")
         if args.device == "cpu":
@@ -57,9 +57,9 @@ def main() -> None:
 
 def bench_cpu(model_dir: Path, args: argparse.Namespace) -> None:
     from PIL import Image, ImageOps
+    from qwen3vl_trt.hf.reference import load_hf_processor
     from qwen3vl_trt.preprocess import Preprocessor, RequestLimits
-    from qwen3vl_trt.testing.hf_reference import load_hf_processor
-    from qwen3vl_trt.testing.tiny import synthetic_jpeg
+    from qwen3vl_trt.qa.tiny import synthetic_jpeg
 
     torch.set_num_threads(1)
     # No serving cap: the comparison is against the processor's own limits.
@@ -91,7 +91,7 @@ def bench_cpu(model_dir: Path, args: argparse.Namespace) -> None:
 
 def bench_cuda(model_dir: Path, args: argparse.Namespace) -> None:
     from qwen3vl_trt.preprocess import Preprocessor, RequestLimits
-    from qwen3vl_trt.testing.tiny import synthetic_jpeg
+    from qwen3vl_trt.qa.tiny import synthetic_jpeg
 
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")

@@ -31,12 +31,12 @@ from pathlib import Path
 
 from bench_convert import GiB
 from benchutil import time_interleaved
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.dtypes import LLM_QUANT_CHOICES
+from qwen3vl_trt.common.dtypes import LLM_QUANT_CHOICES
+from qwen3vl_trt.hf.checkpoint import Checkpoint
+from qwen3vl_trt.hf.quantization import SCALE_SUFFIX
 from qwen3vl_trt.llm import convert
-from qwen3vl_trt.quantization import SCALE_SUFFIX
-from qwen3vl_trt.testing.quantized import dequantized_twin, quantize_block_fp8
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+from qwen3vl_trt.qa.quantized import dequantized_twin, quantize_block_fp8
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 
 MiB = 2**20
 # The 8B language model's layer shapes (Qwen3-VL-8B text_config); the preset supplies hidden 4096 and the vocab.
@@ -50,7 +50,7 @@ VISION_SMALL = dict(depth=1, deepstack_visual_indexes=[0])
 # ru_maxrss, so a child of this process (several GiB after writing the checkpoints) would report the parent's.
 CHILD = """
 import json, sys, time
-from qwen3vl_trt.calibration import convert_calibrated
+from qwen3vl_trt.pipeline.calibration import convert_calibrated
 model, output, quant = sys.argv[1:4]
 start = time.perf_counter()
 if model != "-":

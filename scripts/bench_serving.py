@@ -49,12 +49,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import Qwen3VLTrtError
-from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.repository.settings import RepositorySettings
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 BATCHED_MODELS = (
     interface.PREPROCESSING,
@@ -399,9 +399,9 @@ def bench_transformers(
 ) -> tuple[Level, list[list[int]]]:
     """The same requests one at a time through transformers' greedy generate; also its token ids per request."""
     import torch
-    from qwen3vl_trt.checkpoint import generation_end_ids
+    from qwen3vl_trt.hf.checkpoint import generation_end_ids
+    from qwen3vl_trt.hf.reference import hf_model_inputs
     from qwen3vl_trt.preprocess import Preprocessor
-    from qwen3vl_trt.testing.hf_reference import hf_model_inputs
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
@@ -434,7 +434,7 @@ def bench_own_servers(
 ) -> tuple[dict, Level]:
     """Builds `model_dir` for the CPU target and benchmarks its server with the default settings (and
     with dynamic batching off, when asked) beside the same requests in one process; the one-process level."""
-    from qwen3vl_trt.pipeline import BuildOptions, build
+    from qwen3vl_trt.pipeline.build import BuildOptions, build
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.repository.writer import write_repository
     from qwen3vl_trt.serving.server.tritonserver import TritonServer
@@ -557,7 +557,7 @@ def run(args: argparse.Namespace) -> int:
             servers = {args.url: bench_server(args.url, args.url, requests, args, answers)[0]}
         else:
             if model_dir is None:
-                from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+                from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 
                 model_dir = make_tiny_checkpoint(scratch / "checkpoint")
             servers, local = bench_own_servers(model_dir, scratch, requests, args, answers)

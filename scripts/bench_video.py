@@ -36,10 +36,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args()
     width, height = (int(v) for v in args.size.lower().split("x"))
-    from qwen3vl_trt.limits import RequestLimits
+    from qwen3vl_trt.common.limits import RequestLimits
+    from qwen3vl_trt.hf.reference import load_hf_processor
     from qwen3vl_trt.preprocess import Preprocessor
-    from qwen3vl_trt.testing.hf_reference import load_hf_processor
-    from qwen3vl_trt.testing.tiny import make_tiny_checkpoint, synthetic_video
+    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint, synthetic_video
     from transformers.video_utils import load_video
 
     frames = round(args.seconds * args.fps)

@@ -43,9 +43,9 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
-    from qwen3vl_trt.checkpoint import Checkpoint
-    from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+    from qwen3vl_trt.hf.checkpoint import Checkpoint
+    from qwen3vl_trt.hf.reference import load_hf_vision_tower, run_hf_vision_tower
+    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
     from qwen3vl_trt.vision import OnnxVisionRunner
     from qwen3vl_trt.vision.export import export_vision, parity_errors
 

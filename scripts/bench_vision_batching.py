@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 from benchutil import time_interleaved
-from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.repository.settings import RepositorySettings
 from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
 from qwen3vl_trt.serving.stages.vision_batching import RunCost, VisionBatching
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
 
 LARGE = (480, 640)  # height, width
 SMALL = [(32, 32), (64, 48), (48, 64), (32, 64), (64, 64), (96, 64), (64, 96), (48, 48)]
@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args()
-    from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
     from qwen3vl_trt.vision.export import export_vision
 
     with tempfile.TemporaryDirectory(prefix="bench-vision-batching-") as scratch:

@@ -15,7 +15,7 @@ openai_port=${QWEN3VL_DEMO_OPENAI_PORT:-19000}
 cli=.venv/bin/qwen3vl-trt
 $cli make-tiny --output "$out/checkpoint" --force
 $cli build --model "$out/checkpoint" --output "$out/build" --target cpu --force
-.venv/bin/python -c "from qwen3vl_trt.testing.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
+.venv/bin/python -c "from qwen3vl_trt.qa.tiny import synthetic_jpeg; import sys; open(sys.argv[1], 'wb').write(synthetic_jpeg(720, 1280))" "$out/photo.jpg"
 
 $cli serve --repo "$out/build/triton_repo" --grpc-port "$port" --http-port $((port + 1)) --metrics-port $((port + 2)) \
     --ready-port $((port + 3)) \

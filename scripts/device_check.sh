@@ -6,7 +6,7 @@
 #   - the GPU preprocessing of a JPEG and of an H.264 request against the CPU's pixels;
 #   - where TensorRT is: the plugin vision engine of a tiny checkpoint against the transformers tower.
 # One table (check | status | figure | limit); device_check.json in $OUT (default: a temporary directory, printed).
-# A row whose needs are missing is SKIPPED with the reason (build/acceptance.py, run_device_check).
+# A row whose needs are missing is SKIPPED with the reason (build/qa/acceptance.py, run_device_check).
 # Exit 0: every row passed; 1: a row failed; 3: some were skipped, or no CUDA device at all (then nothing runs).
 # On a machine without a package index, WHEELS=DIR installs the decoders build/gpu_image.py pins from DIR first (and
 # this package without its dependencies where it is not installed).
@@ -36,7 +36,7 @@ status=0
 import sys
 from pathlib import Path
 
-from qwen3vl_trt.acceptance import DEVICE_CHECK_FILE, run_device_check, write_report
+from qwen3vl_trt.qa.acceptance import DEVICE_CHECK_FILE, run_device_check, write_report
 
 report = run_device_check(Path(sys.argv[1]))
 print(report.table())

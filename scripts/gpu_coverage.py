@@ -37,19 +37,19 @@ MODULES: dict[str, list[str]] = {
         "build/llm/ranges.py",
     ],
     "quantization": [
-        "build/quantization.py",
+        "build/hf/quantization.py",
         "build/llm/fp8.py",
         "build/llm/weight_only.py",
         "build/llm/kv_cache.py",
         "build/llm/precision.py",
     ],
-    "calibration": ["build/calibration.py"],
+    "calibration": ["build/pipeline/calibration.py"],
     "engine model and build": ["build/llm/engine_model.py", "build/llm/engine_build.py"],
     "trtllm and GPU repository configs": ["build/serving/repository/trtllm_config.py"],
     "memory plan": ["build/serving/repository/gpu_memory.py"],
     "GPU decoding": ["build/preprocess/nvimgcodec_decoder.py", "build/preprocess/nvdec_decoder.py"],
     "image checks": ["build/gpu_image.py"],
-    "acceptance": ["build/acceptance.py"],
+    "acceptance": ["build/qa/acceptance.py"],
 }
 
 # The tests that execute GPU-side code (each through the stand-ins where it needs them).
@@ -83,32 +83,32 @@ WORKERS = ["-n", "2", "--dist", "loadfile"]
 NEEDS_DEVICE: dict[str, str] = {
     "plugins/registration.py:_current_device_capability": "the build GPU's compute capability (the tests name --arch)",
     "build/serving/repository/gpu_memory.py:device_memory_bytes": "a GPU's memory (the tests give --gpu-memory-gib)",
-    "build/acceptance.py:Acceptance.kernel_rows.against_sdpa": "the kernel timed on the GPU",
-    "build/acceptance.py:Acceptance.kernel_rows.against_flash": "flash-attn's CUDA kernel",
-    "build/acceptance.py:_median_ms": "CUDA-synchronized timing",
-    "build/acceptance.py:_kernel_inputs": "CUDA tensors at Qwen3-VL's sizes",
-    "build/acceptance.py:_kernel_against_sdpa": "the kernel at Qwen3-VL's sizes (its numerics: Triton's interpreter in "
-    "tests/test_varlen_attention.py)",
-    "build/acceptance.py:_flash_attn_ms": "flash-attn's CUDA kernel",
-    "build/acceptance.py:_weight_only_layout_against_upstream": "TensorRT-LLM's own quantizer (torch.ops.trtllm)",
+    "build/qa/acceptance.py:Acceptance.kernel_rows.against_sdpa": "the kernel timed on the GPU",
+    "build/qa/acceptance.py:Acceptance.kernel_rows.against_flash": "flash-attn's CUDA kernel",
+    "build/qa/acceptance.py:_median_ms": "CUDA-synchronized timing",
+    "build/qa/acceptance.py:_kernel_inputs": "CUDA tensors at Qwen3-VL's sizes",
+    "build/qa/acceptance.py:_kernel_against_sdpa": "the kernel at Qwen3-VL's sizes (its numerics: Triton's "
+    "interpreter in tests/test_varlen_attention.py)",
+    "build/qa/acceptance.py:_flash_attn_ms": "flash-attn's CUDA kernel",
+    "build/qa/acceptance.py:_weight_only_layout_against_upstream": "TensorRT-LLM's own quantizer (torch.ops.trtllm)",
 }
 
 # Functions with unexecuted lines that a CPU could run but no test does yet: each names the gap.
 GAPS: dict[str, str] = {
-    "build/acceptance.py:Acceptance.decode_row.run": "its pixel check runs with device 'cpu' (test_acceptance_checks), "
-    "not yet on the decoder stand-ins",
-    "build/acceptance.py:Acceptance.device_decode_rows.image": "as decode_row: the decoders run on their stand-ins in "
-    "test_gpu_decoders, this row's call not yet",
-    "build/acceptance.py:Acceptance.device_decode_rows.video": "as device_decode_rows.image",
-    "build/acceptance.py:Acceptance.video_preprocess_row.run": "as decode_row",
-    "build/acceptance.py:Acceptance.vision_engine_build_row.run": "the build runs through the TensorRT stand-in in "
+    "build/qa/acceptance.py:Acceptance.decode_row.run": "its pixel check runs with device 'cpu' "
+    "(test_acceptance_checks), not yet on the decoder stand-ins",
+    "build/qa/acceptance.py:Acceptance.device_decode_rows.image": "as decode_row: the decoders run on their "
+    "stand-ins in test_gpu_decoders, this row's call not yet",
+    "build/qa/acceptance.py:Acceptance.device_decode_rows.video": "as device_decode_rows.image",
+    "build/qa/acceptance.py:Acceptance.video_preprocess_row.run": "as decode_row",
+    "build/qa/acceptance.py:Acceptance.vision_engine_build_row.run": "the build runs through the TensorRT stand-in in "
     "test_vision_trt_standin, this row's call not yet",
-    "build/acceptance.py:Acceptance.vision_engine_row.run": "as vision_engine_build_row",
-    "build/acceptance.py:_vision_engine_against_transformers": "as vision_engine_build_row",
-    "build/acceptance.py:Acceptance.build_cache_row.run": "a GPU-target `build --cache` needs both engine stages in "
+    "build/qa/acceptance.py:Acceptance.vision_engine_row.run": "as vision_engine_build_row",
+    "build/qa/acceptance.py:_vision_engine_against_transformers": "as vision_engine_build_row",
+    "build/qa/acceptance.py:Acceptance.build_cache_row.run": "a GPU-target `build --cache` needs both engine stages in "
     "one pipeline run, which no stand-in test makes yet",
-    "build/acceptance.py:_served_once": "serves a GPU-target build; the served checks themselves run against the CPU "
-    "deployment (test_acceptance_served)",
+    "build/qa/acceptance.py:_served_once": "serves a GPU-target build; the served checks themselves run against "
+    "the CPU deployment (test_acceptance_served)",
 }
 
 

@@ -32,14 +32,14 @@ from pathlib import Path
 
 import psutil
 import tritonclient.grpc as grpcclient
-from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.pipeline import BuildOptions, build
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.pipeline.build import BuildOptions, build
+from qwen3vl_trt.qa.redis_server import RedisServer
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint, synthetic_jpeg
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
 from qwen3vl_trt.serving.server.launch import repository_models
 from qwen3vl_trt.serving.server.tritonserver import SHM_DIR, process_shm_prefix
-from qwen3vl_trt.testing.redis_server import RedisServer
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint, synthetic_jpeg
 
 LIMITS = EngineLimits(
     max_batch_size=8, max_input_len=1024, max_seq_len=2048, max_num_tokens=2048, max_visual_tokens=1024

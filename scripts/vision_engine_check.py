@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 from qwen3vl_trt.vision import OnnxVisionRunner
 from qwen3vl_trt.vision.engine import VisionEngineProfile, build_vision_engine
 from qwen3vl_trt.vision.export import export_vision, parity_errors

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+from qwen3vl_trt.hf.checkpoint import Checkpoint
+from qwen3vl_trt.hf.reference import load_hf_vision_tower, run_hf_vision_tower
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 from qwen3vl_trt.vision import OnnxVisionRunner
 from qwen3vl_trt.vision.export import export_vision, parity_errors
 from qwen3vl_trt.vision.metadata import num_patches

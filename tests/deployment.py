@@ -20,8 +20,8 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.pipeline import BuildOptions, build
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.pipeline.build import BuildOptions, build
 from qwen3vl_trt.serving.interface import ENSEMBLE, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import EnsembleParameters
 from qwen3vl_trt.serving.ports import ServerPorts

@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 from PIL import Image
-from qwen3vl_trt.testing.tiny import synthetic_jpeg, synthetic_photo
+from qwen3vl_trt.qa.tiny import synthetic_jpeg, synthetic_photo
 
 
 def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:

@@ -1,4 +1,4 @@
-"""The GPU acceptance's checks of a build and of the GPU it runs on (build/acceptance.py), on this machine: what the
+"""The GPU acceptance's checks of a build and of the GPU it runs on (build/qa/acceptance.py), on this machine: what the
 fp32 and chunked-context rows read of a GPU build (the LLM engine's config.json and the repository's `llm` config, as
 the repository writer writes it), which server log lines count as tensors that missed the CUDA memory pool, and the
 rows' needs of the visible GPUs; the int4-wo row's limit between int4 rounding and a wrong layout; and
@@ -16,21 +16,21 @@ import numpy as np
 import pytest
 import torch
 from deployment import LIMITS
-from qwen3vl_trt import acceptance
-from qwen3vl_trt.acceptance import CHUNK_TOKENS, LOGIT_GAP, QUANT_LOGIT_GAPS, Variant
-from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.limits import RequestLimits
+from qwen3vl_trt.common.contracts import BuildLayout
+from qwen3vl_trt.common.limits import RequestLimits
 from qwen3vl_trt.llm import precision
 from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.weight_only import SCALE_NAME, WeightOnly
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.videos import decode_frames, probe_video
+from qwen3vl_trt.qa import acceptance
+from qwen3vl_trt.qa.acceptance import CHUNK_TOKENS, LOGIT_GAP, QUANT_LOGIT_GAPS, Variant
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.repository import model_config
 from qwen3vl_trt.serving.repository.gpu_memory import ENGINE_CONFIG_FILE
 from qwen3vl_trt.serving.repository.trtllm_config import tensorrt_llm_model_config
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
 from safetensors.torch import load_file, save_file
 
 

@@ -1,4 +1,4 @@
-"""The GPU acceptance's served rows (build/acceptance.py) run against the CPU target's deployment: every check they
+"""The GPU acceptance's served rows (build/qa/acceptance.py) run against the CPU target's deployment: every check they
 make of a served repository (warm-up, tokens against transformers, the tokens ensemble, the visual cache, guided
 decoding, sampling options, healing, draining) and the rows and report around them, on tritonserver 2.51 with the
 reference runtime where a GPU host runs them on the tensorrtllm backend. As on a GPU host, the vision models read a
@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from deployment import LIMITS, user
-from qwen3vl_trt import acceptance
-from qwen3vl_trt.acceptance import (
+from qwen3vl_trt.qa import acceptance
+from qwen3vl_trt.qa.acceptance import (
     FAIL,
     FIRST_REQUEST_RATIO,
     NEW_TOKENS,
@@ -31,6 +31,7 @@ from qwen3vl_trt.acceptance import (
     Variant,
     write_report,
 )
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.serving import interface
@@ -41,7 +42,6 @@ from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.server import tritonserver
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
 from qwen3vl_trt.serving.stages.preprocessing import Preprocessing
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
 from qwen3vl_trt.vision.engine import build_vision_engine
 from qwen3vl_trt.vision.export import export_vision
 from qwen3vl_trt.vision.sidecar import VisionEngineProfile
@@ -146,7 +146,7 @@ def run(checkpoints, engine_build, tmp_path_factory):
             answers = {(prompt, images): tokens for prompt, images, _, tokens in plain}
             return [answers[(prompt, tuple(images))] for prompt, images in requests]
 
-        patch.setattr("qwen3vl_trt.pipeline.build", build)
+        patch.setattr("qwen3vl_trt.pipeline.build.build", build)
         patch.setattr(acceptance, "_served_once", served_once)
         dense = checkpoints["dense"]
         variant = Variant(

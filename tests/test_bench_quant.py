@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from qwen3vl_trt.dtypes import LLM_QUANT_CHOICES
+from qwen3vl_trt.common.dtypes import LLM_QUANT_CHOICES
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
 SIZE = r"(\d+(?:\.\d+)?) (MiB|GiB)"

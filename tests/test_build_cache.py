@@ -21,10 +21,10 @@ from qwen3vl_trt.build_cache import store as store_module
 from qwen3vl_trt.build_cache.digest import Remembered, checkpoint_digest, file_sha256
 from qwen3vl_trt.build_cache.key import BuildKey, Platform
 from qwen3vl_trt.build_cache.store import ENTRY_FILE, BuildCache, CacheSettings, EntryProblem
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.manifest import VISION_STAGE, BuildManifest, StageRecord
-from qwen3vl_trt.pipeline import BuildOptions, build, build_key
+from qwen3vl_trt.common.contracts import BuildLayout
+from qwen3vl_trt.common.manifest import VISION_STAGE, BuildManifest, StageRecord
+from qwen3vl_trt.hf.checkpoint import Checkpoint
+from qwen3vl_trt.pipeline.build import BuildOptions, build, build_key
 from qwen3vl_trt.runtime.local import LocalPipeline
 from qwen3vl_trt.runtime.sampling import SamplingParams
 from qwen3vl_trt.serving.repository.settings import RepositorySettings
@@ -140,7 +140,7 @@ def test_what_changes_artifacts_changes_the_key(tiny_dense, tmp_path, monkeypatc
     assert _key(changed).parts["checkpoint"] != base.parts["checkpoint"]
     assert _key(changed).key != base.key
     assert _key(tiny_dense, dtype="bf16").key != base.key
-    from qwen3vl_trt.limits import EngineLimits
+    from qwen3vl_trt.common.limits import EngineLimits
 
     assert _key(tiny_dense, limits=EngineLimits(max_batch_size=4)).key != base.key
     h200 = Platform("NVIDIA H200", "9.0", "10.14.1.48", "1.2.1", "13.0")

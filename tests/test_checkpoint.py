@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import transformers
-from qwen3vl_trt.checkpoint import CONFIG_ALIASES, Checkpoint, parse_config
 from qwen3vl_trt.cli import main as cli_main
-from qwen3vl_trt.contracts import VISUAL_PREFIX
+from qwen3vl_trt.common.contracts import VISUAL_PREFIX
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
+from qwen3vl_trt.hf.checkpoint import CONFIG_ALIASES, Checkpoint, parse_config
 from qwen3vl_trt.llm.convert import convert_llm
-from qwen3vl_trt.testing.tiny import PRESETS, build_config
+from qwen3vl_trt.qa.tiny import PRESETS, build_config
 from transformers.models.qwen3_vl import configuration_qwen3_vl as dense_configs
 from transformers.models.qwen3_vl_moe import configuration_qwen3_vl_moe as moe_configs
 

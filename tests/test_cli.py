@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from qwen3vl_trt.testing.tiny import synthetic_jpeg, synthetic_video
+from qwen3vl_trt.qa.tiny import synthetic_jpeg, synthetic_video
 from videos import audio_only
 
 

@@ -12,16 +12,16 @@ import shutil
 
 import pytest
 import torch
-from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli
+from qwen3vl_trt.common.fsutil import OUTPUT_MARKER
 from qwen3vl_trt.errors import CheckpointError, OutputExistsError, UnsupportedModelError
-from qwen3vl_trt.fsutil import OUTPUT_MARKER
+from qwen3vl_trt.hf.checkpoint import Checkpoint
+from qwen3vl_trt.hf.safetensors_io import StreamingWriter
 from qwen3vl_trt.llm import convert as convert_module
 from qwen3vl_trt.llm.checkpoint_format import LLMConfig, ParallelLayout, Split, layer_params, merge, read_trtllm_config
 from qwen3vl_trt.llm.convert import Source, convert_llm
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM
-from qwen3vl_trt.safetensors_io import StreamingWriter
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli
-from qwen3vl_trt.contracts import VISION_SIDECAR_FILE, BuildLayout
+from qwen3vl_trt.common.contracts import VISION_SIDECAR_FILE, BuildLayout
+from qwen3vl_trt.common.fsutil import OUTPUT_MARKER, atomic_output_dir
+from qwen3vl_trt.common.limits import RequestLimits
 from qwen3vl_trt.errors import CheckpointError, ImageTooLargeError
-from qwen3vl_trt.fsutil import OUTPUT_MARKER, atomic_output_dir
-from qwen3vl_trt.limits import RequestLimits
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from qwen3vl_trt.llm.checkpoint_format import CONFIG_FILE, load_llm_weights, rank_file
 from qwen3vl_trt.llm.convert import convert_llm
-from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.pipeline.build import build
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.prompts import normalize_messages
-from qwen3vl_trt.testing.tiny import synthetic_jpeg
+from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

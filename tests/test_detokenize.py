@@ -1,12 +1,12 @@
-"""qwen3vl_trt.detokenize on responses shaped as the llms send them: the CPU llm's and the tensorrtllm backend's
-([beams, tokens] in a model, [1, beams, tokens] where a client gets them), the engine's empty last streamed response,
-an echoed prompt's visual ids, end ids and the log probabilities of every token so far."""
+"""qwen3vl_trt.decoding.detokenize on responses shaped as the llms send them: the CPU llm's and the tensorrtllm
+backend's ([beams, tokens] in a model, [1, beams, tokens] where a client gets them), the engine's empty last
+streamed response, an echoed prompt's visual ids, end ids and the log probabilities of every token so far."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from qwen3vl_trt.detokenize import Answer, Detokenizer
+from qwen3vl_trt.decoding.detokenize import Answer, Detokenizer
 
 
 @pytest.fixture(scope="module")

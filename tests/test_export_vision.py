@@ -9,8 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import _quiet
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.contracts import (
+from qwen3vl_trt.common.contracts import (
     VISION_INPUTS,
     VISION_ONNX_DATA_FILE,
     VISION_ONNX_FILE,
@@ -18,6 +17,7 @@ from qwen3vl_trt.contracts import (
     VISION_SIDECAR_FILE,
 )
 from qwen3vl_trt.errors import CheckpointError, InputError, OutputExistsError, Qwen3VLTrtError
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from qwen3vl_trt.vision import OnnxVisionRunner, VisionSidecar
 from qwen3vl_trt.vision.export import ONNX_OPSET, check_onnx, export_vision
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from images import jpeg
-from qwen3vl_trt.contracts import LLM_INPUTS, PROMPT_TABLE_EXTRA_IDS
+from qwen3vl_trt.common.contracts import LLM_INPUTS, PROMPT_TABLE_EXTRA_IDS
 from qwen3vl_trt.errors import InputError
 from qwen3vl_trt.llm.inputs import prompt_table_extra_ids
 from qwen3vl_trt.preprocess import Preprocessor

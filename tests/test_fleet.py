@@ -26,9 +26,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from deployment import SERVE_SCRIPT, group_gone, http_status, port_flags, process_stacks
 from images import jpeg
+from qwen3vl_trt.qa.redis_server import RedisServer
 from qwen3vl_trt.serving.interface import TOKENS_ENSEMBLE
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports
-from qwen3vl_trt.testing.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 

@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from qwen3vl_trt.calibration import builtin_prompts, calibrate, convert_calibrated, read_prompts
-from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli_main
 from qwen3vl_trt.errors import CheckpointError, UnsupportedModelError
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
 from qwen3vl_trt.llm.convert import check_llm_options
 from qwen3vl_trt.llm.fp8 import FP8Weight, linear
 from qwen3vl_trt.llm.kv_cache import KV_CACHE_DTYPES
 from qwen3vl_trt.llm.precision import choose_llm_quant, parse_gpu_arch
+from qwen3vl_trt.pipeline.calibration import builtin_prompts, calibrate, convert_calibrated, read_prompts
 from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.qa.quantized import quantize_block_fp8
 from qwen3vl_trt.runtime.reference_llm import KVCache, LLMRequest, ReferenceLLM
 from qwen3vl_trt.runtime.sampling import SamplingParams
-from qwen3vl_trt.testing.quantized import quantize_block_fp8
 from qwen3vl_trt.vision.model import VisionTower
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file

@@ -20,10 +20,10 @@ import pytest
 from deployment import LIMITS, Gateway, cli, error_body, http_status, port_flags, user
 from images import jpeg
 from PIL import Image
+from qwen3vl_trt.hf.reference import load_hf_processor
+from qwen3vl_trt.qa.ports import free_port
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.server.serve import CPU_TARGET_NOTE
-from qwen3vl_trt.testing.hf_reference import load_hf_processor
-from qwen3vl_trt.testing.ports import free_port
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.

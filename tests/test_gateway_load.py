@@ -19,9 +19,9 @@ import pytest
 import test_gateway
 from deployment import Gateway, http_status, user
 from prometheus_client.parser import text_string_to_metric_families
+from qwen3vl_trt.qa.ports import free_port
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
-from qwen3vl_trt.testing.ports import free_port
 from test_gateway import PHOTO, PROMPT
 
 # gpu_image: the gateway's asyncio client runs again on the GPU image's tritonclient 2.68 and grpcio 1.67.

@@ -8,7 +8,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from qwen3vl_trt.acceptance import EXIT_FAILED, EXIT_PASSED, EXIT_SKIPPED, FAIL, PASS, SKIPPED, Acceptance, Report, Row
+from qwen3vl_trt.qa.acceptance import (
+    EXIT_FAILED,
+    EXIT_PASSED,
+    EXIT_SKIPPED,
+    FAIL,
+    PASS,
+    SKIPPED,
+    Acceptance,
+    Report,
+    Row,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +94,7 @@ def test_on_a_cpu_machine_every_row_is_skipped_with_its_reason(tmp_path):
     assert "tensorrt is not importable" in rows[4]["detail"] and "tensorrt_llm is not importable" in rows[4]["detail"]
     assert all("(it needs 2)" in row["detail"] for row in rows[-2:])  # tp 2
     # Every model the rows build has grouped-query attention, as every release: with as many key/value heads as query
-    # heads TensorRT-LLM's attention reads the fused qkv interleaved per head (build/acceptance.py, QUANT_TEXT).
+    # heads TensorRT-LLM's attention reads the fused qkv interleaved per head (build/qa/acceptance.py, QUANT_TEXT).
     configs = sorted((tmp_path / "w").glob("tiny-*/config.json"))
     assert len(configs) == 8  # dense, MoE, and the block-FP8 dense and MoE with their bf16 and twin checkpoints
     for config in configs:

@@ -20,14 +20,14 @@ import torch
 from decoder_standins.nvimgcodec_cuda import nvimgcodec_on_cuda
 from images import encode, exif_rotated_jpeg, gray_jpeg, jpeg, png
 from PIL import Image
+from qwen3vl_trt.common.limits import RequestLimits
 from qwen3vl_trt.errors import ImageDecodeError, Qwen3VLTrtError, VideoDecodeError
-from qwen3vl_trt.limits import RequestLimits
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.images import open_image
 from qwen3vl_trt.preprocess.nvdec_decoder import CHUNK_FRAMES, NvdecVideoDecoder
 from qwen3vl_trt.preprocess.nvimgcodec_decoder import NvImageCodecDecoder
 from qwen3vl_trt.preprocess.videos import decode_frames, probe_video
-from qwen3vl_trt.testing.tiny import synthetic_video
+from qwen3vl_trt.qa.tiny import synthetic_video
 from tensorrt_standin.host_cuda import host_cuda
 from videos import clip, corrupt_middle
 

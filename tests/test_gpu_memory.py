@@ -8,8 +8,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from qwen3vl_trt.common.limits import EngineLimits, ImageLimits
 from qwen3vl_trt.errors import CheckpointError, LimitsError
-from qwen3vl_trt.limits import EngineLimits, ImageLimits
 from qwen3vl_trt.llm.checkpoint_format import LLMConfig, MoeSettings, ParallelLayout
 from qwen3vl_trt.serving.repository import gpu_memory
 from qwen3vl_trt.serving.repository.gpu_memory import GpuMemoryPlan, LLMEngineBuild

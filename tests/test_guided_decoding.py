@@ -14,11 +14,11 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from qwen3vl_trt import guided_decoding as gd
+from qwen3vl_trt.decoding import guides as gd
 from qwen3vl_trt.errors import CheckpointError, InputError
+from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE
 from qwen3vl_trt.runtime.guided import GrammarCache, GuidedTokens
 from qwen3vl_trt.serving.request import GUIDE_TEXT, GUIDE_TYPE, GenerationRequest
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE
 
 THINK_END = "</think>"
 THINK_END_ID = 151668  # an added token of Qwen's tokenizer

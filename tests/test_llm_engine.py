@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from qwen3vl_trt.cli import main as cli
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import Qwen3VLTrtError, UnsupportedModelError
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.llm import engine_build
 from qwen3vl_trt.llm import engine_model as trtllm_model
 from qwen3vl_trt.llm import inputs as llm_inputs

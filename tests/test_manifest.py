@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.errors import CheckpointError
-from qwen3vl_trt.limits import EngineLimits
-from qwen3vl_trt.manifest import (
+from qwen3vl_trt.common.contracts import BuildLayout
+from qwen3vl_trt.common.limits import EngineLimits
+from qwen3vl_trt.common.manifest import (
     LLM_CHECKPOINT_STAGE,
     LLM_ENGINE_STAGE,
     MANIFEST_SCHEMA,
@@ -22,6 +21,7 @@ from qwen3vl_trt.manifest import (
     BuildManifest,
     StageRecord,
 )
+from qwen3vl_trt.errors import CheckpointError
 
 # A manifest as this version writes it.
 WRITTEN = {

@@ -14,10 +14,10 @@ import shutil
 import numpy as np
 import pytest
 from images import jpeg
+from qwen3vl_trt.hf.reference import hf_rope_index, hf_text_rotary, load_hf_text_model
 from qwen3vl_trt.llm.inputs import H_AXIS, T_AXIS, W_AXIS, rope_pair_axes
 from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.testing.hf_reference import hf_rope_index, hf_text_rotary, load_hf_text_model
-from qwen3vl_trt.testing.tiny import IMAGE_TOKEN_ID
+from qwen3vl_trt.qa.tiny import IMAGE_TOKEN_ID
 
 RELEASED_HEAD_DIM, RELEASED_SECTION = 128, [24, 20, 20]
 ROTARY_TOLERANCE = 1e-6

@@ -23,14 +23,14 @@ import torch
 from deployment import LIMITS, Gateway, build_cpu_repository, data_url, error_body, port_flags
 from images import jpeg
 from pydantic import BaseModel, Field
+from qwen3vl_trt.hf.reference import hf_greedy_log_softmax, hf_request_inputs
 from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.qa.ports import free_port
+from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, make_tiny_checkpoint
 from qwen3vl_trt.serving.gateway.planning import Planner
 from qwen3vl_trt.serving.gateway.protocol import APIError, ChatCompletionRequest
 from qwen3vl_trt.serving.gateway.settings import GatewaySettings
 from qwen3vl_trt.serving.ports import free_ports
-from qwen3vl_trt.testing.hf_reference import hf_greedy_log_softmax, hf_request_inputs
-from qwen3vl_trt.testing.ports import free_port
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, make_tiny_checkpoint
 from tokenizers import Tokenizer
 from transformers import AutoModelForImageTextToText
 

@@ -9,8 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from qwen3vl_trt.contracts import BuildLayout
-from qwen3vl_trt.limits import EngineLimits
+from qwen3vl_trt.common.contracts import BuildLayout
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.parameters import (

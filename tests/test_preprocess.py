@@ -11,14 +11,14 @@ import torch
 import transformers
 from images import exif_rotated_jpeg, jpeg, parity_images
 from PIL import Image
-from qwen3vl_trt.contracts import LLM_INPUTS
-from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.testing.hf_reference import (
+from qwen3vl_trt.common.contracts import LLM_INPUTS
+from qwen3vl_trt.hf.reference import (
     hf_rope_index,
     hf_text_rotary,
     load_hf_processor,
     load_hf_text_model,
 )
+from qwen3vl_trt.preprocess import Preprocessor
 from transformers.image_utils import load_image
 
 IMAGES = parity_images()
@@ -229,7 +229,7 @@ def test_fake_ids(preprocessors, tiny_dense):
 def test_prompt_table_rows_hold_main_and_deepstack_embeddings(preprocessors, vision_exports, parity):
     """With the exported encoder's outputs, the row of each fake id is the visual token's main embedding
     and the next K rows its DeepStack features, in the order transformers scatters them."""
-    from qwen3vl_trt.testing.hf_reference import run_hf_vision_tower
+    from qwen3vl_trt.hf.reference import run_hf_vision_tower
     from qwen3vl_trt.vision import OnnxVisionRunner
 
     request = preprocessors["torchvision"](_three_image_chat())
@@ -340,7 +340,7 @@ def test_16_bit_grayscale_keeps_its_top_8_bits(preprocessors):
     """transformers' processors mis-scale 16-bit PNGs (PIL clips them to white, torchvision passes raw
     values); here they equal the same picture saved with 8 bits."""
     from images import gray16_png
-    from qwen3vl_trt.testing.tiny import synthetic_photo
+    from qwen3vl_trt.qa.tiny import synthetic_photo
 
     eight_bit = io.BytesIO()
     Image.fromarray(synthetic_photo(100, 150, 12)[..., 0]).save(eight_bit, "PNG")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from images import encode, jpeg, parity_images
 from PIL import Image
-from qwen3vl_trt.limits import RequestLimits
+from qwen3vl_trt.common.limits import RequestLimits
+from qwen3vl_trt.hf.reference import load_hf_processor
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.images import decodes_on_device, open_image
-from qwen3vl_trt.testing.hf_reference import load_hf_processor
 from transformers.image_utils import load_image
 
 pytestmark = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from images import jpeg, png, png_header_only
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import (
     ImageDecodeError,
     ImageShapeError,
@@ -13,7 +14,6 @@ from qwen3vl_trt.errors import (
     PromptTooLongError,
     TooManyImagesError,
 )
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.preprocess import Preprocessor, RequestLimits
 
 

@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 import torch
 from images import jpeg
-from qwen3vl_trt.checkpoint import Checkpoint, read_shard_header
 from qwen3vl_trt.cli import main as cli
-from qwen3vl_trt.contracts import VISUAL_PREFIX
+from qwen3vl_trt.common.contracts import VISUAL_PREFIX
+from qwen3vl_trt.common.torch_dtypes import SAFETENSORS_DTYPES
 from qwen3vl_trt.errors import CheckpointError
+from qwen3vl_trt.hf.checkpoint import Checkpoint, read_shard_header
+from qwen3vl_trt.hf.quantization import BlockFP8Location, dequantize_block_fp8
+from qwen3vl_trt.hf.safetensors_io import TensorLocation
 from qwen3vl_trt.llm.convert import convert_llm
-from qwen3vl_trt.quantization import BlockFP8Location, dequantize_block_fp8
-from qwen3vl_trt.safetensors_io import TensorLocation
-from qwen3vl_trt.testing.quantized import dequantized_twin, quantize_block_fp8
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, make_tiny_checkpoint
-from qwen3vl_trt.torch_dtypes import SAFETENSORS_DTYPES
+from qwen3vl_trt.qa.quantized import dequantized_twin, quantize_block_fp8
+from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, make_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -470,10 +470,10 @@ def vision_dirs(made, tmp_path_factory):
 
 def greedy_pair(fp8: Path, vision_dir: Path, hf: torch.nn.Module, out: Path) -> tuple[list[int], list[int]]:
     """(the reference runtime's tokens on the converted FP8 checkpoint, transformers' generate) for MESSAGES."""
+    from qwen3vl_trt.hf.reference import hf_model_inputs
     from qwen3vl_trt.preprocess import Preprocessor
     from qwen3vl_trt.runtime import ReferenceLLM, SamplingParams
     from qwen3vl_trt.runtime.local import engine_request
-    from qwen3vl_trt.testing.hf_reference import hf_model_inputs
     from qwen3vl_trt.vision import OnnxVisionRunner
 
     pre, encoder = Preprocessor.from_pretrained(fp8), OnnxVisionRunner(vision_dir)
@@ -503,7 +503,7 @@ def test_greedy_tokens_of_moe_fp8_equal_transformers_on_the_dequantized_twin(mad
 def _served_tokens(model: Path, root: Path, **options: object) -> list[int]:
     """Greedy tokens for MESSAGES from the CPU deployment built (build --target cpu) from `model` with `options`."""
     from deployment import LIMITS, SETTINGS
-    from qwen3vl_trt.pipeline import BuildOptions, build
+    from qwen3vl_trt.pipeline.build import BuildOptions, build
     from qwen3vl_trt.serving.client import Client
     from qwen3vl_trt.serving.ports import free_ports
     from qwen3vl_trt.serving.server.tritonserver import TritonServer
@@ -524,8 +524,8 @@ def _served_tokens(model: Path, root: Path, **options: object) -> list[int]:
 def test_served_greedy_tokens_of_fp8_checkpoints_equal_transformers(made, tmp_path, name):
     """Dense: transformers on the FP8 checkpoint as it loads it; MoE: on the dequantized twin (transformers leaves
     per-expert FP8 keys unloaded)."""
+    from qwen3vl_trt.hf.reference import hf_request_inputs
     from qwen3vl_trt.preprocess import Preprocessor
-    from qwen3vl_trt.testing.hf_reference import hf_request_inputs
     from transformers import AutoModelForImageTextToText
 
     fp8 = made[name]

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import torch
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.contracts import VISUAL_PREFIX
+from qwen3vl_trt.common.contracts import VISUAL_PREFIX
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from safetensors import safe_open
 
 LM_TENSOR_BYTES = 6 * 2**30  # a sparse 6 GiB language-model tensor: free on disk, 6 GiB of RSS if read

@@ -15,17 +15,17 @@ import pytest
 import torch
 from images import jpeg
 from qwen3vl_trt.errors import InputError
+from qwen3vl_trt.hf.reference import hf_model_inputs, hf_rope_index, load_hf_text_model
 from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.inputs import rope_index
-from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.pipeline.build import build
 from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from qwen3vl_trt.runtime import DecodeBatch, LLMRequest, ReferenceLLM, SamplingParams
 from qwen3vl_trt.runtime.local import LocalPipeline, StreamingDetokenizer, engine_request
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.request import RETURN_LOG_PROBS
 from qwen3vl_trt.serving.stages.cpu_llm import InflightLLM
-from qwen3vl_trt.testing.hf_reference import hf_model_inputs, hf_rope_index, load_hf_text_model
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from qwen3vl_trt.vision import OnnxVisionRunner
 from transformers import AutoModelForImageTextToText
 

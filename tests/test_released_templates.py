@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import transformers
 from images import jpeg
+from qwen3vl_trt.hf.reference import load_hf_processor
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.prompts import load_chat_template
-from qwen3vl_trt.testing.hf_reference import load_hf_processor
 
 DATA = Path(__file__).parents[1] / "build" / "data" / "chat_templates"
 TEMPLATES = {"instruct": "qwen3_vl_instruct.chat_template.json", "thinking": "qwen3_vl_thinking.chat_template.json"}

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from qwen3vl_trt.cli import main
-from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.common.contracts import BuildLayout
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import CheckpointError, LimitsError
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.llm.checkpoint_format import TOKENIZER_INFO_FILE, ParallelLayout, read_trtllm_config
-from qwen3vl_trt.pipeline import build
+from qwen3vl_trt.pipeline.build import build
 from qwen3vl_trt.runtime.sampling import SamplingParams, TokenSampler
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.parameters import PreprocessingParameters, VisionEncoderParameters

@@ -18,8 +18,8 @@ import pytest
 import torch
 from deployment import LIMITS
 from images import jpeg
+from qwen3vl_trt.decoding.guides import Guide
 from qwen3vl_trt.errors import MessageError, PromptTooLongError, RequestError
-from qwen3vl_trt.guided_decoding import Guide
 from qwen3vl_trt.preprocess.prompts import normalize_messages
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import request_inputs
@@ -154,8 +154,8 @@ PROBE = textwrap.dedent(
 
     import qwen3vl_trt
     import torch
-    from qwen3vl_trt.contracts import BuildLayout
-    from qwen3vl_trt.limits import EngineLimits
+    from qwen3vl_trt.common.contracts import BuildLayout
+    from qwen3vl_trt.common.limits import EngineLimits
     from qwen3vl_trt.llm.checkpoint_format import read_trtllm_config
     from qwen3vl_trt.serving import interface
     from qwen3vl_trt.serving.client import request_inputs

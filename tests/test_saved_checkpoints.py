@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from images import jpeg
-from qwen3vl_trt.checkpoint import Checkpoint
 from qwen3vl_trt.cli import main as cli
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights
 from qwen3vl_trt.llm.convert import convert_llm
+from qwen3vl_trt.qa.tiny import PRESETS, build_config
 from qwen3vl_trt.runtime import LLMRequest, ReferenceLLM
-from qwen3vl_trt.testing.tiny import PRESETS, build_config
 from test_reference_llm import CASES, LOGIT_TOLERANCE, Chain, position_errors
 from transformers import (
     AutoModelForImageTextToText,

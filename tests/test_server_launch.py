@@ -25,8 +25,8 @@ import tritonclient.grpc as grpcclient
 from deployment import SERVE_SCRIPT, echo_repository, group_gone, http_status, port_flags
 from google.protobuf import json_format
 from qwen3vl_trt.cli import add_serve_arguments, serve_options
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import CheckpointError, ServingError
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving.interface import ENSEMBLE, LLM, PREPROCESSING, TEXT_OUTPUT
 from qwen3vl_trt.serving.parameters import REPOSITORY_SCHEMA, EnsembleParameters, PreprocessingParameters
 from qwen3vl_trt.serving.ports import ServerPorts, free_ports

@@ -16,16 +16,16 @@ import torch
 import tritonclient.grpc as grpcclient
 from deployment import LIMITS, SETTINGS, build_cpu_repository
 from images import jpeg
-from qwen3vl_trt.detokenize import Detokenizer
-from qwen3vl_trt.guided_decoding import Guide
+from qwen3vl_trt.decoding.detokenize import Detokenizer
+from qwen3vl_trt.decoding.guides import Guide
+from qwen3vl_trt.hf.reference import hf_greedy_log_softmax, hf_request_inputs
 from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.request import GUIDE_TEXT, LOGIT_BIAS_IDS, LOGIT_BIAS_WEIGHTS, GenerationRequest
 from qwen3vl_trt.serving.server.tritonserver import TritonServer
-from qwen3vl_trt.testing.hf_reference import hf_greedy_log_softmax, hf_request_inputs
-from qwen3vl_trt.testing.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from transformers import AutoModelForImageTextToText
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 

@@ -9,7 +9,7 @@ import pytest
 import tiktoken
 import torch
 from PIL import Image
-from qwen3vl_trt.testing.tokenizer_files import QWEN_SPLIT_PATTERN, load_qwen_ranks
+from qwen3vl_trt.qa.tokenizer_files import QWEN_SPLIT_PATTERN, load_qwen_ranks
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 

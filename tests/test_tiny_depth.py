@@ -4,7 +4,7 @@ transformers also covers layers that must receive no visual feature."""
 from __future__ import annotations
 
 import pytest
-from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

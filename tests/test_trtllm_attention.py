@@ -12,10 +12,10 @@ import warnings
 
 import pytest
 import torch
-from qwen3vl_trt.checkpoint import Checkpoint
+from qwen3vl_trt.hf.checkpoint import Checkpoint
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
 from qwen3vl_trt.llm.convert import convert_llm
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 from transformers import AutoConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextAttention, Qwen3VLTextRotaryEmbedding
 

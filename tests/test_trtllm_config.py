@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from qwen3vl_trt.contracts import LLM_INPUTS, MROPE_POSITION_DELTAS, VISION_INPUTS
+from qwen3vl_trt.common.contracts import LLM_INPUTS, MROPE_POSITION_DELTAS, VISION_INPUTS
+from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
-from qwen3vl_trt.limits import EngineLimits
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.repository.model_config import parse, to_text
 from qwen3vl_trt.serving.repository.trtllm_config import REQUIRED_PARAMETERS, tensorrt_llm_model_config

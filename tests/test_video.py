@@ -10,6 +10,7 @@ import transformers
 import videos as clips
 from images import jpeg
 from PIL import Image
+from qwen3vl_trt.common.limits import RequestLimits
 from qwen3vl_trt.errors import (
     MessageError,
     PromptTooLongError,
@@ -17,17 +18,16 @@ from qwen3vl_trt.errors import (
     VideoDecodeError,
     VideoTooLargeError,
 )
-from qwen3vl_trt.limits import RequestLimits
-from qwen3vl_trt.preprocess import Preprocessor
-from qwen3vl_trt.preprocess import videos as video_module
-from qwen3vl_trt.preprocess.videos import DecodedVideo, probe_video
-from qwen3vl_trt.testing.hf_reference import (
+from qwen3vl_trt.hf.reference import (
     hf_rope_index,
     hf_video_reference,
     load_hf_processor,
     load_hf_text_model,
 )
-from qwen3vl_trt.testing.tiny import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, synthetic_video
+from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.preprocess import videos as video_module
+from qwen3vl_trt.preprocess.videos import DecodedVideo, probe_video
+from qwen3vl_trt.qa.tiny import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, synthetic_video
 
 PIXEL_TOLERANCE = 1e-6
 TF5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -134,7 +134,7 @@ def test_decoded_frames_with_timestamps_equal_transformers(pre, processor, hf_mo
         return_tensors="pt",
     )
     hf = {k: v.numpy() for k, v in hf.items()}
-    from qwen3vl_trt.testing.hf_reference import released_video_layout
+    from qwen3vl_trt.hf.reference import released_video_layout
 
     hf["input_ids"] = released_video_layout(hf["input_ids"][0], processor.tokenizer)
     _assert_equals_transformers(request, hf, hf_model)

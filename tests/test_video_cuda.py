@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from qwen3vl_trt.common.limits import RequestLimits
 from qwen3vl_trt.errors import Qwen3VLTrtError
-from qwen3vl_trt.limits import RequestLimits
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.preprocess.videos import decode_frames, probe_video
-from qwen3vl_trt.testing.tiny import synthetic_video
+from qwen3vl_trt.qa.tiny import synthetic_video
 
 
 def _nvdec_missing() -> str | None:

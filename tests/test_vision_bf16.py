@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import random_pixels
 from onnx.reference import ReferenceEvaluator
-from qwen3vl_trt.checkpoint import Checkpoint
-from qwen3vl_trt.contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, VISION_ONNX_FILE
-from qwen3vl_trt.testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+from qwen3vl_trt.common.contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, VISION_ONNX_FILE
+from qwen3vl_trt.hf.checkpoint import Checkpoint
+from qwen3vl_trt.hf.reference import load_hf_vision_tower, run_hf_vision_tower
 from qwen3vl_trt.vision.export import export_vision, parity_errors
 from qwen3vl_trt.vision.metadata import vision_metadata
 from qwen3vl_trt.vision.onnx_runner import VisionSidecar

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from conftest import _quiet
-from qwen3vl_trt.contracts import BuildLayout
+from qwen3vl_trt.common.contracts import BuildLayout
 from qwen3vl_trt.errors import CheckpointError, GpuStackMissingError, LimitsError, Qwen3VLTrtError
 from qwen3vl_trt.vision.engine import build_vision_engine, tensorrt_problem
 from qwen3vl_trt.vision.export import export_vision
@@ -181,8 +181,8 @@ def test_the_runner_needs_the_gpu_stack(plugin_export, tmp_path):
 @pytest.mark.slow
 @without_gpu_stack
 def test_build_records_the_vision_engine_stage_as_skipped(tiny_dense, tmp_path):
-    from qwen3vl_trt.manifest import VISION_ENGINE_STAGE, BuildManifest
-    from qwen3vl_trt.pipeline import build
+    from qwen3vl_trt.common.manifest import VISION_ENGINE_STAGE, BuildManifest
+    from qwen3vl_trt.pipeline.build import build
 
     lines: list[str] = []
     manifest = build(tiny_dense, tmp_path / "b", log=lines.append)

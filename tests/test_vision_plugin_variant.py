@@ -11,7 +11,7 @@ import onnx
 import pytest
 from conftest import _quiet, random_pixels
 from qwen3vl_trt.cli import main as cli_main
-from qwen3vl_trt.contracts import (
+from qwen3vl_trt.common.contracts import (
     CU_SEQLENS,
     MAX_SEQLEN_CARRIER,
     SEGMENT_START,

@@ -20,7 +20,7 @@ import onnx
 import pytest
 import torch
 from conftest import _quiet, random_pixels
-from qwen3vl_trt.contracts import (
+from qwen3vl_trt.common.contracts import (
     SEGMENT_START,
     VISION_ENGINE_FILE,
     VISION_ENGINE_SIDECAR_FILE,
@@ -29,8 +29,8 @@ from qwen3vl_trt.contracts import (
     VISION_SIDECAR_FILE,
     VISION_TIMING_CACHE_FILE,
 )
+from qwen3vl_trt.common.fsutil import OUTPUT_MARKER
 from qwen3vl_trt.errors import CheckpointError, InputError, Qwen3VLTrtError
-from qwen3vl_trt.fsutil import OUTPUT_MARKER
 from qwen3vl_trt.plugins import registration
 from qwen3vl_trt.plugins.varlen_kernel import launch_grid, shipped_config
 from qwen3vl_trt.serving import interface

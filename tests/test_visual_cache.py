@@ -12,6 +12,7 @@ from deployment import LIMITS, build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.llm.inputs import visual_digest
 from qwen3vl_trt.preprocess import Preprocessor
+from qwen3vl_trt.qa.redis_server import RedisServer
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.parameters import PreprocessingParameters
@@ -34,7 +35,6 @@ from qwen3vl_trt.serving.stages.visual_cache import (
     decode_entry,
     encode_entry,
 )
-from qwen3vl_trt.testing.redis_server import RedisServer
 from videos import clip
 
 SCOPE = FeatureScope.of({"model": "a"})

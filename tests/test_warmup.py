@@ -23,8 +23,9 @@ import tritonclient.grpc as grpcclient
 from deployment import LIMITS, SERVE_SCRIPT, port_flags
 from images import jpeg
 from prometheus_client.parser import text_string_to_metric_families
-from qwen3vl_trt.checkpoint import parse_config, read_config
+from qwen3vl_trt.hf.checkpoint import parse_config, read_config
 from qwen3vl_trt.preprocess import ImageProcessingConfig
+from qwen3vl_trt.qa.ports import free_port
 from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.client import Client
 from qwen3vl_trt.serving.ports import free_ports
@@ -33,7 +34,6 @@ from qwen3vl_trt.serving.repository.writer import vision_warmup, write_warmup_fi
 from qwen3vl_trt.serving.server import warmup
 from qwen3vl_trt.serving.server.readiness import GATEWAY_NOT_SERVING
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
-from qwen3vl_trt.testing.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 

@@ -16,9 +16,9 @@ from qwen3vl_trt.llm import convert as convert_module
 from qwen3vl_trt.llm.checkpoint_format import load_llm_weights, read_trtllm_config
 from qwen3vl_trt.llm.convert import convert_llm
 from qwen3vl_trt.llm.weight_only import WeightOnly
+from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
 from qwen3vl_trt.runtime.reference_llm import LLMRequest, ReferenceLLM
 from qwen3vl_trt.runtime.sampling import SamplingParams
-from qwen3vl_trt.testing.tiny import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 # Text dims the weight-only layers take unpadded at tp 1 and 2 (split features multiples of 64 per rank, the hidden

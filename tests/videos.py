@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
-from qwen3vl_trt.testing.tiny import synthetic_video
+from qwen3vl_trt.qa.tiny import synthetic_video
 
 # name -> (frames, height, width, fps, codec, container, encoder options)
 CLIPS = {

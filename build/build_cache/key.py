@@ -80,9 +80,9 @@ class Platform:
 
 
 # What makes no artifact: the repository and the processes that serve it (written by each build, not cached), the
-# reference runtime, the command line, the acceptance run, test helpers and the cache itself (its layout has a
-# schema of its own).
-_NOT_ARTIFACT_CODE = {"serving", "triton_models", "runtime", "testing", "build_cache", "cli.py", "acceptance.py"}
+# reference runtime, the command line, the acceptance run and test helpers (qa) and the cache itself (its layout has
+# a schema of its own).
+_NOT_ARTIFACT_CODE = {"serving", "triton_models", "runtime", "qa", "build_cache", "cli.py"}
 
 
 @functools.cache

@@ -29,10 +29,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import __version__
-from ..contracts import BuildLayout
+from ..common.contracts import BuildLayout
+from ..common.fsutil import fsync
+from ..common.manifest import CacheRecord, PullMode, StageRecord
 from ..errors import BuildCacheError
-from ..fsutil import fsync
-from ..manifest import CacheRecord, PullMode, StageRecord
 from .digest import Remembered, file_sha256
 from .key import BuildKey
 from .lease import Lease, LeaseWatch, live_tokens

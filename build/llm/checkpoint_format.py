@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checkpoint import ModelInfo
-from ..dtypes import DTYPE_CHOICES, DTYPE_NAMES
+from ..common.dtypes import DTYPE_CHOICES, DTYPE_NAMES
+from ..common.fsutil import json_entry, read_json
 from ..errors import CheckpointError, UnsupportedModelError
-from ..fsutil import json_entry, read_json
+from ..hf.checkpoint import ModelInfo
 from .fp8 import ACTIVATION_SCALE, FP8_ALGO, WEIGHT_SCALE, FP8PerTensor, FP8Weight
 from .kv_cache import KV_CACHE_ALGOS, KV_SCALE, KVCacheQuant
 from .weight_only import QUANT_ALGO_SCHEMES, SCALE_NAME, WeightOnly
@@ -547,7 +547,7 @@ def load_llm_weights(checkpoint_dir: str | os.PathLike[str]) -> LLMWeights:
     """Reads every rank file of a converted checkpoint and reassembles the model."""
     from safetensors import SafetensorError, safe_open
 
-    from ..torch_dtypes import TORCH_DTYPES
+    from ..common.torch_dtypes import TORCH_DTYPES
 
     root = Path(checkpoint_dir)
     _, config = read_trtllm_config(root)

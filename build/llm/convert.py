@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, ModelInfo, generation_end_ids
-from ..dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from ..common.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from ..common.fsutil import atomic_output_dir
+from ..common.torch_dtypes import TORCH_DTYPES
+from ..decoding.guides import write_tokenizer_info
 from ..errors import CheckpointError, UnsupportedModelError
-from ..fsutil import atomic_output_dir
-from ..guided_decoding import write_tokenizer_info
-from ..safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
-from ..torch_dtypes import TORCH_DTYPES
+from ..hf.checkpoint import Checkpoint, ModelInfo, generation_end_ids
+from ..hf.safetensors_io import RowReader, StackedLocation, StreamingWriter, TensorPlan
 from .checkpoint_format import (
     CONFIG_FILE,
     TOKENIZER_INFO_FILE,
@@ -482,14 +482,14 @@ def convert_llm(
     """Writes the TensorRT-LLM checkpoint of the model's language half and returns its directory. `quant` (None:
     the default for the checkpoint and the GPU, precision.choose_llm_quant) stores its linear weights quantized;
     fp8 and a quantized KV cache (`kv_cache_dtype`) take their static scales from `ranges`, a calibration pass's
-    (qwen3vl_trt.calibration.convert_calibrated runs one first)."""
+    (qwen3vl_trt.pipeline.calibration.convert_calibrated runs one first)."""
     ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
     ckpt.verify_shards()
     options = check_llm_options(ckpt, dtype, quant, tp, pp, kv_cache_dtype, gpu_arch)
     if options.needs_calibration and ranges is None:
         raise UnsupportedModelError(
             f"--llm-quant {options.quant} with --kv-cache-dtype {kv_cache_dtype} needs activation ranges from a "
-            "calibration pass: convert with qwen3vl_trt.calibration.convert_calibrated (what convert-llm runs)"
+            "calibration pass: convert with qwen3vl_trt.pipeline.calibration.convert_calibrated (what convert-llm runs)"
         )
     config, scheme = options.config, options.config.scheme
     out_dtype = TORCH_DTYPES[options.dtype]

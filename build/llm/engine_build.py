@@ -42,9 +42,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..common.fsutil import atomic_output_dir
+from ..common.limits import EngineLimits
 from ..errors import GpuStackMissingError, Qwen3VLTrtError
-from ..fsutil import atomic_output_dir
-from ..limits import EngineLimits
 from .checkpoint_format import LLMConfig, check_deepstack_stage, read_trtllm_config
 from .precision import check_engine_arch, visible_gpu_arch
 

@@ -8,9 +8,9 @@ experts `weight` [E, out, in], `weights_scaling_factor` (E, 1) and one `activati
 (layers/moe.py); a scale maps fp8 back to the original (amax / 448). FP8Linear computes
 fp8(x / a) @ fp8(w / s)^T * (a * s) with a and s in the engine dtype, which `linear` emulates in float32 on a
 CPU (e4m3 products are exact in float32, as in the tensor cores' float32 accumulation). Weight scales are per
-tensor across ranks (the whole tensor's amax); the activation scales come from qwen3vl_trt.calibration. The dense MLP's
-fc and gate share one weight scale (their max), which is what the build's gate/up fusion (fuse_gate_mlp) would
-requantize them to, so the fused GEMM computes with the stored values.
+tensor across ranks (the whole tensor's amax); the activation scales come from qwen3vl_trt.pipeline.calibration.
+The dense MLP's fc and gate share one weight scale (their max), which is what the build's gate/up fusion
+(fuse_gate_mlp) would requantize them to, so the fused GEMM computes with the stored values.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..dtypes import LLM_QUANT_CHOICES
+from ..common.dtypes import LLM_QUANT_CHOICES
 from ..errors import UnsupportedModelError
 from .weight_only import QUANT_ALGO_SCHEMES, WEIGHT_ONLY_MODES
 

@@ -1,4 +1,4 @@
-"""Activation ranges a calibration pass measured (qwen3vl_trt.calibration), by decoder layer and observed input
+"""Activation ranges a calibration pass measured (qwen3vl_trt.pipeline.calibration), by decoder layer and observed input
 (runtime.reference_llm.Observer's names), which the converter turns into static scales."""
 
 from __future__ import annotations

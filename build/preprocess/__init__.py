@@ -1,6 +1,6 @@
 """Request preprocessing: prompts, images and positions -> the vision encoder's and LLM engine's inputs."""
 
-from ..limits import ImageLimits, RequestLimits
+from ..common.limits import ImageLimits, RequestLimits
 from .images import ImageProcessingConfig
 from .preprocessor import Preprocessor, Request
 

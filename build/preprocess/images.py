@@ -31,6 +31,8 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
+from ..common.fsutil import read_json
+from ..common.limits import ImageLimits
 from ..errors import (
     CheckpointError,
     ImageDecodeError,
@@ -39,8 +41,6 @@ from ..errors import (
     Qwen3VLTrtError,
     UnsupportedModelError,
 )
-from ..fsutil import read_json
-from ..limits import ImageLimits
 
 ResizeBackend = Literal["torchvision", "pil"]
 RESIZE_BACKENDS: tuple[str, ...] = ("torchvision", "pil")

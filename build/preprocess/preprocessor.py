@@ -13,8 +13,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..checkpoint import ModelInfo, parse_config, read_config
-from ..contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN, PROMPT_TABLE_EXTRA_IDS
+from ..common.contracts import LLM_INPUT_IDS, MROPE_POSITION_DELTAS, MROPE_ROTARY_COS_SIN, PROMPT_TABLE_EXTRA_IDS
+from ..common.limits import RequestLimits
 from ..errors import (
     CheckpointError,
     MessageError,
@@ -23,7 +23,7 @@ from ..errors import (
     TooManyImagesError,
     TooManyVideosError,
 )
-from ..limits import RequestLimits
+from ..hf.checkpoint import ModelInfo, parse_config, read_config
 from ..llm.inputs import (
     engine_mrope_rotary_cos_sin,
     fake_prompt_ids,

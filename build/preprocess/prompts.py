@@ -32,8 +32,8 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from ..common.limits import ImageLimits, VideoLimits
 from ..errors import CheckpointError, ImageTooLargeError, MessageError
-from ..limits import ImageLimits, VideoLimits
 from .videos import DecodedVideo, VideoSource, check_video_bytes
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -37,9 +37,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
+from ..common.fsutil import read_json
+from ..common.limits import VideoLimits
 from ..errors import ImageShapeError, VideoDecodeError, VideoTooLargeError
-from ..fsutil import read_json
-from ..limits import VideoLimits
 from .images import (
     MAX_ASPECT_RATIO,
     ImageProcessingConfig,

@@ -1,5 +1,5 @@
 """Guided decoding on the CPU runtime: each step's logits masked by the request's grammar, as TensorRT-LLM 1.2.1's
-executor masks them (cpp/tensorrt_llm/batch_manager/guidedDecoder.cpp; see qwen3vl_trt.guided_decoding).
+executor masks them (cpp/tensorrt_llm/batch_manager/guidedDecoder.cpp; see qwen3vl_trt.decoding.guides).
 
 GuidedDecoder::build compiles a request's guide at its first context step and gives the matcher each generated
 token (AcceptToken) before it fills the next bitmask (FillNextTokenBitmask); GuidedDecoder::execute then sets the
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..decoding.guides import GUIDE_TYPE_EBNF, GUIDE_TYPES, GuideError, xgrammar_call
 from ..errors import InputError
-from ..guided_decoding import GUIDE_TYPE_EBNF, GUIDE_TYPES, GuideError, xgrammar_call
 
 if TYPE_CHECKING:
     import xgrammar

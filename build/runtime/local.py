@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import generation_end_ids
-from ..contracts import BuildLayout
-from ..detokenize import StreamingDetokenizer
-from ..manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
+from ..common.contracts import BuildLayout
+from ..common.manifest import LLM_CHECKPOINT_STAGE, VISION_STAGE, BuildManifest
+from ..decoding.detokenize import StreamingDetokenizer
+from ..hf.checkpoint import generation_end_ids
 from ..preprocess import Preprocessor
 from ..vision.onnx_runner import OnnxVisionRunner, VisionSidecar
 from .reference_llm import LLMRequest, ReferenceLLM
@@ -53,7 +53,7 @@ class LocalPipeline:
 
         from tokenizers import Tokenizer
 
-        from ..checkpoint import read_config
+        from ..hf.checkpoint import read_config
 
         self.model_dir, build = Path(model_dir), BuildLayout(Path(build_dir))
         # Cheap checks first: a build of another checkpoint would answer with the wrong weights.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..limits import EngineLimits
+from ..common.limits import EngineLimits
 
 # The default queue of a batched python model: this many full batches wait, more are refused.
 QUEUED_BATCHES = 4

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..detokenize import Answer, Detokenizer
+from ..decoding.detokenize import Answer, Detokenizer
 from ..errors import Qwen3VLTrtError
 from . import interface
 from .ports import LOCAL_TRITON_URL

@@ -3,7 +3,8 @@
 The ensemble `qwen3vl` takes the generation request's inputs (serving.request, which declares them) and runs
 preprocessing -> llm -> postprocessing, answering text. The ensemble `qwen3vl_tokens` takes the same inputs and runs
 preprocessing -> llm, answering the llm's token ids as they come: for clients that decode the ids themselves (the
-gRPC client and the OpenAI gateway, qwen3vl_trt.detokenize), with no python step per streamed token in the server.
+gRPC client and the OpenAI gateway, qwen3vl_trt.decoding.detokenize), with no python step per streamed token in the
+server.
 Preprocessing calls vision_encoder itself (BLS) for the images that the visual-feature cache does not hold, so a
 request whose images all hit runs no vision encoder. Between the models, tensors carry the names of the contracts
 they implement: the vision encoder's inputs (contracts.VISION_INPUTS) and the TensorRT-LLM backend's `tensorrt_llm`
@@ -18,7 +19,7 @@ converts the contract's arrays to it.
 
 from __future__ import annotations
 
-from ..contracts import (
+from ..common.contracts import (
     LLM_INPUT_IDS,
     MROPE_POSITION_DELTAS,
     MROPE_ROTARY_COS_SIN,
@@ -158,7 +159,7 @@ GENERATION_LOGITS = Tensor("generation_logits", "FP32", (-1, -1, -1), optional=T
 LLM_OUTPUTS: tuple[Tensor, ...] = (LLM_OUTPUT_IDS, SEQUENCE_LENGTH, OUTPUT_LOG_PROBS, GENERATION_LOGITS)
 # Triton ensembles let a step after a decoupled model read only what that model produced, so
 # postprocessing gets the llm's outputs alone (and the request id, which the ensemble passes on).
-# The tokens ensemble answers them under their own names: what its clients decode (qwen3vl_trt.detokenize).
+# The tokens ensemble answers them under their own names: what its clients decode (qwen3vl_trt.decoding.detokenize).
 
 PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (*LLM_REQUEST, PROMPT_TABLE)
 

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from ..common.limits import EngineLimits
 from ..errors import LimitsError, Qwen3VLTrtError
-from ..limits import EngineLimits
 from . import interface
 
 P = TypeVar("P", bound="Parameters")

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from ..common.limits import TOP_LOGPROBS_CAP
+from ..decoding.guides import Guide
 from ..errors import MessageError, PromptTooLongError, RequestError
-from ..guided_decoding import Guide
-from ..limits import TOP_LOGPROBS_CAP
 from .tensors import NUMPY_DTYPES, Tensor, scalar_tensor
 
 Check = Callable[[Any], bool]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contracts import TensorSpec
+from ..common.contracts import TensorSpec
 
 # Triton's DataType names (without TYPE_) of the contracts' dtypes; "model" is the LLM checkpoint's dtype.
 TRITON_DATA_TYPES = {"float32": "FP32", "int32": "INT32", "int64": "INT64", "uint64": "UINT64", "model": "MODEL"}

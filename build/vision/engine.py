@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..contracts import PLUGIN, VISION_ENGINE_FILE, VISION_SIDECAR_FILE, VISION_TIMING_CACHE_FILE
+from ..common.contracts import PLUGIN, VISION_ENGINE_FILE, VISION_SIDECAR_FILE, VISION_TIMING_CACHE_FILE
+from ..common.fsutil import atomic_output_dir
 from ..errors import CheckpointError, GpuStackMissingError, LimitsError, Qwen3VLTrtError
-from ..fsutil import atomic_output_dir
 from .sidecar import VisionEngineProfile, VisionEngineSidecar, VisionSidecar
 
 if TYPE_CHECKING:

@@ -22,8 +22,7 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, VisionConfig, tensors_sha256
-from ..contracts import (
+from ..common.contracts import (
     DEEPSTACK_EMBEDS,
     PIXEL_VALUES,
     PLUGIN,
@@ -33,10 +32,11 @@ from ..contracts import (
     VISION_ONNX_FILE,
     VISION_OUTPUTS,
 )
+from ..common.fsutil import atomic_output_dir
+from ..common.torch_dtypes import TORCH_DTYPES
 from ..errors import Qwen3VLTrtError
-from ..fsutil import atomic_output_dir
+from ..hf.checkpoint import Checkpoint, VisionConfig, tensors_sha256
 from ..plugins import PLUGIN_NAME, PLUGIN_NAMESPACE
-from ..torch_dtypes import TORCH_DTYPES
 from .metadata import graph_feeds, num_patches, vision_metadata
 from .model import PluginVisionTower, VisionTower
 from .plugin_op import ONNX_TRANSLATION, PLUGIN_DOMAIN_VERSION, PLUGIN_NODE_ATTRIBUTES
@@ -156,7 +156,7 @@ def verify_against_transformers(
     onnx_dir: Path, ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | None = None, seed: int = 0
 ) -> list[Parity]:
     """Random pixels on several grids through ONNX Runtime and the transformers tower."""
-    from ..testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
+    from ..hf.reference import load_hf_vision_tower, run_hf_vision_tower
     from .onnx_runner import OnnxVisionRunner
 
     encoder = OnnxVisionRunner(onnx_dir)

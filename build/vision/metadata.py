@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..contracts import (
+from ..common.contracts import (
     CU_SEQLENS,
     MAX_SEQLEN_CARRIER,
     PLUGIN,

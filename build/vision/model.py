@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import VisionConfig
-from ..contracts import VISUAL_PREFIX
+from ..common.contracts import VISUAL_PREFIX
 from ..errors import CheckpointError
+from ..hf.checkpoint import VisionConfig
 from .plugin_op import varlen_attention
 
 _ACTIVATIONS = {

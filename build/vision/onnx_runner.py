@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, PLUGIN, VISION_INPUTS, VISION_ONNX_FILE
+from ..common.contracts import DEEPSTACK_EMBEDS, IMAGE_EMBEDS, PIXEL_VALUES, PLUGIN, VISION_INPUTS, VISION_ONNX_FILE
 from ..errors import CheckpointError, InputError, Qwen3VLTrtError
 from .metadata import check_grid_thw, graph_feeds, num_patches, vision_metadata
 from .sidecar import VisionSidecar

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..checkpoint import Checkpoint
-from ..contracts import (
+from ..common.contracts import (
     CU_SEQLENS,
     MAX_SEQLEN_CARRIER,
     PIXEL_VALUES,
@@ -32,9 +31,10 @@ from ..contracts import (
     contract_sha256,
     vision_graph_contract,
 )
-from ..dtypes import DTYPE_NAMES
+from ..common.dtypes import DTYPE_NAMES
+from ..common.fsutil import json_entry, read_json
 from ..errors import CheckpointError, LimitsError
-from ..fsutil import json_entry, read_json
+from ..hf.checkpoint import Checkpoint
 
 EXPORT_FORMAT_VERSION = 1
 ENGINE_FORMAT_VERSION = 1

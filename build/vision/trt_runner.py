@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..contracts import (
+from ..common.contracts import (
     CU_SEQLENS,
     DEEPSTACK_EMBEDS,
     IMAGE_EMBEDS,

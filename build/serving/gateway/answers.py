@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from ...detokenize import Alternatives
+from ...decoding.detokenize import Alternatives
 from ..client import Answer
 from .planning import ChoiceRun, Plan
 from .protocol import (

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ...detokenize import Detokenizer
+from ...decoding.detokenize import Detokenizer
 from ...errors import ServingError
 from ..client import (
     Answer,

@@ -36,7 +36,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ...detokenize import Detokenizer
+from ...decoding.detokenize import Detokenizer
 from ...errors import ServingError
 from ..client import Answer, AsyncClient, ServerBusyError, ServerUnavailableError
 from ..ports import DEFAULT_PORTS, host_port

@@ -5,7 +5,7 @@ answered 400 before Triton sees them, and the prompt's token count that `usage` 
 the prompt goes to the deployment rendered and tokenized (prompt_ids), so preprocessing renders and tokenizes only
 for clients that send text or messages.
 Tools are rendered by the checkpoint's own chat template; a required or named tool choice and a JSON response
-format become the guided-decoding grammar the engine applies (qwen3vl_trt.guided_decoding). Remote image and video
+format become the guided-decoding grammar the engine applies (qwen3vl_trt.decoding.guides). Remote image and video
 URLs are fetched here when the gateway allows them."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
+from ...decoding.guides import Guide, GuideError, json_object_guide, json_schema_guide, tool_call_guide
 from ...errors import PromptTooLongError, RequestError
-from ...guided_decoding import Guide, GuideError, json_object_guide, json_schema_guide, tool_call_guide
 from ...preprocess import Preprocessor
 from ...preprocess.prompts import normalize_messages
 from ..request import GenerationRequest

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...limits import EngineLimits
+from ...common.limits import EngineLimits
 from .. import interface
 from ..backpressure import BackPressure
 from ..client import Client, ServerUnavailableError

@@ -52,9 +52,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ...common.fsutil import json_entry, read_json
+from ...common.limits import EngineLimits, ImageLimits
 from ...errors import CheckpointError, LimitsError
-from ...fsutil import json_entry, read_json
-from ...limits import EngineLimits, ImageLimits
 from ...llm.checkpoint_format import LLMConfig
 
 KV_CACHE_FRACTION_CEILING = 0.9  # the tensorrtllm backend's default

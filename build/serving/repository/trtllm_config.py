@@ -57,8 +57,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ...common.limits import EngineLimits
 from ...errors import LimitsError, Qwen3VLTrtError, UnsupportedModelError
-from ...limits import EngineLimits
 from .. import interface
 from ..request import GUIDE_TEXT, GUIDE_TYPE
 from ..tensors import Tensor

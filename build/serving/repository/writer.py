@@ -23,13 +23,20 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ... import __version__
-from ...checkpoint import VisionConfig, parse_config, read_config
-from ...contracts import VISION_ENGINE_FILE, BuildLayout
+from ...common.contracts import VISION_ENGINE_FILE, BuildLayout
+from ...common.fsutil import atomic_output_dir
+from ...common.limits import EngineLimits
+from ...common.manifest import (
+    LLM_CHECKPOINT_STAGE,
+    LLM_ENGINE_STAGE,
+    VISION_ENGINE_STAGE,
+    VISION_STAGE,
+    BuildManifest,
+    Target,
+)
 from ...errors import CheckpointError, LimitsError
-from ...fsutil import atomic_output_dir
-from ...limits import EngineLimits
+from ...hf.checkpoint import VisionConfig, parse_config, read_config
 from ...llm.checkpoint_format import TOKENIZER_INFO_FILE, LLMConfig, read_trtllm_config
-from ...manifest import LLM_CHECKPOINT_STAGE, LLM_ENGINE_STAGE, VISION_ENGINE_STAGE, VISION_STAGE, BuildManifest, Target
 from ...vision.metadata import vision_metadata
 from ...vision.sidecar import VisionEngineSidecar, VisionSidecar
 from .. import interface

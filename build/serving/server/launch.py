@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ...common.fsutil import json_entry, read_json
 from ...errors import ServingError
-from ...fsutil import json_entry, read_json
 from ..interface import LLM, PREPROCESSING
 from ..parameters import PreprocessingParameters
 from ..ports import ServerPorts

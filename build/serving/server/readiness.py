@@ -26,8 +26,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ...common.manifest import BuildManifest
 from ...errors import Qwen3VLTrtError, ServingError
-from ...manifest import BuildManifest
 from ..interface import LLM
 from ..ports import host_port
 from ..repository import model_config as serving_config

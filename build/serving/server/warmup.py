@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ...common.fsutil import read_json
+from ...common.limits import EngineLimits
 from ...errors import Qwen3VLTrtError, ServingError
-from ...fsutil import read_json
-from ...limits import EngineLimits
 from ..client import Client
 from ..interface import MAX_WARMUP_TOKENS, PREPROCESSING, WARMUP_REQUEST_PREFIX
 from ..parameters import PreprocessingParameters

@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ...decoding.guides import GUIDE_TYPES, load_tokenizer_info
 from ...errors import InputError, Qwen3VLTrtError
-from ...guided_decoding import GUIDE_TYPES, load_tokenizer_info
 from ...runtime.guided import GrammarCache
 from ...runtime.reference_llm import DecodeBatch, GenerationResult, LLMRequest, ReferenceLLM
 from ...runtime.sampling import LogitsGuide, SamplingParams

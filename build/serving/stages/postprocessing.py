@@ -7,9 +7,9 @@ after a decoupled model sees nothing but that model's outputs, so the text of a 
 tokens before it by keeping each request's TextStream, keyed by the request id the ensemble gives every step (core:
 src/ensemble_scheduler/ensemble_scheduler.cc, InitStep: `irequest->SetId(request_id_)`): each response gets only its
 new text. States are dropped least recently used beyond `max_streams` (a few tokens each). A request sent without an
-id has its responses decoded one by one. What is shown is qwen3vl_trt.detokenize's (end ids never; the echoed prompt's
-visual fake ids as the image placeholder; log probabilities for the tokens shown; with generation logits, each token's
-likeliest alternatives, as many as the deployment serves).
+id has its responses decoded one by one. What is shown is qwen3vl_trt.decoding.detokenize's (end ids never; the echoed
+prompt's visual fake ids as the image placeholder; log probabilities for the tokens shown; with generation logits,
+each token's likeliest alternatives, as many as the deployment serves).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ...detokenize import Detokenizer, TextStream
+from ...decoding.detokenize import Detokenizer, TextStream
 from .. import interface
 
 

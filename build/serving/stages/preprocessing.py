@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...checkpoint import generation_end_ids
+from ...common.limits import EngineLimits
+from ...decoding.guides import check_guide
 from ...errors import RequestError, StageError
-from ...guided_decoding import check_guide
-from ...limits import EngineLimits
+from ...hf.checkpoint import generation_end_ids
 from ...preprocess import Preprocessor
 from ...preprocess.preprocessor import Request, VisualInput, VisualKind
 from ...vision.metadata import vision_metadata

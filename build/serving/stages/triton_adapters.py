@@ -493,7 +493,7 @@ class LLMModel(_Model):
     metrics_published = stage_metrics.LLM
 
     def load(self) -> None:
-        from ...checkpoint import generation_end_ids
+        from ...hf.checkpoint import generation_end_ids
         from ...llm.checkpoint_format import TOKENIZER_INFO_FILE
         from .cpu_llm import InflightLLM
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch

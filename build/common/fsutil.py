@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import CheckpointError, OutputExistsError, OutputOverlapError
+from .. import __version__
+from ..errors import CheckpointError, OutputExistsError, OutputOverlapError
 
 OUTPUT_MARKER = ".qwen3vl-trt-output"
 

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
-from . import __version__
-from .contracts import BuildLayout
-from .errors import CheckpointError, LimitsError
-from .fsutil import read_json
-from .limits import EngineLimits
+from .. import __version__
+from ..common.contracts import BuildLayout
+from ..common.fsutil import read_json
+from ..common.limits import EngineLimits
+from ..errors import CheckpointError, LimitsError
 
 Target = Literal["gpu", "cpu"]
 StageStatus = Literal["done", "skipped"]

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..checkpoint import INDEX_FILE, Checkpoint
-from ..fsutil import atomic_output_dir
-from ..quantization import SCALE_SUFFIX, dequantize_block_fp8
+from ..common.fsutil import atomic_output_dir
+from ..hf.checkpoint import INDEX_FILE, Checkpoint
+from ..hf.quantization import SCALE_SUFFIX, dequantize_block_fp8
 from .tiny import _write_shards
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448

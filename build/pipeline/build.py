@@ -8,20 +8,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .build_cache.digest import Remembered, checkpoint_digest, file_sha256
-from .build_cache.key import BuildKey, Platform
-from .build_cache.store import BuildCache, CacheSettings
-from .calibration import convert_calibrated
-from .checkpoint import Checkpoint
-from .contracts import PLUGIN, BuildLayout
-from .errors import BuildCacheError, GpuStackMissingError
-from .fsutil import atomic_output_dir, check_no_overlap, check_output_dir
-from .limits import EngineLimits
-from .llm.checkpoint_format import read_trtllm_config
-from .llm.convert import LLMOptions, check_llm_options
-from .llm.engine_build import build_llm_engine, gpu_stack_problem
-from .llm.precision import visible_gpu_arch
-from .manifest import (
+from ..build_cache.digest import Remembered, checkpoint_digest, file_sha256
+from ..build_cache.key import BuildKey, Platform
+from ..build_cache.store import BuildCache, CacheSettings
+from ..common.contracts import PLUGIN, BuildLayout
+from ..common.fsutil import atomic_output_dir, check_no_overlap, check_output_dir
+from ..common.limits import EngineLimits
+from ..common.manifest import (
     LLM_CHECKPOINT_STAGE,
     LLM_ENGINE_STAGE,
     TRITON_REPO_STAGE,
@@ -31,11 +24,18 @@ from .manifest import (
     StageRecord,
     Target,
 )
-from .serving.repository.settings import RepositorySettings
-from .serving.repository.writer import gpu_memory_plan, model_configs, write_model_files
-from .vision.engine import build_vision_engine, tensorrt_problem
-from .vision.export import export_vision
-from .vision.sidecar import VisionEngineProfile
+from ..errors import BuildCacheError, GpuStackMissingError
+from ..hf.checkpoint import Checkpoint
+from ..llm.checkpoint_format import read_trtllm_config
+from ..llm.convert import LLMOptions, check_llm_options
+from ..llm.engine_build import build_llm_engine, gpu_stack_problem
+from ..llm.precision import visible_gpu_arch
+from ..serving.repository.settings import RepositorySettings
+from ..serving.repository.writer import gpu_memory_plan, model_configs, write_model_files
+from ..vision.engine import build_vision_engine, tensorrt_problem
+from ..vision.export import export_vision
+from ..vision.sidecar import VisionEngineProfile
+from .calibration import convert_calibrated
 
 
 @dataclass(frozen=True)

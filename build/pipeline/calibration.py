@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint
-from .errors import CheckpointError, UnsupportedModelError
-from .llm.checkpoint_format import LLMWeights, ParallelLayout, layer_params, layer_weights, parse_trtllm_config
-from .llm.checkpoint_format import trtllm_config as make_trtllm_config
-from .llm.convert import CheckpointSources, check_llm_options, convert_llm
-from .llm.kv_cache import fp8_context_fmha
-from .llm.ranges import Ranges
-from .torch_dtypes import TORCH_DTYPES
+from ..common.torch_dtypes import TORCH_DTYPES
+from ..errors import CheckpointError, UnsupportedModelError
+from ..hf.checkpoint import Checkpoint
+from ..llm.checkpoint_format import LLMWeights, ParallelLayout, layer_params, layer_weights, parse_trtllm_config
+from ..llm.checkpoint_format import trtllm_config as make_trtllm_config
+from ..llm.convert import CheckpointSources, check_llm_options, convert_llm
+from ..llm.kv_cache import fp8_context_fmha
+from ..llm.ranges import Ranges
 
 PROMPTS = (
     "Describe this picture in detail.",
@@ -115,10 +115,10 @@ def calibrate(
 ) -> Ranges:
     """The ranges of the language model's activations over `prompts`, one decoder layer in memory at a time; with
     `kv_covers_queries` (FP8 context FMHA), the "kv" range of a layer is that of its queries, keys and values."""
-    from .llm.inputs import prompt_table_row
-    from .preprocess import Preprocessor
-    from .runtime.reference_llm import LLMRequest, ReferenceLLM
-    from .vision.model import VisionTower
+    from ..llm.inputs import prompt_table_row
+    from ..preprocess import Preprocessor
+    from ..runtime.reference_llm import LLMRequest, ReferenceLLM
+    from ..vision.model import VisionTower
 
     sources = CheckpointSources(ckpt, ckpt.info)
     info = ckpt.info

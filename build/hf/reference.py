@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import Checkpoint
-from ..contracts import VISUAL_PREFIX
+from ..common.contracts import VISUAL_PREFIX
+from .checkpoint import Checkpoint
 
 
 def load_hf_vision_tower(ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:

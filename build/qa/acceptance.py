@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .limits import EngineLimits
+from .. import __version__
+from ..common.limits import EngineLimits
 
 if TYPE_CHECKING:
-    from .preprocess.preprocessor import VideoDecoderName
-    from .preprocess.videos import VideoFrameDecoder
-    from .serving.repository.gpu_memory import LLMEngineBuild
+    from ..preprocess.preprocessor import VideoDecoderName
+    from ..preprocess.videos import VideoFrameDecoder
+    from ..serving.repository.gpu_memory import LLMEngineBuild
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
@@ -162,13 +162,13 @@ def _importable(module: str, what: str) -> Callable[[], str | None]:
 
 
 def _tensorrt() -> str | None:
-    from .vision.engine import tensorrt_problem
+    from ..vision.engine import tensorrt_problem
 
     return tensorrt_problem()
 
 
 def _tensorrt_llm() -> str | None:
-    from .llm.engine_build import gpu_stack_problem
+    from ..llm.engine_build import gpu_stack_problem
 
     return gpu_stack_problem()
 
@@ -179,8 +179,8 @@ def _gpu_takes(llm_quant: str, kv_cache_dtype: str = "auto") -> Callable[[], str
     sm100-sm119)."""
 
     def need() -> str | None:
-        from .errors import UnsupportedModelError
-        from .llm.precision import check_kv_cache, choose_llm_quant, visible_gpu_arch
+        from ..errors import UnsupportedModelError
+        from ..llm.precision import check_kv_cache, choose_llm_quant, visible_gpu_arch
 
         arch = visible_gpu_arch()
         if arch is None:
@@ -210,8 +210,8 @@ def _gpus(count: int) -> Callable[[], str | None]:
 
 
 def _tritonserver() -> str | None:
-    from .errors import ServingError
-    from .serving.server.tritonserver_install import find_tritonserver
+    from ..errors import ServingError
+    from ..serving.server.tritonserver_install import find_tritonserver
 
     try:
         find_tritonserver()
@@ -344,7 +344,7 @@ class Acceptance:
         def video() -> tuple[bool, str]:
             import torch
 
-            from .preprocess.nvdec_decoder import NvdecVideoDecoder
+            from ..preprocess.nvdec_decoder import NvdecVideoDecoder
 
             devices, frames, worst, aligned = _frames_against_ffmpeg(NvdecVideoDecoder(torch.device("cuda")))
             figure = f"{frames} frames on {', '.join(devices)}: worst frame's mean {worst:.2f} levels"
@@ -378,9 +378,9 @@ class Acceptance:
         export, its bf16 engine), for vision_engine_row on a machine without TensorRT-LLM."""
 
         def run() -> tuple[bool, str]:
-            from .contracts import PLUGIN, BuildLayout
-            from .vision.engine import VisionEngineProfile, build_vision_engine
-            from .vision.export import export_vision
+            from ..common.contracts import PLUGIN, BuildLayout
+            from ..vision.engine import VisionEngineProfile, build_vision_engine
+            from ..vision.export import export_vision
 
             layout = BuildLayout(self.work / f"build-{_slug(name)}-vision")
             export_vision(model, layout.vision, dtype="fp32", force=True, log=self.log)
@@ -406,7 +406,7 @@ class Acceptance:
         """`qwen3vl-trt build` of `model` for the GPU target with build()'s `options`."""
 
         def run() -> tuple[bool, str]:
-            from .pipeline import BuildOptions, build
+            from ..pipeline.build import BuildOptions, build
 
             output = self.work / f"build-{_slug(name)}"
             manifest = build(model, output, BuildOptions(**options), target="gpu", force=True, log=self.log)
@@ -426,10 +426,10 @@ class Acceptance:
         served rows then serve the hit's repository (its engines read through the links)."""
 
         def run() -> tuple[bool, str]:
-            from .build_cache.key import NO_GPU
-            from .build_cache.store import CacheSettings
-            from .contracts import BuildLayout
-            from .pipeline import BuildOptions, build
+            from ..build_cache.key import NO_GPU
+            from ..build_cache.store import CacheSettings
+            from ..common.contracts import BuildLayout
+            from ..pipeline.build import BuildOptions, build
 
             cache = self.work / "build-cache"
             shutil.rmtree(cache, ignore_errors=True)
@@ -481,7 +481,7 @@ class Acceptance:
         )
 
     def served_rows(self, name: str, model: Path) -> None:
-        from .testing.tiny import synthetic_jpeg, synthetic_video
+        from .tiny import synthetic_jpeg, synthetic_video
 
         requests: dict[str, tuple[str, list[bytes], list[bytes]]] = {
             "text only": ("Describe a sunset in three words.", [], []),
@@ -614,7 +614,7 @@ class Acceptance:
 
 def run_acceptance(work: Path, log: Callable[[str], None] = print) -> Report:
     """Every row, in a working directory that keeps the checkpoints, builds and server logs."""
-    from .testing.tiny import make_tiny_checkpoint
+    from .tiny import make_tiny_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
     acceptance = Acceptance(work, log)
@@ -638,7 +638,7 @@ def run_device_check(work: Path, log: Callable[[str], None] = print) -> Report:
     """scripts/device_check.sh's rows: what a GPU machine with or without TensorRT runs in a few minutes (the kernel,
     decoding into device memory, the GPU preprocessing against the CPU's pixels; the vision engine where TensorRT
     is)."""
-    from .testing.tiny import make_tiny_checkpoint
+    from .tiny import make_tiny_checkpoint
 
     work.mkdir(parents=True, exist_ok=True)
     check = Acceptance(work, log)
@@ -658,7 +658,7 @@ def run_device_check(work: Path, log: Callable[[str], None] = print) -> Report:
 def variants(work: Path, dense: Path) -> list[Variant]:
     """The builds with other options than the served rows': every --llm-quant and quantized KV cache from a block-FP8
     checkpoint (dense; MoE int8-wo and fp8), an fp32 engine, chunked context, tp 2."""
-    from .testing.tiny import synthetic_jpeg
+    from .tiny import synthetic_jpeg
 
     fp8, twin = _block_fp8_checkpoint(work, moe=False)
     moe_fp8, moe_twin = _block_fp8_checkpoint(work, moe=True)
@@ -711,8 +711,8 @@ def variants(work: Path, dense: Path) -> list[Variant]:
 
 def _block_fp8_checkpoint(work: Path, moe: bool) -> tuple[Path, Path]:
     """A tiny checkpoint stored as Qwen's -FP8 releases are (QUANT_TEXT), and its dequantized bf16 twin."""
-    from .testing.quantized import dequantized_twin, quantize_block_fp8
-    from .testing.tiny import make_tiny_checkpoint
+    from .quantized import dequantized_twin, quantize_block_fp8
+    from .tiny import make_tiny_checkpoint
 
     kind = "moe" if moe else "dense"
     text = QUANT_MOE_TEXT if moe else QUANT_TEXT
@@ -779,8 +779,8 @@ def _kernel_inputs() -> tuple[Any, Any, Any, Any, int]:
 
 def _kernel_against_sdpa() -> tuple[float, float, float]:
     """(relative error, kernel ms, per-segment SDPA ms)."""
-    from .plugins import varlen_attention
-    from .plugins.reference import varlen_attention_reference
+    from ..plugins import varlen_attention
+    from ..plugins.reference import varlen_attention_reference
 
     q, k, v, cu_seqlens, longest = _kernel_inputs()
     ours = varlen_attention(q, k, v, cu_seqlens, longest)
@@ -801,8 +801,8 @@ def _flash_attn_ms() -> float:
 def _pixels_against_pillow(model: Path, device: str) -> tuple[float, float]:
     """(mean, max) |pixels - CPU pixels| of one 4:2:0 JPEG request, nvImageCodec decoding and resizing on `device`
     against Pillow and the CPU's resize."""
-    from .preprocess import Preprocessor
-    from .testing.tiny import synthetic_jpeg
+    from ..preprocess import Preprocessor
+    from .tiny import synthetic_jpeg
 
     image = synthetic_jpeg(720, 1280, seed=3, subsampling=2)
     messages = [_user_message("?", [image])]
@@ -820,10 +820,10 @@ def _nvimgcodec_against_pillow(device: str) -> tuple[str, float, float]:
     import numpy as np
     from PIL import Image
 
-    from .limits import RequestLimits
-    from .preprocess.images import open_image
-    from .preprocess.nvimgcodec_decoder import NvImageCodecDecoder
-    from .testing.tiny import synthetic_jpeg
+    from ..common.limits import RequestLimits
+    from ..preprocess.images import open_image
+    from ..preprocess.nvimgcodec_decoder import NvImageCodecDecoder
+    from .tiny import synthetic_jpeg
 
     data = synthetic_jpeg(720, 1280, seed=3, subsampling=2)
     (frame,) = NvImageCodecDecoder(device).decode([data], [open_image(data, 0, RequestLimits())[1]])
@@ -837,9 +837,9 @@ def _frames_against_ffmpeg(decoder: VideoFrameDecoder) -> tuple[list[str], int, 
     frames, the worst frame's mean |difference| in levels, whether each frame is nearest FFmpeg's of its number)."""
     import numpy as np
 
-    from .limits import RequestLimits
-    from .preprocess.videos import decode_frames, probe_video
-    from .testing.tiny import synthetic_video
+    from ..common.limits import RequestLimits
+    from ..preprocess.videos import decode_frames, probe_video
+    from .tiny import synthetic_video
 
     data = synthetic_video(40, 360, 640, 30000 / 1001, options={"g": "15"})
     header = probe_video(data, 0, RequestLimits())
@@ -865,8 +865,8 @@ def _video_pixels_against_host(model: Path, device: str, video_decoder: VideoDec
 
     import numpy as np
 
-    from .preprocess import Preprocessor
-    from .testing.tiny import synthetic_video
+    from ..preprocess import Preprocessor
+    from .tiny import synthetic_video
 
     data = synthetic_video(40, 360, 640, 30000 / 1001, options={"g": "15"})
     messages = [_user_message("?", [], [data])]
@@ -884,12 +884,12 @@ def _vision_engine_against_transformers(model: Path, build_dir: Path) -> float:
     import numpy as np
     import torch
 
-    from .checkpoint import Checkpoint
-    from .contracts import BuildLayout
-    from .testing.hf_reference import load_hf_vision_tower, run_hf_vision_tower
-    from .vision import OnnxVisionRunner
-    from .vision.export import parity_errors
-    from .vision.trt_runner import VisionEngine
+    from ..common.contracts import BuildLayout
+    from ..hf.checkpoint import Checkpoint
+    from ..hf.reference import load_hf_vision_tower, run_hf_vision_tower
+    from ..vision import OnnxVisionRunner
+    from ..vision.export import parity_errors
+    from ..vision.trt_runner import VisionEngine
 
     layout = BuildLayout(build_dir)
     inputs_from = OnnxVisionRunner(layout.vision)  # the host metadata of the export (grid-dependent inputs)
@@ -918,7 +918,7 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
     import torch
     from tensorrt_llm.quantization.functional import preprocess_weights_for_mixed_gemm
 
-    from .llm.weight_only import WeightOnly
+    from ..llm.weight_only import WeightOnly
 
     torch.manual_seed(0)
     weights = {"2-D": torch.randn(384, 256) * 0.02, "experts": torch.randn(4, 256, 128) * 0.02}
@@ -940,10 +940,10 @@ def _weight_only_layout_against_upstream() -> tuple[bool, str]:
 
 def _served_once(build_dir: Path, requests: Sequence[Request], log_path: Path) -> list[list[int]]:
     """Greedy token ids of each request through the build's repository on a real tritonserver."""
-    from .contracts import BuildLayout
-    from .serving.client import Client
-    from .serving.ports import free_ports
-    from .serving.server.tritonserver import TritonServer
+    from ..common.contracts import BuildLayout
+    from ..serving.client import Client
+    from ..serving.ports import free_ports
+    from ..serving.server.tritonserver import TritonServer
 
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path)
     server.start()
@@ -958,10 +958,10 @@ def _served_once(build_dir: Path, requests: Sequence[Request], log_path: Path) -
 def _llm_scheduling(build_dir: Path) -> tuple[LLMEngineBuild, bool, bool]:
     """The LLM engine's build (paged context FMHA, max_num_tokens), and whether the repository's llm reuses KV-cache
     blocks and chunks prompts (the tensorrtllm backend's enable_kv_cache_reuse and enable_chunked_context)."""
-    from .contracts import BuildLayout
-    from .serving import interface
-    from .serving.repository import model_config
-    from .serving.repository.gpu_memory import LLMEngineBuild
+    from ..common.contracts import BuildLayout
+    from ..serving import interface
+    from ..serving.repository import model_config
+    from ..serving.repository.gpu_memory import LLMEngineBuild
 
     layout = BuildLayout(build_dir)
     parameters = model_config.read(layout.triton_repo / interface.LLM).parameters
@@ -989,7 +989,7 @@ def _no_reuse_no_chunks(build_dir: Path, _variant: Variant) -> tuple[bool, str]:
 
 def _chunked_prompts(build_dir: Path, variant: Variant) -> tuple[bool, str]:
     """Chunked context on, and every request's prompt longer than the engine's step (max_num_tokens)."""
-    from .preprocess import Preprocessor
+    from ..preprocess import Preprocessor
 
     engine, _, chunked = _llm_scheduling(build_dir)
     pre = Preprocessor.from_pretrained(variant.model)
@@ -1025,10 +1025,10 @@ def _served_tokens(
     decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
     deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
     figure."""
-    from .contracts import BuildLayout
-    from .serving.client import Client
-    from .serving.ports import free_ports
-    from .serving.server.tritonserver import TritonServer
+    from ..common.contracts import BuildLayout
+    from ..serving.client import Client
+    from ..serving.ports import free_ports
+    from ..serving.server.tritonserver import TritonServer
 
     # Verbose logging: the memory pool's fallbacks are logged at verbose levels too.
     server = TritonServer(BuildLayout(build_dir).triton_repo, free_ports(), log_path=log_path, log_verbose=1)
@@ -1059,9 +1059,9 @@ def _warm_up(server: Any) -> tuple[bool, str]:
     """serve's warm-up requests (serving.server.warmup) through the engines: the llm on the tensorrtllm backend with
     their prefixed request ids, the vision engine after its model_warmup samples ran at load; then an image request
     (8 tokens) and ten more, each a fresh image (no visual-cache hit): the first's latency against their median."""
-    from .serving.client import Client
-    from .serving.server.warmup import plan, warm_up
-    from .testing.tiny import synthetic_jpeg
+    from ..serving.client import Client
+    from ..serving.server.warmup import plan, warm_up
+    from .tiny import synthetic_jpeg
 
     try:
         steps: list[str] = []
@@ -1115,10 +1115,10 @@ def _tokens_ensemble(
     """The ensemble that answers the engine's token ids (the gateway's and decoding clients': no python step per
     streamed token), decoded by the client, against the one that answers text: the same text and ids for each
     request, streamed (the tensorrtllm backend's responses, each with its new ids) and not."""
-    from .checkpoint import generation_end_ids
-    from .detokenize import Detokenizer
-    from .manifest import BuildManifest
-    from .serving.client import Client
+    from ..common.manifest import BuildManifest
+    from ..decoding.detokenize import Detokenizer
+    from ..hf.checkpoint import generation_end_ids
+    from ..serving.client import Client
 
     model = BuildManifest.read(build_dir).model
     decoding = Client(client.url, timeout_s=client.timeout_s, detokenizer=Detokenizer.from_model_dir(model))
@@ -1148,9 +1148,9 @@ def _top_logprobs(client: Any, build_dir: Path) -> tuple[bool, str]:
     by the client: TOP_LOGPROBS alternatives per token, the served (greedy) token the likeliest, and every reported
     log probability, the token's own among them, against transformers' log-softmax of its logits at that step
     (teacher-forced on the served tokens), by token id."""
-    from .detokenize import Detokenizer
-    from .manifest import BuildManifest
-    from .serving.client import Client
+    from ..common.manifest import BuildManifest
+    from ..decoding.detokenize import Detokenizer
+    from ..serving.client import Client
 
     model = BuildManifest.read(build_dir).model
     prompt = "Describe a sunset in three words."
@@ -1189,8 +1189,8 @@ def _guided_answers(client: Any) -> tuple[bool, str]:
     makes either valid)."""
     import jsonschema
 
-    from .guided_decoding import json_schema_guide, tool_call_guide
-    from .serving.gateway.tool_calls import parse_tool_calls
+    from ..decoding.guides import json_schema_guide, tool_call_guide
+    from ..serving.gateway.tool_calls import parse_tool_calls
 
     messages = [{"role": "user", "content": "Answer in JSON."}]
     schema = json_schema_guide(GUIDED_SCHEMA)
@@ -1239,8 +1239,8 @@ def _drains(server: Any) -> tuple[bool, str]:
     carries the server's own prefix (--backend-config=python,shm-region-prefix-name), and none is left after."""
     import threading
 
-    from .serving.client import Client, InferenceError
-    from .serving.server.tritonserver import SHM_DIR
+    from ..serving.client import Client, InferenceError
+    from ..serving.server.tritonserver import SHM_DIR
 
     def regions() -> int:
         return len(list(SHM_DIR.glob(f"{server.shm_prefix}*")))
@@ -1282,8 +1282,8 @@ def _drains(server: Any) -> tuple[bool, str]:
 def _cache_hit(server: Any, client: Any, sent: tuple[tuple[str, list[bytes]], list[int]]) -> tuple[bool, str]:
     """The request with images sent again: the same tokens, the visual cache's hit, no image decoded and no
     vision encoder execution (Triton's statistics)."""
-    from .serving import interface
-    from .serving.stages import metrics as stage_metrics
+    from ..serving import interface
+    from ..serving.stages import metrics as stage_metrics
 
     def runs() -> int:
         stats = client.grpc.get_inference_statistics(model_name=interface.VISION_ENCODER, as_json=True)
@@ -1311,10 +1311,10 @@ def _heals(server: Any) -> tuple[bool, str]:
 
     from tritonclient.grpc import InferenceServerClient
 
-    from .serving import interface
-    from .serving.client import Client
-    from .serving.server.supervisor import group_stubs
-    from .serving.stages import metrics as stage_metrics
+    from ..serving import interface
+    from ..serving.client import Client
+    from ..serving.server.supervisor import group_stubs
+    from ..serving.stages import metrics as stage_metrics
 
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as reply:
         published = stage_metrics.REQUESTS.name in reply.read().decode()
@@ -1360,7 +1360,7 @@ class _TransformersGreedy:
         import torch
         from transformers import AutoModelForImageTextToText
 
-        from .preprocess import Preprocessor
+        from ..preprocess import Preprocessor
 
         self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
         self.pre = Preprocessor.from_pretrained(model)
@@ -1370,7 +1370,7 @@ class _TransformersGreedy:
         import numpy as np
         import torch
 
-        from .testing.hf_reference import hf_request_inputs
+        from ..hf.reference import hf_request_inputs
 
         request = self.pre([_user_message(prompt, images, videos)])  # on the CPU: FFmpeg's frames, as transformers
         ids = np.concatenate([request.input_ids, np.asarray(served, dtype=request.input_ids.dtype)])

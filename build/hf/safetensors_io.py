@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from .errors import CheckpointError
-from .torch_dtypes import SAFETENSORS_DTYPE_TAGS
+from ..common.torch_dtypes import SAFETENSORS_DTYPE_TAGS
+from ..errors import CheckpointError
 
 
 def _read_exactly(path: Path, buffer: bytearray, offset: int) -> None:

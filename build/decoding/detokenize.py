@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from .checkpoint import generation_end_ids, parse_config, read_config
+from ..hf.checkpoint import generation_end_ids, parse_config, read_config
 
 Alternatives = tuple[tuple[int, float], ...]
 """A generated token's likeliest tokens with their log probabilities, the likeliest first."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .errors import LimitsError
+from ..errors import LimitsError
 
 # Prompt tokens of one request (visual tokens included), and visual tokens of one request.
 MAX_INPUT_LEN = 8192

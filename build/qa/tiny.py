@@ -23,8 +23,8 @@ from PIL import Image
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..chat_templates import released_chat_template
-from ..fsutil import atomic_output_dir
+from ..common.fsutil import atomic_output_dir
+from ..hf.chat_templates import released_chat_template
 from .tokenizer_files import SPECIAL_TOKENS, qwen_tokenizer_json
 
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 151655, 151656, 151652, 151653

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, UnsupportedModelError
-from .fsutil import read_json
+from ..common.fsutil import read_json
+from ..errors import CheckpointError, UnsupportedModelError
 from .quantization import (
     FP8_TAG,
     SCALE_SUFFIX,
@@ -497,8 +497,8 @@ class Checkpoint:
         return BlockFP8Location(weight, scale, q.block)
 
     def _stored(self, name: str) -> TensorLocation:
+        from ..common.torch_dtypes import SAFETENSORS_DTYPES
         from .safetensors_io import TensorLocation
-        from .torch_dtypes import SAFETENSORS_DTYPES
 
         meta = self._tensor_meta(name)
         shard = self._shard_of(name)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import CheckpointError, RequestError
+from ..errors import CheckpointError, RequestError
 
 if TYPE_CHECKING:
     import xgrammar
