@@ -98,8 +98,8 @@ def _keys() -> set[str]:
 # manifest.py, outside this set.)
 SCANNED = [
     *sorted((REPO / "build" / "serving").rglob("*.py")),
-    REPO / "build" / "pipeline.py",
-    REPO / "build" / "acceptance.py",
+    REPO / "build" / "pipeline" / "build.py",
+    REPO / "build" / "qa" / "acceptance.py",
     REPO / "build" / "cli.py",
     *sorted((REPO / "triton_models").rglob("*.py")),
     *sorted((REPO / "scripts").rglob("*.py")),

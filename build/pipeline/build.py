@@ -68,18 +68,18 @@ class BuildOptions:
         they were checked for, the calibration file's sha256 (or "builtin")."""
         arch = self.gpu_arch if self.gpu_arch is not None else visible_gpu_arch()
         calibration = self.calibration_data
-        return {
-            "vision_dtype": self.dtype,
-            "vision_engine_dtype": self.vision_engine_dtype,
-            "llm_dtype": llm.dtype,
-            "llm_quant": llm.quant,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "gpu_arch": "none" if arch is None else f"sm{arch}",
-            "tp": str(self.tp),
-            "pp": str(self.pp),
-            "calibration": "builtin" if calibration is None else f"sha256:{file_sha256(Path(calibration))}",
-            **{f"limits.{k}": str(v) for k, v in dataclasses.asdict(self.limits).items()},
-        }
+        parts = dict(
+            vision_dtype=self.dtype,
+            vision_engine_dtype=self.vision_engine_dtype,
+            llm_dtype=llm.dtype,
+            llm_quant=llm.quant,
+            kv_cache_dtype=self.kv_cache_dtype,
+            gpu_arch="none" if arch is None else f"sm{arch}",
+            tp=str(self.tp),
+            pp=str(self.pp),
+            calibration="builtin" if calibration is None else f"sha256:{file_sha256(Path(calibration))}",
+        )
+        return {**parts, **{f"limits.{k}": str(v) for k, v in dataclasses.asdict(self.limits).items()}}
 
 
 def build(
