@@ -399,7 +399,7 @@ def _visual_cache(text: str) -> str:
 
 
 def _triton_url(text: str) -> str:
-    from .serving.gateway.fleet import FleetTarget, FleetTargetError
+    from .serving.targets import FleetTarget, FleetTargetError
 
     try:
         FleetTarget.parse(text)

@@ -382,7 +382,7 @@ def _wait_for(condition, what: str, within: float = 30.0) -> None:
 
 
 def test_names_addresses_and_lists_resolve(fleet):
-    from qwen3vl_trt.serving.gateway.fleet import FleetTarget, FleetTargetError
+    from qwen3vl_trt.serving.targets import FleetTarget, FleetTargetError
 
     first, second = fleet.replicas
     port, dns_port = first.ports.grpc, fleet.dns.port

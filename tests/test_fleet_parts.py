@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 from qwen3vl_trt.serving.client import Answer, RequestRejectedError, ServerBusyError, ServerUnavailableError
-from qwen3vl_trt.serving.gateway.fleet import Fleet, FleetTarget, Replica, ServeProbe
+from qwen3vl_trt.serving.gateway.fleet import Fleet, Replica, ServeProbe
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.server.readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
+from qwen3vl_trt.serving.targets import FleetTarget
 
 REQUEST = GenerationRequest(prompt="Hi.", max_tokens=4)
 
@@ -125,14 +126,14 @@ def test_only_one_retry_and_only_for_server_failures():
 
 
 def test_a_stopping_server_is_unavailable_not_failed():
-    from qwen3vl_trt.serving.client import _server_error
+    from qwen3vl_trt.serving.client import server_error
     from tritonclient.utils import InferenceServerException
 
     for message in (
         "GRPC server is shutting down and has stopped accepting new requests.",  # r26.04, in-band on a stream
         "Server is stopping, scheduler for model has stopped accepting new inference requests",  # core r24.10
     ):
-        assert isinstance(_server_error("r0", InferenceServerException(message)), ServerUnavailableError)
+        assert isinstance(server_error("r0", InferenceServerException(message)), ServerUnavailableError)
 
 
 def test_no_replica_ready_is_unavailable():

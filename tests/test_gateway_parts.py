@@ -12,7 +12,7 @@ import pytest
 from deployment import LIMITS
 from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, _server_error
+from qwen3vl_trt.serving.client import RequestRejectedError, ServerBusyError, ServerUnavailableError, server_error
 from qwen3vl_trt.serving.gateway.admission import MAX_JSON_DEPTH, Admission, Overloaded, json_too_deep
 from qwen3vl_trt.serving.gateway.options import BODY_SLACK_BYTES, MAX_DEFAULT_REQUEST_BYTES, GatewayOptions
 from qwen3vl_trt.serving.gateway.protocol import _UNSUPPORTED
@@ -124,14 +124,14 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
 
 def test_triton_refusals_map_to_the_errors_the_gateway_answers():
     # As Triton's streams carry them: the response's error message, no status (core's scheduler_utils.cc).
-    busy = _server_error("h:1", InferenceServerException(msg="in ensemble 'qwen3vl', Exceeds maximum queue size"))
+    busy = server_error("h:1", InferenceServerException(msg="in ensemble 'qwen3vl', Exceeds maximum queue size"))
     assert isinstance(busy, ServerBusyError) and isinstance(busy, ServerUnavailableError)
     assert busy.reason == "Exceeds maximum queue size"  # no address, no ensemble: what the gateway may tell
     message = f"in ensemble 'qwen3vl_tokens', {interface.REJECTED_REQUEST} [ImageDecodeError]: image 0 is truncated"
-    rejected = _server_error("h:1", InferenceServerException(msg=message))
+    rejected = server_error("h:1", InferenceServerException(msg=message))
     assert isinstance(rejected, RequestRejectedError) and str(rejected) == f"h:1: {message}"
     assert (rejected.reason, rejected.kind) == ("image 0 is truncated", "ImageDecodeError")
-    down = _server_error("h:1", InferenceServerException(msg="connect failed", status="StatusCode.UNAVAILABLE"))
+    down = server_error("h:1", InferenceServerException(msg="connect failed", status="StatusCode.UNAVAILABLE"))
     assert type(down) is ServerUnavailableError
 
 

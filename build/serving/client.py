@@ -88,7 +88,7 @@ _IN_ENSEMBLE = re.compile(r"^in ensemble '[^']*', ")
 _REJECTION = re.compile(rf"{re.escape(interface.REJECTED_REQUEST)}(?: \[(\w+)\])?: (.*)", re.DOTALL)
 
 
-def _server_error(url: str, error: Any) -> InferenceError:
+def server_error(url: str, error: Any) -> InferenceError:
     """tritonclient's InferenceServerException, or grpc's RpcError (the asyncio stream raises it unwrapped)."""
     if hasattr(error, "details"):  # grpc.RpcError
         message, status = error.details() or "", str(error.code())
@@ -170,7 +170,7 @@ class Generation:
             )
         except Exception as e:  # tritonclient's own error types
             self._close(cancel=True)
-            raise _server_error(client.url, e) from e
+            raise server_error(client.url, e) from e
 
     def __iter__(self) -> Iterator[Answer]:
         client = self._client
@@ -182,7 +182,7 @@ class Generation:
                 result, error = item
                 if error is not None:
                     self._close(cancel=False)
-                    raise _server_error(client.url, error)
+                    raise server_error(client.url, error)
                 answer = self._decode(result)
                 if answer is not None:
                     yield answer
@@ -412,7 +412,7 @@ class AsyncClient:
                 watch.last = time.monotonic()
                 if error is not None:
                     finished = True  # the server ended the request itself
-                    raise _server_error(self.url, error)
+                    raise server_error(self.url, error)
                 answer = decode(result)
                 if answer is not None:
                     yield answer
@@ -421,11 +421,11 @@ class AsyncClient:
             if watch.verdict is None:  # this task was cancelled (a client that went away)
                 raise
             raise watch.verdict from None  # the watch cancelled the call
-        except _rpc_errors() as e:
+        except rpc_errors() as e:
             if watch.verdict is not None:
                 raise watch.verdict from None
             finished = True
-            raise _server_error(self.url, e) from e
+            raise server_error(self.url, e) from e
         finally:
             watch.task.cancel()
             responses.cancel()  # frees the call on the shared channel (a no-op once the server ended it)
@@ -443,7 +443,7 @@ class AsyncClient:
             async for _ in responses:
                 pass
 
-        gone_or_slow: tuple[type[Exception], ...] = (asyncio.TimeoutError, *_rpc_errors())
+        gone_or_slow: tuple[type[Exception], ...] = (asyncio.TimeoutError, *rpc_errors())
         try:
             await asyncio.wait_for(drain(), timeout_s)
         except gone_or_slow:  # the server is gone or slow: the request ends anyway
@@ -492,7 +492,7 @@ class _Watch:
         self.call.cancel()
 
 
-def _rpc_errors() -> tuple[type[Exception], ...]:
+def rpc_errors() -> tuple[type[Exception], ...]:
     """What a broken or refused call raises: grpc's own error (the asyncio stream's iteration) or tritonclient's."""
     import grpc
     from tritonclient.utils import InferenceServerException

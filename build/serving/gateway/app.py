@@ -44,6 +44,7 @@ from ..client import (
     ServerUnavailableError,
 )
 from ..ports import host_port
+from ..targets import FleetTarget
 from .admission import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -56,7 +57,7 @@ from .admission import (
 )
 from .answers import ChatChunks, CompletionChunks, Event, TokenTexts, chat_choice, completion_choice
 from .auth import APIKeyGuard, access_note
-from .fleet import Fleet, FleetTarget, GrpcProbe, LocalProbe, ReplicaProbe, ServeProbe
+from .fleet import Fleet, GrpcProbe, LocalProbe, ReplicaProbe, ServeProbe
 from .metrics import CONTENT_TYPE, GatewayMetrics, RequestRecord
 from .options import DEFAULT_OPENAI_PORT, GatewayOptions
 from .planning import ChoiceRun, Plan, Planner

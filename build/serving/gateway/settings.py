@@ -14,8 +14,8 @@ from ..backpressure import BackPressure
 from ..client import Client, ServerUnavailableError
 from ..parameters import PreprocessingParameters
 from ..repository import model_config as serving_config
+from ..targets import FleetTarget
 from .auth import NO_API_KEYS, APIKeys
-from .fleet import FleetTarget
 from .options import BODY_SLACK_BYTES, DEFAULT_GATEWAY_OPTIONS, MAX_DEFAULT_REQUEST_BYTES, GatewayOptions
 
 
