@@ -352,6 +352,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_queue_size=args.max_queue_size,
         visual_cache=args.visual_cache,
         warmup=args.warmup,
+        role=args.role,
+        vision_pool=args.vision_pool,
+        vision_fallback=args.vision_fallback,
     )
 
 
@@ -562,6 +565,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_visual_cache,
         help="where preprocessing keeps images' features: 'off', 'memory' or redis://HOST:PORT/DB, shared by "
         "replicas (default: as build/write-repo set it)",
+    )
+    parser.add_argument(
+        "--role",
+        choices=("replica", "vision"),
+        default="replica",
+        help="replica (default): the whole deployment; vision: a vision pool member, serving only preprocessing and "
+        "the vision encoder for replicas started with --vision-pool (docs/vision-pool.md)",
+    )
+    parser.add_argument(
+        "--vision-pool",
+        type=_triton_url,
+        metavar="TARGET",
+        help="decode and encode the images and videos the visual cache does not hold on these `serve --role vision` "
+        "members (HOST:PORT of their gRPC, a comma-separated list, a name that resolves to each, or "
+        "dns://[DNS_SERVER:PORT]/NAME:PORT), round robin, a failed call retried once on another",
+    )
+    parser.add_argument(
+        "--vision-fallback",
+        choices=("local", "fail"),
+        help="with --vision-pool, when no member answers: local (default) encodes here, fail ends the request's "
+        "images with an error naming the pool",
     )
     parser.add_argument(
         "--no-warmup",

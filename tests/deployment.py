@@ -210,6 +210,39 @@ class Gateway:
                 self.process.kill()
 
 
+class TransformersGreedy:
+    """transformers' greedy tokens for a checkpoint's requests, as the CPU deployment answers them (fp32, end ids
+    dropped as the server drops them); the model loads at the first request."""
+
+    def __init__(self, model_dir: Path, end_ids: tuple[int, ...]):
+        self.model_dir, self.end_ids = model_dir, end_ids
+        self.model = self.pre = None
+
+    def inputs(self, prompt: str, images=(), videos=()) -> dict:
+        import torch
+        from qwen3vl_trt.hf.reference import hf_request_inputs
+        from qwen3vl_trt.preprocess import Preprocessor
+        from transformers import AutoModelForImageTextToText
+
+        if self.model is None:
+            self.model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self.pre = Preprocessor.from_pretrained(self.model_dir)
+        parts = [{"type": "image", "image": image} for image in images]
+        parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
+        request = self.pre([{"role": "user", "content": parts}])
+        return hf_request_inputs(self.model, request, self.pre.info.image_token_id, self.pre.info.video_token_id)
+
+    def tokens(self, prompt: str, images=(), max_tokens: int = 16, videos=()) -> list[int]:
+        import torch
+
+        inputs = self.inputs(prompt, images, videos)
+        with torch.no_grad():
+            out = self.model.generate(
+                **inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(self.end_ids)
+            )
+        return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in self.end_ids]
+
+
 def data_url(image: bytes) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(image).decode()
 

@@ -68,6 +68,7 @@ def test_every_type_round_trips_through_strings(tmp_path):
         vision_engine_dir=None,
         llm_dtype="bfloat16",
         llm_hidden_size=2048,
+        vision_digest="0123",
         attention_budget_bytes=1 << 30,
     )
     strings = encoder.as_strings()

@@ -246,3 +246,46 @@ def test_warm_up_requests_stay_out_of_the_metrics_and_the_visual_cache(component
     assert TABLE in harness.answered()["after"]
     assert (events[Event.HIT], events[Event.MISS], events[Event.STORE]) == (0, 2, 2)  # the warm-up image was not kept
     harness.assert_idle()
+
+
+class Pool:
+    """A vision pool: answers each request's rows (random, as many as its images take), or the error it is told."""
+
+    def __init__(self, component: Preprocessing, fallback: str, failure: Exception | None = None):
+        self.component, self.fallback, self.failure = component, fallback, failure
+        self.sent: list[GenerationRequest] = []
+
+    async def table(self, request: GenerationRequest, warm_up: bool) -> torch.Tensor | Exception:
+        self.sent.append(request)
+        if self.failure is not None:
+            return self.failure
+        made = self.component.pre.batch([{"messages": request.chat()}])[0]
+        tokens = sum(int(item.grid_thw.prod()) // 4 for item in made.visual)
+        return torch.randn(self.component.table.shape(tokens))
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+@pytest.mark.parametrize("answers", [True, False], ids=["pool answers", "pool down"])
+def test_a_pooled_replica_sends_its_misses_to_the_pool_and_falls_back_as_told(checkpoints, answers, fallback):
+    """With a vision pool, an image the cache does not hold is sent to the pool undecoded; a pool that does not
+    answer makes the replica decode and encode it here (local), or fails the image's request alone (fail)."""
+    pooled = Preprocessing(checkpoints["dense"], LIMITS, torch.float32, 64)
+    pooled.pooled = True
+    encoder = Encoder(pooled)
+    harness = Harness(pooled, encoder)
+    down = StageError("the vision pool pool-0:8101 did not answer: pool-0:8101 is unavailable")
+    pool = Pool(pooled, fallback, None if answers else down)
+    harness.scheduler.pool = pool  # type: ignore[assignment]
+    asyncio.run(harness.scheduler.admit([Request("image", jpeg(96, 64, seed=5)), Request("text")]))
+    answered = harness.answered()
+    assert TABLE in answered["text"] and len(pool.sent) == 1 and len(pool.sent[0].images) == 1
+    added = harness.metrics.added
+    if answers:
+        assert TABLE in answered["image"] and encoder.calls == []
+        assert added[stage_metrics.VISION_POOL_ENCODES.name] == 1 and added[stage_metrics.IMAGES_DECODED.name] == 0
+    elif fallback == "local":
+        assert TABLE in answered["image"] and len(encoder.calls) == 1
+        assert added[stage_metrics.VISION_POOL_FALLBACKS.name] == 1 and added[stage_metrics.IMAGES_DECODED.name] == 1
+    else:
+        assert answered["image"] is down and encoder.calls == []
+    harness.assert_idle()

@@ -196,6 +196,7 @@ def _preprocessing_parameters(**values) -> PreprocessingParameters:
         vision_engine_dir=None,
         llm_dtype="bfloat16",
         llm_hidden_size=64,
+        vision_digest="0123",
         preprocess_device="cpu",
         mrope_positions=0,
         visual_cache="memory",
@@ -509,7 +510,7 @@ def test_a_failed_warm_up_request_ends_serve_naming_it(tmp_path, nowhere, monkey
     """serve exits (3) when a warm-up request fails: the deployment would fail real requests like it."""
     repo = echo_repository(tmp_path / "repo")
     refused = WarmupRequest("an image for an ensemble without images", "hi", (b"\xff\xd8",))
-    monkeypatch.setattr(serve_module, "plan", lambda _repo: [refused])
+    monkeypatch.setattr(serve_module, "plan", lambda _repo, vision_only=False: [refused])
     ports = free_ports()
     with pytest.raises(
         WarmupError, match=r"^warm-up request 1/1 \(an image for an ensemble without images\) failed: "

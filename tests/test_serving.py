@@ -14,11 +14,11 @@ import psutil
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from deployment import LIMITS, SETTINGS, build_cpu_repository
+from deployment import LIMITS, SETTINGS, TransformersGreedy, build_cpu_repository
 from images import jpeg
 from qwen3vl_trt.decoding.detokenize import Detokenizer
 from qwen3vl_trt.decoding.guides import Guide
-from qwen3vl_trt.hf.reference import hf_greedy_log_softmax, hf_request_inputs
+from qwen3vl_trt.hf.reference import hf_greedy_log_softmax
 from qwen3vl_trt.preprocess import Preprocessor
 from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from qwen3vl_trt.serving import interface
@@ -26,7 +26,6 @@ from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.request import GUIDE_TEXT, LOGIT_BIAS_IDS, LOGIT_BIAS_WEIGHTS, GenerationRequest
 from qwen3vl_trt.serving.server.tritonserver import TritonServer
-from transformers import AutoModelForImageTextToText
 from videos import audio_only, clip, corrupt_middle, ffv1_mkv
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -41,31 +40,19 @@ class Deployment:
         self.server.start()
         self.server.wait_ready()
         self.url = self.server.url
-        self._hf = None
+        self.greedy = TransformersGreedy(model_dir, END_IDS)
 
     def client(self) -> Client:
         return Client(self.url, timeout_s=120)
 
     def expected(self, prompt, images=(), max_tokens=16, videos=()) -> list[int]:
         """transformers' greedy tokens for the same request (end ids dropped, as the server does)."""
-        if self._hf is None:
-            self._hf = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-            self._pre = Preprocessor.from_pretrained(self.model_dir)
-        parts = [{"type": "image", "image": image} for image in images]
-        parts += [{"type": "video", "video": video} for video in videos] + [{"type": "text", "text": prompt}]
-        r = self._pre([{"role": "user", "content": parts}])
-        inputs = hf_request_inputs(self._hf, r, self._pre.info.image_token_id, self._pre.info.video_token_id)
-        with torch.no_grad():
-            out = self._hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(END_IDS))
-        return [t for t in out[0, inputs["input_ids"].shape[1] :].tolist() if t not in END_IDS]
+        return self.greedy.tokens(prompt, images, max_tokens, videos)
 
     def expected_log_softmax(self, prompt, images=(), max_tokens=16) -> tuple[list[int], np.ndarray]:
         """transformers' greedy tokens for the same request and the log-softmax of the model's logits at each."""
-        self.expected(prompt, images, max_tokens=1)  # loads the model and the preprocessor
-        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
-        r = self._pre([{"role": "user", "content": parts}])
-        inputs = hf_request_inputs(self._hf, r, self._pre.info.image_token_id, self._pre.info.video_token_id)
-        return hf_greedy_log_softmax(self._hf, inputs, max_tokens, END_IDS)
+        inputs = self.greedy.inputs(prompt, images)
+        return hf_greedy_log_softmax(self.greedy.model, inputs, max_tokens, END_IDS)
 
     def statistics(self, model: str) -> dict:
         stats = self.client().grpc.get_inference_statistics(model_name=model, as_json=True)

@@ -142,7 +142,7 @@ def build(
         if memory is not None:
             log(memory.describe())
         # The repository records the build's final paths, where its models will find the files.
-        configs = model_configs(final, model, target, options.limits, llm, settings, memory)
+        configs = model_configs(final, model, target, options.limits, llm, settings, memory, files=tmp)
         write_model_files(tmp.triton_repo, configs)
         stages.append(StageRecord.done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start, target=target))
         manifest = BuildManifest(

@@ -71,6 +71,8 @@ class VisualInput:
     kind: VisualKind
     digest: bytes  # llm.inputs.visual_digest: what its features are cached by
     grid_thw: np.ndarray  # [3] int64
+    # What it was made from: the encoded file, or a video's decoded frames (what a vision pool is sent, if bytes).
+    source: bytes | DecodedVideo | None = field(default=None, repr=False, compare=False)
 
 
 # Per request, per visual input in prompt order: whether its pixels are not needed (see Preprocessor.batch).
@@ -396,7 +398,7 @@ class Preprocessor:
         for token in kinds.tolist():
             if token == self.prompts.image_token_id:
                 grid = plan.image_grid_thw[image]
-                visual.append(VisualInput("image", visual_digest(grid, plan.data[image]), grid))
+                visual.append(VisualInput("image", visual_digest(grid, plan.data[image]), grid, plan.data[image]))
                 order.append(image)
                 image += 1
             elif skip:
@@ -404,7 +406,7 @@ class Preprocessor:
             else:
                 made = videos[video]
                 grid = np.array(made.grid_thw, dtype=np.int64)
-                visual.append(VisualInput("video", visual_digest(grid, *_video_content(made)), grid))
+                visual.append(VisualInput("video", visual_digest(grid, *_video_content(made)), grid, made.source))
                 order.append(video)
                 skip, video = made.grid_thw[0] - 1, video + 1
         return tuple(visual), tuple(order)

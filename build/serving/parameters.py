@@ -114,7 +114,9 @@ class Parameters:
 
 # The layout of the model repositories this version writes and serves (model.py imports, parameters, tensors).
 # Bump it with a change that makes repositories written before it unservable: `serve` refuses any other.
-REPOSITORY_SCHEMA = 5
+REPOSITORY_SCHEMA = 6
+# A replica whose vision pool does not answer: encodes here (local), or fails the request's images (fail).
+VISION_FALLBACKS = ("local", "fail")
 
 
 @dataclass(frozen=True)
@@ -139,12 +141,14 @@ class ModelParameters(Parameters):
 class VisionParameters(ModelParameters):
     """What preprocessing and vision_encoder both read: the vision ONNX export (sidecar, graph), the TensorRT vision
     engine where the GPU target runs it (None: the CPU target runs the ONNX), and the prompt table's dtype and width
-    (the LLM's)."""
+    (the LLM's). vision_digest: what the vision tower's features are made from (its weights, config, graph contract
+    and dtype: VisionSidecar.features_digest), which a replica and its vision pool must share."""
 
     vision_dir: Path
     vision_engine_dir: Path | None
     llm_dtype: str
     llm_hidden_size: int
+    vision_digest: str
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,26 @@ class PreprocessingParameters(VisionParameters):
     visual_cache_bytes: int
     visual_cache_ttl_s: int
     cuda_memory_pool_bytes: int | None = None
+    # Where the images and videos the visual cache does not hold are decoded and encoded: "" here, else a vision
+    # pool's target (serve --vision-pool), and what happens when no member answers (VISION_FALLBACKS).
+    vision_pool: str = ""
+    vision_fallback: str = "local"
+    repository_schema: int = REPOSITORY_SCHEMA  # what a replica checks of a vision pool member
 
     def __post_init__(self) -> None:
         check_cache_setting(self.visual_cache)
+        if self.vision_fallback not in VISION_FALLBACKS:
+            choices = ", ".join(VISION_FALLBACKS)
+            raise LimitsError(f"vision_fallback must be one of {choices}, got {self.vision_fallback!r}")
+
+    def pool_mismatch(self, pool: PreprocessingParameters) -> str | None:
+        """What a vision pool member's preprocessing (`pool`) does not share with this one, for its rows to be this
+        one's: its repository schema, vision tower, prompt table and limits; None when it shares them all."""
+        for name in ("repository_schema", "vision_digest", "llm_dtype", "llm_hidden_size", "limits"):
+            mine, theirs = getattr(self, name), getattr(pool, name)
+            if mine != theirs:
+                return f"its {name} is {theirs}, this replica's {mine}"
+        return None
 
 
 @dataclass(frozen=True)

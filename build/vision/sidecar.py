@@ -9,6 +9,7 @@ check the entries they use, so a damaged or foreign file is refused with the com
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -203,6 +204,13 @@ class VisionSidecar:
     def contract_sha256(self) -> str:
         contract = self.contract()
         return contract_sha256(contract["inputs"] + contract["outputs"])
+
+    def features_digest(self) -> str:
+        """What the tower's features are made from, hashed: its weights and config (the source checkpoint's digests),
+        the graph's contract and variant, and its dtype. Two exports with one digest encode an image alike."""
+        source = self.source_checkpoint
+        parts = [source.get("visual_weights_sha256"), source.get("config_sha256"), self.contract_sha256()]
+        return hashlib.sha256(json.dumps([*parts, self.graph_variant, self.dtype]).encode()).hexdigest()[:32]
 
     def records_this_contract(self) -> bool:
         """Whether the inputs and outputs the file records are this version's contract for the export."""

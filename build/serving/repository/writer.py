@@ -113,6 +113,7 @@ class _Models:
     llm: LLMConfig
     settings: RepositorySettings
     memory: GpuMemoryPlan | None
+    vision_digest: str  # the vision export's (VisionSidecar.features_digest)
 
     @property
     def gpu(self) -> bool:
@@ -140,6 +141,7 @@ class _Models:
             vision_engine_dir=self.build.vision_engine if self.gpu else None,
             llm_dtype=self.llm.dtype,
             llm_hidden_size=self.llm.hidden_size,
+            vision_digest=self.vision_digest,
         )
 
 
@@ -328,9 +330,11 @@ def model_configs(
     llm: LLMConfig,
     settings: RepositorySettings = DEFAULT_REPOSITORY_SETTINGS,
     memory: GpuMemoryPlan | None = None,
+    files: BuildLayout | None = None,
 ) -> dict[str, mc.ModelConfig]:
     """The configuration of every model, for a build whose final location is `build.root` and whose
-    LLM checkpoint has the configuration `llm`; the gpu target needs the GPU memory plan."""
+    LLM checkpoint has the configuration `llm`; the gpu target needs the GPU memory plan. files: where the build's
+    files are now, if not at build.root yet (a build writing its temporary directory)."""
     if llm.dtype not in cfg.MODEL_DATA_TYPES:
         raise CheckpointError(f"{build.llm_checkpoint}: dtype {llm.dtype!r} cannot be served")
     if target == "gpu" and memory is None:
@@ -338,7 +342,8 @@ def model_configs(
     if target == "gpu" and memory is not None and memory.gpu != settings.python_models_gpu:
         planned, placed = memory.gpu, settings.python_models_gpu
         raise ValueError(f"the GPU memory plan puts the python models on GPU {planned}, the settings on GPU {placed}")
-    models = _Models(build, model_dir, target, limits, llm, settings, memory)
+    vision_digest = VisionSidecar.load((files or build).vision).features_digest()
+    models = _Models(build, model_dir, target, limits, llm, settings, memory, vision_digest)
     configs = {
         interface.PREPROCESSING: _preprocessing(models),
         interface.VISION_ENCODER: _vision_encoder(models),

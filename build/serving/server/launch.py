@@ -184,10 +184,12 @@ def repository_models(repo: Path) -> list[str]:
 class ConfigOverrides:
     """What `serve` changes in the repository's model configs when it loads them (explicit model control),
     leaving the repository as written: the queue bound of the models whose queue is bounded (write-repo bounds
-    the batched models the requests enter), and where preprocessing keeps the visual cache."""
+    the batched models the requests enter), where preprocessing keeps the visual cache, and its vision pool."""
 
     max_queue_size: int | None = None
     visual_cache: str | None = None
+    vision_pool: str | None = None  # the pool's target (serve --vision-pool)
+    vision_fallback: str | None = None
 
     def apply(self, config: mc.ModelConfig) -> bool:
         """Changes `config` in place; whether any override applies to it."""
@@ -196,10 +198,17 @@ class ConfigOverrides:
         if self.max_queue_size is not None and policy.max_queue_size:
             serving_config.queue_policy(config, self.max_queue_size, policy.default_timeout_microseconds)
             applies = True
-        if self.visual_cache is not None and config.name == PREPROCESSING:
+        if config.name == PREPROCESSING:
             params = PreprocessingParameters.from_model_config(config)
-            replace(params, visual_cache=self.visual_cache).apply(config)
-            applies = True
+            overridden = replace(
+                params,
+                visual_cache=_given(self.visual_cache, params.visual_cache),
+                vision_pool=_given(self.vision_pool, params.vision_pool),
+                vision_fallback=_given(self.vision_fallback, params.vision_fallback),
+            )
+            if (self.visual_cache, self.vision_pool, self.vision_fallback) != (None, None, None):
+                overridden.apply(config)
+                applies = True
         return applies
 
     def kept_by(self, served: mc.ModelConfig) -> bool:
@@ -218,3 +227,7 @@ class ConfigOverrides:
             if self.apply(config):
                 overridden[model] = serving_config.to_json(config)
         return overridden
+
+
+def _given(value: str | None, default: str) -> str:
+    return default if value is None else value

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from ...errors import ServingError
 from ..gateway.options import DEFAULT_GATEWAY_OPTIONS, GatewayOptions
-from ..interface import ENSEMBLE
-from ..parameters import REPOSITORY_SCHEMA, EnsembleParameters, ParameterError
+from ..interface import ENSEMBLE, PREPROCESSING, VISION_ENCODER
+from ..parameters import REPOSITORY_SCHEMA, EnsembleParameters, ParameterError, PreprocessingParameters
 from ..ports import (
     DEFAULT_PORTS,
     READY_TIMEOUT_S,
@@ -28,6 +28,7 @@ from ..ports import (
     host_port,
 )
 from ..repository import model_config as serving_config
+from ..targets import FleetTarget
 from .readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
 from .tritonserver import TritonServer
 from .warmup import WarmupError, WarmupRequest, plan, warm_up
@@ -68,12 +69,48 @@ def check_repository(repo: Path) -> None:
         )
 
 
+# What `serve --role` runs: the whole deployment, or a vision pool member (stages.vision_pool).
+REPLICA_ROLE, VISION_ROLE = "replica", "vision"
+ROLES = (REPLICA_ROLE, VISION_ROLE)
+VISION_MODELS = (VISION_ENCODER, PREPROCESSING)  # a member's, in load order (preprocessing calls the encoder)
+
+
+def check_vision_pool(target: str, repo: Path) -> None:
+    """Refuses, before anything starts, a vision pool whose members that answer now serve another repository
+    (PreprocessingParameters.pool_mismatch), naming the member; members that do not answer yet are checked by
+    preprocessing before their first request."""
+    from tritonclient.grpc import InferenceServerClient
+
+    mine = PreprocessingParameters.from_model_config(serving_config.read(repo / PREPROCESSING))
+    try:
+        addresses = FleetTarget.parse(target).resolve()
+    except Exception:  # a resolver that fails now: preprocessing resolves again
+        return
+    for address in addresses:
+        client = InferenceServerClient(address)
+        try:
+            config = client.get_model_config(PREPROCESSING, client_timeout=5.0).config
+        except Exception:  # not answering yet (tritonclient's own error types)
+            continue
+        finally:
+            client.close()
+        try:
+            why = mine.pool_mismatch(PreprocessingParameters.from_model_config(config))
+        except ParameterError as e:  # another version's repository
+            why = str(e)
+        if why is not None:
+            raise ServingError(f"the vision pool member {address} serves another repository than {repo}: {why}")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What `qwen3vl-trt serve` runs: the repository, where its endpoints listen (tritonserver's and serve's own
     readiness endpoint), which tritonserver, and the OpenAI gateway beside it when openai_port is set (with `gateway`'s
     options). stop_grace: seconds from SIGTERM to SIGKILL when stopping; max_queue_size and visual_cache: override
-    the repository's queue bound and visual cache; warmup: send the warm-up requests (server.warmup) before ready."""
+    the repository's queue bound and visual cache; warmup: send the warm-up requests (server.warmup) before ready.
+    role (ROLES): a replica serves the whole deployment; a vision pool member (`vision`) only preprocessing and the
+    vision encoder, which replicas started with vision_pool (its target) send the images and videos their visual
+    cache does not hold; vision_fallback: what such a replica does when no member answers (VISION_FALLBACKS)."""
 
     repo: Path
     ports: ServerPorts = DEFAULT_PORTS
@@ -88,6 +125,9 @@ class ServeOptions:
     max_queue_size: int | None = None
     visual_cache: str | None = None
     warmup: bool = True
+    role: str = "replica"
+    vision_pool: str | None = None
+    vision_fallback: str | None = None
 
 
 class _Warmer:
@@ -95,9 +135,15 @@ class _Warmer:
     for each server the supervisor starts again (its stages load cold)."""
 
     def __init__(
-        self, server: TritonServer, readiness: Readiness, metrics: ServeMetrics, requests: list[WarmupRequest]
+        self,
+        server: TritonServer,
+        readiness: Readiness,
+        metrics: ServeMetrics,
+        requests: list[WarmupRequest],
+        model: str | None = None,
     ) -> None:
         self.server, self.readiness, self.metrics, self.requests = server, readiness, metrics, requests
+        self.model = model  # what the requests go to (None: the ensemble)
         self.warmed: int | None = None  # the server process warmed up last
 
     def warm(self) -> None:
@@ -110,6 +156,7 @@ class _Warmer:
             self.server.log,
             self.server.ready_timeout,
             answered=self.metrics.warmup_requests.inc,
+            model=self.model,
         )
         self.metrics.warmup_seconds.set(seconds)
         if self.requests:
@@ -135,6 +182,11 @@ def serve(args: ServeOptions) -> int:
     (TritonServer.stop: SIGTERM, SIGKILL after the grace period); the server's exit status. Its readiness endpoint
     (server.readiness) says ready once the server is ready and warmed up (server.warmup)."""
     check_repository(args.repo)
+    vision = args.role == VISION_ROLE
+    if vision and (args.openai_port is not None or args.vision_pool is not None):
+        raise ServingError("a vision pool member (--role vision) runs no gateway and no pool of its own")
+    if args.vision_pool is not None:
+        check_vision_pool(args.vision_pool, args.repo)
     server = TritonServer(
         args.repo,
         args.ports,
@@ -146,6 +198,9 @@ def serve(args: ServeOptions) -> int:
         stop_grace=args.stop_grace,
         max_queue_size=args.max_queue_size,
         visual_cache=args.visual_cache,
+        models=VISION_MODELS if vision else None,
+        vision_pool=args.vision_pool,
+        vision_fallback=args.vision_fallback,
     )
     if args.print_command:
         env = [f"{name}={shlex.quote(value)}" for name, value in server.install.env.items()]
@@ -154,7 +209,8 @@ def serve(args: ServeOptions) -> int:
     build = BuildInfo.of_repository(args.repo)
     readiness = Readiness(server.reports_ready, lambda: server.pid)
     metrics = ServeMetrics(readiness, build)
-    warmer = _Warmer(server, readiness, metrics, plan(args.repo) if args.warmup else [])
+    requests = plan(args.repo, vision_only=vision) if args.warmup else []
+    warmer = _Warmer(server, readiness, metrics, requests, PREPROCESSING if vision else None)
     endpoint = ReadinessServer(readiness, metrics, build, args.address, args.ports.ready)
     stopping = threading.Event()
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -85,7 +85,8 @@ class TritonServer:
     """A tritonserver (or its MPI ranks) under its guard, in its own process group; as a context manager,
     started and ready. A single server is supervised (server.supervisor): a stage whose python stub dies is
     unloaded and loaded again, and a server that exits on its own is started again (a few times).
-    max_queue_size and visual_cache override the repository's queue bound and visual cache (ConfigOverrides)."""
+    max_queue_size, visual_cache, vision_pool and vision_fallback override the repository's queue bound, visual cache
+    and vision pool (ConfigOverrides); `models` loads only those (a vision pool member's), not every model."""
 
     log_tail_lines = 30
 
@@ -104,13 +105,18 @@ class TritonServer:
         max_queue_size: int | None = None,
         visual_cache: str | None = None,
         supervise: bool = True,
+        models: Sequence[str] | None = None,
+        vision_pool: str | None = None,
+        vision_fallback: str | None = None,
     ) -> None:
         self.repo = Path(repo)
         self.ports = ports
         self.address = address
         self.install = find_tritonserver(tritonserver)
-        self.config_overrides = ConfigOverrides(max_queue_size, visual_cache)
+        self.config_overrides = ConfigOverrides(max_queue_size, visual_cache, vision_pool, vision_fallback)
         self.overrides = self.config_overrides.configs(self.repo)
+        # The models to load (a vision pool member's: serving.server.serve), None: every model of the repository.
+        self.models = list(models) if models is not None else None
         # A random part too: servers in other PID namespaces may share this /dev/shm (a container with --ipc=host).
         self.shm_prefix = f"{process_shm_prefix(os.getpid())}{next(_SERVER_NUMBERS)}_{secrets.token_hex(4)}_"
         # Requests in flight at a stop get the whole grace to finish (a pod's drain), not tritonserver's 30 s.
@@ -120,7 +126,7 @@ class TritonServer:
             ports,
             address,
             log_verbose,
-            load_at_start=not self.overrides,
+            load_at_start=not self.overrides and self.models is None,
             drain_s=stop_grace,
             shm_prefix=self.shm_prefix,
         )
@@ -140,6 +146,11 @@ class TritonServer:
         self._restarting = threading.Lock()  # held while a restart replaces the process; a stop waits for that
         self._stopping = threading.Event()  # set by stop(): a restart in progress gives up waiting for readiness
         self._stubs_at_stop: set[int] | None = None  # the stubs' pids when the server was first told to stop
+
+    @property
+    def _explicit(self) -> bool:
+        """Whether serve loads the models itself (through the repository API) rather than the server at start."""
+        return bool(self.overrides) or self.models is not None
 
     @property
     def url(self) -> str:
@@ -271,7 +282,7 @@ class TritonServer:
             raise ServingError("the server has not been started")
         deadline = time.monotonic() + self.ready_timeout
         client = InferenceServerClient(self.url)
-        loaded = not self.overrides
+        loaded = not self._explicit
         aborted = False
         try:
             while True:
@@ -286,14 +297,15 @@ class TritonServer:
                     self._respawn()
                     client.close()
                     client = InferenceServerClient(self.url)  # not one in gRPC's reconnect backoff
-                    loaded = not self.overrides
+                    loaded = not self._explicit
                     continue
                 if status is not None:
                     raise ServingError(f"tritonserver {self._exited(status)} before it was ready; {self._log_tail()}")
                 try:
                     if not loaded and client.is_server_live(client_timeout=2.0):
                         try:
-                            self._load(client, repository_models(self.repo), deadline - time.monotonic())
+                            models = self.models or repository_models(self.repo)
+                            self._load(client, models, deadline - time.monotonic())
                         except ServingError:
                             if self._ended_within(LOAD_EXIT_S) is None:
                                 raise

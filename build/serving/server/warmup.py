@@ -105,9 +105,10 @@ def picture(pixels: int, image_format: str) -> bytes:
     return encoded.getvalue()
 
 
-def plan(repo: Path) -> list[WarmupRequest]:
+def plan(repo: Path, vision_only: bool = False) -> list[WarmupRequest]:
     """The warm-up requests for a repository: none when it has no preprocessing model (not a qwen3vl-trt ensemble
-    of this layout's stages)."""
+    of this layout's stages); with vision_only (a vision pool member, which serves preprocessing and the vision
+    encoder alone) the images' requests only."""
     if not (Path(repo) / PREPROCESSING / serving_config.CONFIG_FILE).is_file():
         return []
     params = PreprocessingParameters.from_model_config(serving_config.read(Path(repo) / PREPROCESSING))
@@ -123,8 +124,9 @@ def plan(repo: Path) -> list[WarmupRequest]:
                 (picture(pixels, image_format),),
             )
         )
-    requests.append(WarmupRequest(f"a text prompt, {DECODE_TOKENS} tokens generated", "Count to ten.",
-                                  max_tokens=DECODE_TOKENS, min_tokens=DECODE_TOKENS))  # fmt: skip
+    if not vision_only:
+        requests.append(WarmupRequest(f"a text prompt, {DECODE_TOKENS} tokens generated", "Count to ten.",
+                                      max_tokens=DECODE_TOKENS, min_tokens=DECODE_TOKENS))  # fmt: skip
     return requests
 
 
@@ -134,11 +136,13 @@ def warm_up(
     log: Callable[[str], None],
     timeout_s: float,
     answered: Callable[[], None] = lambda: None,
+    model: str | None = None,
 ) -> float:
-    """Sends the requests one after another to the ensemble at `url`, logging each with its seconds (`answered`
-    after each); the seconds they took. WarmupError naming the request when one fails."""
+    """Sends the requests one after another to the ensemble at `url` (or `model`: a vision pool member's
+    preprocessing), logging each with its seconds (`answered` after each); the seconds they took. WarmupError naming
+    the request when one fails."""
     started = time.monotonic()
-    client = Client(url, timeout_s=timeout_s)
+    client = Client(url, timeout_s=timeout_s, model=model)
     try:
         for n, request in enumerate(requests, 1):
             sent = time.monotonic()

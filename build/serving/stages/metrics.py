@@ -10,6 +10,7 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +26,14 @@ class Metric:
     description: str
     kind: Kind = Kind.COUNTER
     buckets: tuple[float, ...] = ()  # a histogram's upper bounds
+
+
+class MetricSink(Protocol):
+    """Where a stage's metrics go (triton_adapters publishes them; tests count them)."""
+
+    def add(self, metric: Metric, value: float) -> None: ...
+
+    def observe(self, metric: Metric, value: float) -> None: ...
 
 
 MODEL_LABEL = "model"
@@ -79,6 +88,25 @@ VISUAL_CACHE_BACKEND_ERRORS = Metric(
     "qwen3vl_visual_cache_backend_errors_total",
     "Visual cache store calls that failed (down, slow or full); the cache is bypassed for a backoff after each",
 )
+VISION_POOL_ENCODES = Metric(
+    "qwen3vl_vision_pool_encodes_total", "Images and videos a vision pool member decoded and encoded for this replica"
+)
+VISION_POOL_REQUESTS = Metric("qwen3vl_vision_pool_requests_total", "Requests sent to vision pool members, retries too")
+VISION_POOL_RETRIES = Metric(
+    "qwen3vl_vision_pool_retries_total", "Pool requests sent again to another member after one failed"
+)
+VISION_POOL_FALLBACKS = Metric(
+    "qwen3vl_vision_pool_fallbacks_total", "Images and videos encoded here because no pool member answered"
+)
+VISION_POOL_BYTES = Metric(
+    "qwen3vl_vision_pool_bytes_total", "Bytes sent to and received from vision pool members (files and rows)"
+)
+VISION_POOL_SECONDS = Metric(
+    "qwen3vl_vision_pool_seconds",
+    "Seconds of each answered pool request, from sending the files to holding their rows",
+    Kind.HISTOGRAM,
+    (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0),
+)
 TOKENS_GENERATED = Metric("qwen3vl_tokens_generated_total", "Tokens generated and sent (an echoed prompt not counted)")
 
 # What each kind of model publishes, besides REQUESTS and REQUEST_ERRORS.
@@ -91,7 +119,15 @@ VISUAL_CACHE = (
     VISUAL_CACHE_REJECTED,
     VISUAL_CACHE_BACKEND_ERRORS,
 )
-PREPROCESSING = (IMAGES_DECODED, VIDEOS_DECODED, PREPROCESS_SECONDS, ENCODES_JOINED, *VISUAL_CACHE)
+VISION_POOL = (
+    VISION_POOL_ENCODES,
+    VISION_POOL_REQUESTS,
+    VISION_POOL_RETRIES,
+    VISION_POOL_FALLBACKS,
+    VISION_POOL_BYTES,
+    VISION_POOL_SECONDS,
+)
+PREPROCESSING = (IMAGES_DECODED, VIDEOS_DECODED, PREPROCESS_SECONDS, ENCODES_JOINED, *VISUAL_CACHE, *VISION_POOL)
 VISION_ENCODER = (PATCHES_ENCODED, VISION_RUN_PATCHES, VISION_RUN_IMAGES, VISION_RUN_SECONDS)
 LLM = (TOKENS_GENERATED,)
 

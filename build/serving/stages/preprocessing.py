@@ -13,7 +13,7 @@ targets' `llm` models receive every input.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ from ..request import GenerationRequest
 from .visual_cache import FeatureScope, VisualCache
 
 Arrays = Mapping[str, Any]
+# What a pool request's prompt takes besides the visual tokens, per image or video (its vision start and end tokens
+# and the template's text around them) and for the chat template itself.
+POOL_PROMPT_TOKENS = 8
 Found = MutableMapping[bytes, torch.Tensor]  # the visual cache's rows of one batch, by digest
 
 
@@ -87,8 +90,9 @@ class PromptTableFormat:
 @dataclass(frozen=True)
 class VisualFeatures:
     """One image or video of a request: its cache digest and grid, and its prompt-table rows when the cache had
-    them, or else the vision encoder's inputs for it alone (contracts.VISION_INPUTS and grid), or neither when an
-    earlier batch is encoding the same one now (the request waits for that encode)."""
+    them, or else the vision encoder's inputs for it alone (contracts.VISION_INPUTS and grid), or, with a vision
+    pool, its encoded file undecoded (`source`: the pool decodes it), or none of these when an earlier batch is
+    encoding the same one now (the request waits for that encode)."""
 
     kind: VisualKind
     digest: bytes
@@ -96,6 +100,12 @@ class VisualFeatures:
     tokens: int
     rows: torch.Tensor | None
     vision_inputs: dict[str, Any] | None
+    source: bytes | None = field(default=None, repr=False)
+
+    @property
+    def encodes(self) -> bool:
+        """Whether this request encodes it (here or in the pool), rather than finding or joining its rows."""
+        return self.vision_inputs is not None or self.source is not None
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class Prepared:
     @property
     def to_encode(self) -> list[VisualFeatures]:
         """Images and videos this request sends to the vision encoder."""
-        return [item for item in self.visual if item.vision_inputs is not None]
+        return [item for item in self.visual if item.encodes]
 
     @property
     def pending(self) -> list[VisualFeatures]:
@@ -136,6 +146,8 @@ class Preprocessing:
         self.limits = limits
         self.table = PromptTableFormat(llm_dtype, llm_hidden_size, self.pre.info.deepstack_count + 1)
         self.cache: VisualCache | None = None
+        # With a vision pool, images and videos the cache does not hold are left undecoded for the pool (scheduler).
+        self.pooled = False
         self.mrope_positions = mrope_positions
         self.tokenizer = self.pre.prompts.tokenizer
         self.end_ids = generation_end_ids(Path(model_dir))
@@ -206,6 +218,49 @@ class Preprocessing:
         joined[interface.VISUAL_TOKEN_COUNT.name] = np.array([sum(image.tokens for image in images)], np.int32)
         return joined
 
+    def pool_requests(self, images: Sequence[VisualFeatures]) -> list[tuple[GenerationRequest, list[VisualFeatures]]]:
+        """Vision pool members' requests for undecoded images and videos (a member's `preprocessing` decodes and
+        encodes them and answers their rows as the prompt table), each within one request's limits, and each one's
+        images in the order of its rows: the images, then the videos (GenerationRequest.chat)."""
+        limits = self.pre.limits
+        chunks: list[list[VisualFeatures]] = []
+        counts = {"image": 0, "video": 0}
+        tokens = 0
+        for image in sorted(images, key=lambda image: image.kind == "video"):
+            fits = (
+                chunks
+                and counts[image.kind] < (limits.max_images if image.kind == "image" else limits.max_videos)
+                and tokens + image.tokens <= limits.max_visual_tokens
+                # each item's placeholder tokens around its rows, and the chat template's few
+                and tokens + image.tokens + POOL_PROMPT_TOKENS * (len(chunks[-1]) + 2) <= limits.max_prompt_tokens
+            )
+            if not fits:
+                chunks.append([])
+                counts, tokens = {"image": 0, "video": 0}, 0
+            chunks[-1].append(image)
+            counts[image.kind] += 1
+            tokens += image.tokens
+        requests = []
+        for chunk in chunks:
+            sources: dict[str, list[bytes]] = {"image": [], "video": []}
+            for image in chunk:
+                assert image.source is not None, "only an encoded file goes to a pool"
+                sources[image.kind].append(image.source)
+            request = GenerationRequest(prompt="", images=sources["image"], videos=sources["video"], max_tokens=1)
+            requests.append((request, chunk))
+        return requests
+
+    def decode(self, images: Sequence[VisualFeatures]) -> list[VisualFeatures]:
+        """Images and videos left undecoded for a pool that did not answer, decoded here for the local vision
+        encoder, as the pool would have (checked against the digests and grids their prompts were laid out with)."""
+        requests = self.pool_requests(images)
+        made = self.pre.batch([{"messages": request.chat()} for request, _ in requests])
+        decoded = [item for one in made for item in self._features(one, {})]
+        for want, got in zip([image for _, chunk in requests for image in chunk], decoded, strict=True):
+            if (want.digest, want.grid) != (got.digest, got.grid):
+                raise StageError(f"decoding a {want.kind} again gave grid {got.grid}, not {want.grid}")
+        return decoded
+
     def split_rows(self, table: torch.Tensor, images: Sequence[VisualFeatures]) -> dict[bytes, torch.Tensor]:
         """The vision encoder's prompt table of a vision_request, cut into each image's rows, by digest."""
         sizes = [self.table.shape(image.tokens)[0] for image in images]
@@ -229,7 +284,7 @@ class Preprocessing:
                     f"the vision encoder answered {list(made.shape)} {made.dtype} for an image of {image.tokens} "
                     f"tokens; expected {list(self.table.shape(image.tokens))} {self.table.dtype}"
                 )
-            if self.cache is not None and prepared.cached and image.vision_inputs is not None:
+            if self.cache is not None and prepared.cached and image.encodes:
                 self.cache.put(image.digest, image.grid, made)
             rows.append(made)
         if rows:
@@ -251,14 +306,16 @@ class Preprocessing:
 
         def alone(one: _Parsed) -> Prepared | Exception:
             try:
-                return self._prepared(one, self.pre.batch([one.call], skipped([one]))[0], found)
+                return self._prepared(one, self.pre.batch([one.call], skipped([one]))[0], found, encoding)
             except RequestError as e:
                 return e
 
         order = list(parsed)
         try:
             made = self.pre.batch([parsed[i].call for i in order], skipped([parsed[i] for i in order]))
-            return {i: self._prepared(parsed[i], request, found) for i, request in zip(order, made, strict=True)}
+            return {
+                i: self._prepared(parsed[i], request, found, encoding) for i, request in zip(order, made, strict=True)
+            }
         except RequestError as e:
             if len(order) == 1:
                 return {order[0]: e}
@@ -273,7 +330,8 @@ class Preprocessing:
     ) -> list[list[bool]]:
         """Preprocessor.batch's skip_decoding: looks every image and video of the batch up at once (but those being
         encoded now, `encoding`, and those of requests whose `cached` flag is off) and keeps the rows found for
-        _prepared in `found`; one is skipped when its rows were found or are coming."""
+        _prepared in `found`; one is skipped when its rows were found or are coming, or, with a vision pool, when it
+        is an encoded file (the pool decodes it)."""
         found.clear()
         merge = self.pre.image_config.merge_size
         digests = [[item.digest for item in items] for items in visual]
@@ -288,12 +346,19 @@ class Preprocessing:
             lookup = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
             found.update((digest, rows) for digest, rows in zip(wanted, lookup, strict=True) if rows is not None)
         return [
-            [(looked_up and digest in found) or digest in coming for digest in plan_digests]
-            for plan_digests, looked_up in zip(digests, cached, strict=True)
+            [(looked_up and item.digest in found) or item.digest in coming or self._pooled(item) for item in items]
+            for items, looked_up in zip(visual, cached, strict=True)
         ]
 
-    def _prepared(self, parsed: _Parsed, request: Request, found: Found) -> Prepared:
-        outputs = self._outputs(parsed, request)
+    def _pooled(self, item: VisualInput) -> bool:
+        return self.pooled and isinstance(item.source, bytes)
+
+    def _prepared(self, parsed: _Parsed, request: Request, found: Found, encoding: Collection[bytes]) -> Prepared:
+        return Prepared(self._outputs(parsed, request), tuple(self._features(request, found, encoding)), parsed.cached)
+
+    def _features(self, request: Request, found: Found, encoding: Collection[bytes] = ()) -> list[VisualFeatures]:
+        """A request's images and videos in prompt order: the vision encoder's inputs of those it decoded, the rows
+        the cache held, and what a pool or an earlier batch encodes of the others."""
         merge = self.pre.image_config.merge_size
         decoded = request.decoded or (True,) * len(request.visual)
         images, first = [], 0
@@ -309,10 +374,12 @@ class Preprocessing:
                     interface.IMAGE_GRID_THW.name: grid[None].astype(np.int64),
                 }
                 first += patches
-            rows = None if was_decoded else found.get(digest)  # None: being encoded by an earlier batch
+            rows = None if was_decoded else found.get(digest)  # None: being encoded by an earlier batch or a pool
+            pooled = not was_decoded and rows is None and digest not in encoding and self._pooled(item)
+            source = item.source if pooled and isinstance(item.source, bytes) else None
             t, h, w = (int(g) for g in grid)
-            images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs))
-        return Prepared(outputs, tuple(images), parsed.cached)
+            images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs, source))
+        return images
 
     def _parse(self, inputs: Arrays) -> _Parsed:
         request = GenerationRequest.from_inputs(inputs)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -30,19 +30,12 @@ from ...errors import Qwen3VLTrtError, StageError
 from .. import interface
 from . import metrics as stage_metrics
 from .preprocessing import Arrays, Prepared, Preprocessing, VisualFeatures
+from .vision_pool import VisionPool
 
 Result = Mapping[str, Any] | Exception  # a request's output tensors, or the error to answer it with
 Rows = torch.Tensor | Exception  # an image's prompt-table rows, or why it has none
 R = TypeVar("R")  # the adapter's handle of a request
 _log = logging.getLogger(__name__)
-
-
-class MetricSink(Protocol):
-    """Where the scheduler's stage_metrics go."""
-
-    def add(self, metric: stage_metrics.Metric, value: float) -> None: ...
-
-    def observe(self, metric: stage_metrics.Metric, value: float) -> None: ...
 
 
 class PreprocessingScheduler(Generic[R]):
@@ -55,10 +48,11 @@ class PreprocessingScheduler(Generic[R]):
         read: Callable[[R], Arrays],
         encode: Callable[[dict[str, Any], bool], Awaitable[Rows]],
         answer: Callable[[R, Result], None],
-        metrics: MetricSink,
+        metrics: stage_metrics.MetricSink,
         published: Callable[[], None],
         in_flight_limit: int | None,
         warm_up: Callable[[R], bool] = lambda _request: False,
+        pool: VisionPool | None = None,
     ):
         """read: a request's input tensors. encode: the vision encoder's prompt table for one
         component.vision_request (told whether it holds warm-up requests' images alone), or the error it answered.
@@ -67,7 +61,9 @@ class PreprocessingScheduler(Generic[R]):
         what it counts elsewhere (the visual cache's events). in_flight_limit: requests admitted and not yet
         answered at most (backpressure.BackPressure.preprocessing_in_flight); None admits every request. warm_up:
         whether a request is one of serve's warm-up requests (interface.is_warmup), which the metrics do not count and
-        whose images the visual cache neither looks up nor keeps."""
+        whose images the visual cache neither looks up nor keeps. pool: the vision pool that decodes and encodes the
+        images and videos the component left undecoded for it (component.pooled), and whose fallback says what
+        happens when it does not answer."""
         self.component = component
         self._read = read
         self._warm_up = warm_up
@@ -76,6 +72,7 @@ class PreprocessingScheduler(Generic[R]):
         self._metrics = metrics
         self._published = published
         self.in_flight_limit = in_flight_limit
+        self.pool = pool
         # What outlives a request: the count admission reads, and the encodes later batches join.
         self.in_flight = 0  # requests admitted and not yet answered
         self._in_flight_lock = threading.Lock()  # admit runs on the stub's thread, the loop's thread answers
@@ -154,12 +151,13 @@ class PreprocessingScheduler(Generic[R]):
         """The prompt-table rows of a batch's pending images, by digest: those it decoded go to the vision encoder
         as one encode, each image once; those an earlier batch is encoding now are waited for. `counted`: the images
         the metrics count (not warm-up requests'); `warm_up`: the batch is warm-up requests alone."""
-        own = {image.digest: image for image in images if image.vision_inputs is not None}
+        own = {image.digest: image for image in images if image.encodes}
         joined = {image.digest: self.encoding[image.digest] for image in images if image.digest not in own}
         decoded = Counter(image.kind for image in counted if image.vision_inputs is not None)
         self._metrics.add(stage_metrics.IMAGES_DECODED, decoded["image"])
         self._metrics.add(stage_metrics.VIDEOS_DECODED, decoded["video"])
-        self._metrics.add(stage_metrics.ENCODES_JOINED, len(counted) - decoded.total())
+        pooled = sum(1 for image in counted if image.source is not None)
+        self._metrics.add(stage_metrics.ENCODES_JOINED, len(counted) - decoded.total() - pooled)
         loop = asyncio.get_running_loop()
         mine = {digest: loop.create_future() for digest in own}
         self.encoding.update(mine)
@@ -180,14 +178,53 @@ class PreprocessingScheduler(Generic[R]):
         }
 
     async def _encode(self, images: Sequence[VisualFeatures], warm_up: bool) -> dict[bytes, torch.Tensor] | Exception:
-        """The images' prompt-table rows by digest from one vision encoder request, or the error it answered."""
-        table = await self._encode_request(self.component.vision_request(images), warm_up)
-        if isinstance(table, Exception):
-            return table
+        """The images' prompt-table rows by digest: those decoded here from one vision encoder request, those left
+        for the pool from one pool request (decoded here and encoded with the others when it does not answer and
+        the fallback is local), or the first error answered."""
+        local = [image for image in images if image.vision_inputs is not None]
+        remote = [image for image in images if image.vision_inputs is None]
+        rows: dict[bytes, torch.Tensor] = {}
         try:
-            return self.component.split_rows(table, images)
-        except StageError as e:
+            if remote:
+                pooled = await self._pooled(remote, warm_up)
+                if isinstance(pooled, Exception):
+                    assert self.pool is not None
+                    if self.pool.fallback != "local":
+                        return pooled
+                    _log.warning("%s; encoding %d images and videos here", pooled, len(remote))
+                    local += self.component.decode(remote)
+                    if not warm_up:
+                        kinds = Counter(image.kind for image in remote)
+                        self._metrics.add(stage_metrics.VISION_POOL_FALLBACKS, len(remote))
+                        self._metrics.add(stage_metrics.IMAGES_DECODED, kinds["image"])
+                        self._metrics.add(stage_metrics.VIDEOS_DECODED, kinds["video"])
+                else:
+                    rows.update(pooled)
+            if local:
+                table = await self._encode_request(self.component.vision_request(local), warm_up)
+                if isinstance(table, Exception):
+                    return table
+                rows.update(self.component.split_rows(table, local))
+        except Qwen3VLTrtError as e:
             return e
+        return rows
+
+    async def _pooled(self, images: Sequence[VisualFeatures], warm_up: bool) -> dict[bytes, torch.Tensor] | Exception:
+        """The rows pool members answer for images left undecoded, by digest (their requests sent at once, each to
+        a member of its own where there are several), or why one did not."""
+        if self.pool is None:
+            return StageError("images were left undecoded for a vision pool this replica does not have")
+        pool = self.pool
+        requests = self.component.pool_requests(images)
+        tables = await asyncio.gather(*(pool.table(request, warm_up) for request, _ in requests))
+        rows: dict[bytes, torch.Tensor] = {}
+        for table, (_, ordered) in zip(tables, requests, strict=True):
+            if isinstance(table, Exception):
+                return table
+            rows.update(self.component.split_rows(table.to(self.component.table.dtype), ordered))
+        if not warm_up:
+            self._metrics.add(stage_metrics.VISION_POOL_ENCODES, len(images))
+        return rows
 
     def _finish(self, prepared: Prepared, rows: Mapping[bytes, torch.Tensor]) -> Result:
         try:

@@ -344,6 +344,12 @@ class PreprocessingModel(_Model):
             params.visual_cache_ttl_s,
             observer=self.cache_counts.add,
         )
+        pool = None
+        if params.vision_pool:
+            from .vision_pool import VisionPool
+
+            pool = VisionPool(params.vision_pool, params, self.metrics)
+            self.component.pooled = True
         queue = int(self.config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 0))
         self.scheduler = PreprocessingScheduler[_Received](
             self.component,
@@ -355,6 +361,7 @@ class PreprocessingModel(_Model):
             # A repository without a queue policy bounds nothing, nor does the stage then.
             in_flight_limit=BackPressure.plan(limits, queue).preprocessing_in_flight if queue else None,
             warm_up=lambda received: not received.counted,
+            pool=pool,
         )
 
     def finalize(self) -> None:
