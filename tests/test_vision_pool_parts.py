@@ -214,3 +214,11 @@ def test_pool_requests_keep_within_one_requests_limits(checkpoints):
         assert [i.kind for i in chunk] == sorted((i.kind for i in chunk), key=lambda kind: kind == "video")
         assert [*sent.images, *sent.videos] == [i.source for i in chunk]
     assert len(chunks) > 1
+
+
+def test_a_pool_of_members_all_refused_says_so():
+    pool, members, _ = _pool(["a:1"])
+    members["a:1"].params = dataclasses.replace(MINE, llm_hidden_size=128)
+    error = _run(pool)
+    assert isinstance(error, StageError) and "a:1 serves another repository (its llm_hidden_size is 128" in str(error)
+    assert members["a:1"].calls == 0

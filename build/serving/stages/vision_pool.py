@@ -160,6 +160,9 @@ class VisionPool:
                 self._metrics.observe(stage_metrics.VISION_POOL_SECONDS, time.monotonic() - started)
             self._dead_until.pop(address, None)
             return torch.from_numpy(np.array(table.reshape(-1, table.shape[-1])))  # writable: its own copy
+        if self._refused and all(address in self._refused for address in tried):
+            refused = self._refused.items()
+            why = "; ".join(f"{address} serves another repository ({reason})" for address, reason in refused)
         return StageError(f"the vision pool {self.target} did not answer: {why}")
 
     async def _next(self, tried: list[str]) -> str | None:
@@ -190,6 +193,9 @@ class VisionPool:
             why = self._mine.pool_mismatch(await member.parameters())
         except ParameterError as e:  # another version's repository
             why = str(e)
+        except BaseException:  # not answering: a new connection next time
+            await member.close()
+            raise
         if why is not None:
             self._refused[address] = why
             _log.error("vision pool member %s refused: it serves another repository (%s)", address, why)
