@@ -205,13 +205,17 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
         "same tokens, 1 hit(s), 0 decoded, 0 runs"
     )
     assert "back after" in rows["metrics published; a killed vision_encoder stub comes back"].figure
+    split = rows["the vision pool: a member and a replica with --vision-pool answer as the colocated"]
+    assert split.status == PASS and split.figure == (
+        "3/3 requests' tokens as the colocated; 2 of 2 encoded by the pool, 0 decoded here"
+    ), split
 
     # The warm-up's verdict is its figure's (a CPU's first request may or may not be slower).
     warm = rows["serve's warm-up through every model, then the first request against the next ten"]
     ratio = float(re.search(r"\(x([\d.]+)\)$", warm.figure).group(1))
-    assert warm.figure.startswith("4 warm-up requests") and warm.status == (
-        PASS if ratio <= FIRST_REQUEST_RATIO else FAIL
-    )
+    assert warm.figure.startswith("4 warm-up requests")
+    if ratio != FIRST_REQUEST_RATIO:  # the figure's two decimals cannot tell a ratio at the limit (seen: x1.50, FAIL)
+        assert warm.status == (PASS if ratio < FIRST_REQUEST_RATIO else FAIL)
 
 
 def test_a_stop_cuts_the_stream_on_tritonserver_2_51_and_leaves_no_shared_memory(run):

@@ -532,6 +532,8 @@ class Acceptance:
         warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
         decoding = f"the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble ({name})"
         topping = f"top_logprobs from the engine's generation logits vs transformers' log-softmax ({name})"
+        splitting = f"the vision pool: a member and a replica with --vision-pool answer as the colocated ({name})"
+        split_limit = "same tokens, the replica decoding nothing"
         top_limit = f"{TOP_LOGPROBS} each, the likeliest served, gap <= {TOP_LOGPROB_GAP:g}"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
             for kind in requests:
@@ -546,6 +548,7 @@ class Acceptance:
                 (sampling, "biased, distinct, log probs <= 0"),
                 (healing, "back, answers"),
                 (draining, "all tokens, exit 0, shm named and gone"),
+                (splitting, split_limit),
             ):
                 self.report.rows.append(Row(check, SKIPPED, limit=check_limit, detail="the repository was not served"))
             return
@@ -574,6 +577,8 @@ class Acceptance:
         self.row(sampling, "biased, distinct, log probs <= 0", needs, lambda: sampled[0])
         self.row(healing, "back, answers", needs, lambda: healed[0])
         self.row(draining, "all tokens, exit 0, shm named and gone", needs, lambda: drained[0])
+        split_log = self.work / f"server-{name}-split.log"
+        self.row(splitting, split_limit, needs, lambda: _split_answers(self._built(name), requests, served, split_log))
 
     def variant_rows(self, variant: Variant) -> None:
         """The variant's build, then its repository served: its requests' tokens scored by transformers on its
@@ -1053,6 +1058,46 @@ def _served_tokens(
         return tokens, warmed, ids, tops, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
+
+
+def _split_answers(
+    build_dir: Path,
+    requests: dict[str, tuple[str, list[bytes], list[bytes]]],
+    served: dict[str, list[int]],
+    log_path: Path,
+) -> tuple[bool, str]:
+    """The build's repository split on this host (docs/vision-pool.md): a vision pool member (serve --role vision's
+    models: preprocessing decoding on the GPU, the vision engine) and a replica that sends it what its visual cache
+    does not hold (--vision-pool, the cache off): each request's tokens against the colocated deployment's (`served`),
+    and the replica's metrics, which say the pool encoded the images and videos and the replica decoded none."""
+    from ..common.contracts import BuildLayout
+    from ..serving import interface
+    from ..serving.client import Client
+    from ..serving.ports import free_ports
+    from ..serving.server.serve import VISION_MODELS
+    from ..serving.server.tritonserver import TritonServer
+    from ..serving.stages import metrics as stage_metrics
+
+    repo = BuildLayout(build_dir).triton_repo
+    member = TritonServer(repo, free_ports(), log_path=log_path.with_suffix(".pool.log"), models=VISION_MODELS)
+    with member:
+        replica = TritonServer(repo, free_ports(), log_path=log_path, vision_pool=member.url, visual_cache="off")
+        with replica, contextlib.closing(Client(replica.url, timeout_s=300)) as client:
+            tokens = {
+                kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos).token_ids
+                for kind, (prompt, images, videos) in requests.items()
+            }
+            counts = {
+                name: value
+                for (name, model), value in stage_metrics.read(replica.metrics_url).items()
+                if model == interface.PREPROCESSING
+            }
+    media = sum(len(images) + len(videos) for _, images, videos in requests.values())
+    pooled = int(counts.get(stage_metrics.VISION_POOL_ENCODES.name, 0))
+    decoded = int(counts.get(stage_metrics.IMAGES_DECODED.name, 0) + counts.get(stage_metrics.VIDEOS_DECODED.name, 0))
+    same = [kind for kind in requests if tokens[kind] == served[kind]]
+    figure = f"{len(same)}/{len(requests)} requests' tokens as the colocated; {pooled} of {media} encoded by the pool"
+    return len(same) == len(requests) and pooled == media and decoded == 0, f"{figure}, {decoded} decoded here"
 
 
 def _warm_up(server: Any) -> tuple[bool, str]:
