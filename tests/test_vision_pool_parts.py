@@ -222,3 +222,14 @@ def test_a_pool_of_members_all_refused_says_so():
     error = _run(pool)
     assert isinstance(error, StageError) and "a:1 serves another repository (its llm_hidden_size is 128" in str(error)
     assert members["a:1"].calls == 0
+
+
+def test_a_bf16_table_comes_back_with_its_values_from_either_client():
+    """tritonclient 2.73 answers BF16 as ml_dtypes' bfloat16, the GPU image's 2.68 as float32: both give the rows."""
+    import ml_dtypes
+
+    rows = torch.randn(1, 6, 4).to(torch.bfloat16)
+    as_bits = rows.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # what 2.73's as_numpy gives
+    assert torch.equal(vision_pool.rows_tensor(as_bits), rows[0])
+    as_float = rows.float().numpy()  # 2.68's deserialize_bf16_tensor
+    assert torch.equal(vision_pool.rows_tensor(as_float).to(torch.bfloat16), rows[0])

@@ -95,6 +95,16 @@ class GrpcMember:
         await self.grpc.close()
 
 
+def rows_tensor(table: np.ndarray) -> torch.Tensor:
+    """A member's prompt table, [1, rows, hidden] as Triton answers it, as a tensor of its own [rows, hidden].
+    tritonclient hands BF16 over as ml_dtypes' bfloat16 (2.73: triton_to_np_dtype), which torch takes by its bits,
+    or as float32 (the GPU image's 2.68: deserialize_bf16_tensor), which the scheduler casts back exactly."""
+    table = np.array(table.reshape(-1, table.shape[-1]))  # writable: its own copy
+    if table.dtype.name == "bfloat16":
+        return torch.from_numpy(table.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(table)
+
+
 def _member_error(address: str, error: Exception) -> Exception:
     failure = server_error(address, error)
     if isinstance(failure, (ServerBusyError, ServerUnavailableError)):
@@ -159,7 +169,7 @@ class VisionPool:
                 self._metrics.add(stage_metrics.VISION_POOL_BYTES, sent + table.nbytes)
                 self._metrics.observe(stage_metrics.VISION_POOL_SECONDS, time.monotonic() - started)
             self._dead_until.pop(address, None)
-            return torch.from_numpy(np.array(table.reshape(-1, table.shape[-1])))  # writable: its own copy
+            return rows_tensor(table)
         if self._refused and all(address in self._refused for address in tried):
             refused = self._refused.items()
             why = "; ".join(f"{address} serves another repository ({reason})" for address, reason in refused)
