@@ -9,11 +9,11 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from deployment import LIMITS
 from qwen3vl_trt.errors import StageError
+from qwen3vl_trt.serving import interface
 from qwen3vl_trt.serving.parameters import ParameterError, PreprocessingParameters
 from qwen3vl_trt.serving.request import GenerationRequest
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
@@ -61,11 +61,11 @@ class Member:
     async def parameters(self) -> PreprocessingParameters:
         return self.params
 
-    async def table(self, request: GenerationRequest, request_id: str) -> np.ndarray:
+    async def table(self, request: GenerationRequest, request_id: str) -> torch.Tensor:
         self.calls += 1
         if self.fail is not None:
             raise self.fail
-        return np.full((1, 2, 3), float(ord(self.address[0])), np.float32)  # [batch, rows, hidden] as Triton answers
+        return torch.full((2, 3), float(ord(self.address[0])))
 
     async def close(self) -> None:
         pass
@@ -224,12 +224,21 @@ def test_a_pool_of_members_all_refused_says_so():
     assert members["a:1"].calls == 0
 
 
-def test_a_bf16_table_comes_back_with_its_values_from_either_client():
-    """tritonclient 2.73 answers BF16 as ml_dtypes' bfloat16, the GPU image's 2.68 as float32: both give the rows."""
-    import ml_dtypes
+@pytest.mark.parametrize("datatype", ["BF16", "FP16", "FP32"])
+def test_a_members_table_is_read_from_its_raw_bytes(datatype):
+    """The prompt table as the member's response carries it ([1, rows, hidden], raw bytes), read without
+    tritonclient's as_numpy (2.68 decodes BF16 element by element in Python; 2.73 answers ml_dtypes' bfloat16)."""
+    from tritonclient.grpc import InferResult, service_pb2
 
-    rows = torch.randn(1, 6, 4).to(torch.bfloat16)
-    as_bits = rows.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # what 2.73's as_numpy gives
-    assert torch.equal(vision_pool.rows_tensor(as_bits), rows[0])
-    as_float = rows.float().numpy()  # 2.68's deserialize_bf16_tensor
-    assert torch.equal(vision_pool.rows_tensor(as_float).to(torch.bfloat16), rows[0])
+    dtype = {"BF16": torch.bfloat16, "FP16": torch.float16, "FP32": torch.float32}[datatype]
+    rows = torch.randn(6, 4).to(dtype)
+    response = service_pb2.ModelInferResponse(model_name=interface.PREPROCESSING)
+    response.outputs.add(name=interface.PROMPT_TABLE.name, datatype=datatype, shape=[1, 6, 4])
+    response.raw_output_contents.append(
+        rows.view(torch.int16 if rows.element_size() == 2 else torch.int32).numpy().tobytes()
+    )
+    got = vision_pool.table_rows(InferResult(response))
+    assert got.dtype == dtype and torch.equal(got, rows)
+    del response.outputs[0]
+    with pytest.raises(MemberFailed):
+        vision_pool.table_rows(InferResult(response))

@@ -47,9 +47,31 @@ class Member(Protocol):
 
     async def parameters(self) -> PreprocessingParameters: ...
 
-    async def table(self, request: GenerationRequest, request_id: str) -> np.ndarray: ...
+    async def table(self, request: GenerationRequest, request_id: str) -> torch.Tensor: ...
 
     async def close(self) -> None: ...
+
+
+# A prompt table's Triton types as its raw bytes read (BF16 as its bits, which torch views as bfloat16).
+_RAW_TYPES = {"BF16": np.uint16, "FP16": np.float16, "FP32": np.float32}
+
+
+def table_rows(result: Any) -> torch.Tensor:
+    """The prompt table a member answered ([1, rows, hidden] as Triton sends it) as a tensor of its own [rows, hidden],
+    read from the response's raw bytes: tritonclient 2.68's as_numpy decodes BF16 one element at a time in Python
+    (utils.deserialize_bf16_tensor: seconds for a large image's rows, on the stage's event loop), 2.73's answers it
+    as ml_dtypes' bfloat16, which torch does not take."""
+    response = result.get_response()
+    index = next((i for i, o in enumerate(response.outputs) if o.name == interface.PROMPT_TABLE.name), None)
+    if index is None:
+        raise MemberFailed("the member answered no prompt table")
+    output = response.outputs[index]
+    raw = _RAW_TYPES.get(output.datatype)
+    if raw is None:
+        raise StageError(f"the member answered a prompt table of type {output.datatype}")
+    bits = np.frombuffer(response.raw_output_contents[index], raw).reshape(-1, output.shape[-1])
+    rows = torch.from_numpy(bits.copy())  # its own memory: the response's goes with it
+    return rows.view(torch.bfloat16) if output.datatype == "BF16" else rows
 
 
 class GrpcMember:
@@ -68,7 +90,7 @@ class GrpcMember:
             raise MemberFailed(f"{self.address}: {e}") from None
         return PreprocessingParameters.from_model_config(config.config)
 
-    async def table(self, request: GenerationRequest, request_id: str) -> np.ndarray:
+    async def table(self, request: GenerationRequest, request_id: str) -> torch.Tensor:
         """The prompt table its preprocessing answers for the request; MemberFailed when another member may serve
         it, StageError when the request itself was refused."""
 
@@ -82,7 +104,7 @@ class GrpcMember:
                 if error is not None:
                     raise _member_error(self.address, error)
                 if table is None:
-                    table = result.as_numpy(interface.PROMPT_TABLE.name)
+                    table = table_rows(result)
         except rpc_errors() as e:
             raise _member_error(self.address, e) from None
         finally:
@@ -93,16 +115,6 @@ class GrpcMember:
 
     async def close(self) -> None:
         await self.grpc.close()
-
-
-def rows_tensor(table: np.ndarray) -> torch.Tensor:
-    """A member's prompt table, [1, rows, hidden] as Triton answers it, as a tensor of its own [rows, hidden].
-    tritonclient hands BF16 over as ml_dtypes' bfloat16 (2.73: triton_to_np_dtype), which torch takes by its bits,
-    or as float32 (the GPU image's 2.68: deserialize_bf16_tensor), which the scheduler casts back exactly."""
-    table = np.array(table.reshape(-1, table.shape[-1]))  # writable: its own copy
-    if table.dtype.name == "bfloat16":
-        return torch.from_numpy(table.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(table)
 
 
 def _member_error(address: str, error: Exception) -> Exception:
@@ -166,10 +178,10 @@ class VisionPool:
                 return e
             if not warm_up:
                 sent = sum(len(source) for source in (*request.images, *request.videos))
-                self._metrics.add(stage_metrics.VISION_POOL_BYTES, sent + table.nbytes)
+                self._metrics.add(stage_metrics.VISION_POOL_BYTES, sent + table.numel() * table.element_size())
                 self._metrics.observe(stage_metrics.VISION_POOL_SECONDS, time.monotonic() - started)
             self._dead_until.pop(address, None)
-            return rows_tensor(table)
+            return table
         if self._refused and all(address in self._refused for address in tried):
             refused = self._refused.items()
             why = "; ".join(f"{address} serves another repository ({reason})" for address, reason in refused)
