@@ -5,6 +5,7 @@ between models, from a build's engines and limits."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -224,3 +225,37 @@ def test_every_rank_server_holds_a_context_on_the_gpus():
     assert plan.shares_llm_gpu and (plan.llm_rank, plan.llm_gpu) == (1, 1)
     assert plan.free_at_llm_load == 80 * GIB - 4 * gpu_memory.CUDA_CONTEXT_BYTES - 16 * GIB
     assert plan.describe().startswith("GPU 1 (LLM rank 1, python models): 80.00 GiB")
+
+
+def test_a_replica_that_leaves_its_images_to_a_vision_pool_gives_the_vision_share_to_its_kv_cache(tmp_path):
+    """serve --role language's plan (encodes=False) beside the colocated one, the docs' 8B example on one H200 (the
+    default limits): one python stub, no vision engine or decoding, only the prompt tables in the pool; the KV cache
+    takes the rest."""
+    limits = EngineLimits()
+    engine = _engine_dir(tmp_path, max_num_tokens=limits.max_num_tokens, rank0_bytes=0)
+    os.truncate(engine / "rank0.engine", 16 * GIB)
+    vision = tmp_path / "vision.engine"
+    vision.write_bytes(b"")
+    os.truncate(vision, GIB)  # sparse: the size the docs' example plans
+    common = dict(
+        gpu=0, llm_gpus=(0,), gpu_bytes=141 * GIB, limits=limits, llm_engine_dir=engine, vision_engine_file=vision,
+        vision_activation_bytes=2 * GIB, patch_dim=1536, merge_unit=4, llm=LLM_8B,
+    )  # fmt: skip
+    colocated = gpu_memory.plan(**common)
+    language = gpu_memory.plan(**common, encodes=False)
+    row = 4 * 4096 * 2
+    assert language.transfer_pool_bytes == 2 * 8 * 8192 * row == 4 * GIB  # the request's table to the llm, twice
+    assert (language.vision_engine_bytes, language.vision_activation_bytes, language.decode_bytes) == (0, 0, 0)
+    assert language.python_stubs == 1 and colocated.python_stubs == 2
+    # What the split frees on the replica's GPU: the vision side, the pixels' share of the pool, one stub's context.
+    freed = colocated.python_models_bytes - language.python_models_bytes + gpu_memory.CUDA_CONTEXT_BYTES
+    assert 13.5 * GIB < freed < 14 * GIB
+    gained = language.kv_cache_fraction() * language.free_at_kv_cache - colocated.kv_cache_fraction() * (
+        colocated.free_at_kv_cache
+    )
+    # All of it but what the backend's ceiling (0.9 of what is free) keeps back: 95.7 -> 108.3 GiB of KV cache.
+    assert language.kv_cache_fraction() == gpu_memory.KV_CACHE_FRACTION_CEILING
+    assert 12.5 * GIB < gained <= freed
+    text = language.describe()
+    assert "--role language" in text and "vision engine" not in text and "(2 processes)" in text
+    assert "prompt tables to the LLM" in text

@@ -29,6 +29,7 @@ from qwen3vl_trt.serving.repository.writer import (
     gpu_memory_plan,
     model_configs,
     write_model_files,
+    write_models,
 )
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
@@ -230,6 +231,39 @@ def test_with_tensor_parallelism_the_python_models_plan_beside_the_rank_on_their
     configs = model_configs(layout, tiny_dense, "gpu", limits, llm, settings, plan)
     assert _device_ids(configs) == "0,1"
     assert float(configs[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value) < 0.9
+
+
+@pytest.mark.parametrize("target", ["gpu", "cpu"])
+def test_the_language_role_reads_configs_of_its_own_beside_every_model(built, tiny_dense, tmp_path, target):
+    """serve --role language has tritonserver read configs/language.pbtxt (--model-config-name): preprocessing's
+    has no local encoder to fall back to and, on the gpu target, the CUDA memory pool of the plan without the vision
+    side (prompt tables only), the llm's that plan's larger KV cache share; every other model reads config.pbtxt."""
+    layout = _gpu_build(built, tmp_path / "build", (2000,)) if target == "gpu" else BuildLayout(built)
+    _, llm = read_trtllm_config(BuildLayout(built).llm_checkpoint)
+    limits = EngineLimits(max_batch_size=2, max_visual_tokens=1024)
+    settings = RepositorySettings(gpu_memory_bytes=24 << 30)
+    logged: list[str] = []
+    repo = tmp_path / "repo"
+    memory = write_models(repo, layout, tiny_dense, target, limits, llm, settings, log=logged.append)
+    language = {m: cfg.read(repo / m, cfg.LANGUAGE_CONFIG) for m in interface.MODELS}
+    colocated = {m: cfg.read(repo / m) for m in interface.MODELS}
+    changed = {m for m in interface.MODELS if language[m] != colocated[m]}
+    assert changed == ({interface.PREPROCESSING, interface.LLM} if target == "gpu" else {interface.PREPROCESSING})
+    assert sorted(p.parent.parent.name for p in repo.glob(f"*/{cfg.CONFIGS_DIR}/*.pbtxt")) == sorted(changed)
+    mine, theirs = (PreprocessingParameters.from_model_config(c[m]) for c, m in
+                    ((language, interface.PREPROCESSING), (colocated, interface.PREPROCESSING)))  # fmt: skip
+    assert (mine.vision_fallback, theirs.vision_fallback) == ("fail", "local")
+    if target == "cpu":
+        assert memory is None and mine.cuda_memory_pool_bytes is None and not logged
+        return
+    assert memory is not None and memory.encodes
+    plan = gpu_memory_plan(layout, limits, llm, settings, encodes=False)
+    assert mine.cuda_memory_pool_bytes == plan.transfer_pool_bytes < theirs.cuda_memory_pool_bytes
+    fraction = {name: float(c[interface.LLM].parameters["kv_cache_free_gpu_mem_fraction"].string_value)
+                for name, c in (("language", language), ("colocated", colocated))}  # fmt: skip
+    assert fraction == {"language": plan.kv_cache_fraction(), "colocated": memory.kv_cache_fraction()}
+    assert fraction["language"] > fraction["colocated"]
+    assert logged == [memory.describe(), plan.describe()]
 
 
 def test_the_gpu_vision_encoder_warms_up_at_three_sizes_on_what_preprocessing_sends(built, tiny_dense, tmp_path):

@@ -31,7 +31,7 @@ from ..llm.convert import LLMOptions, check_llm_options
 from ..llm.engine_build import build_llm_engine, gpu_stack_problem
 from ..llm.precision import visible_gpu_arch
 from ..serving.repository.settings import RepositorySettings
-from ..serving.repository.writer import gpu_memory_plan, model_configs, write_model_files
+from ..serving.repository.writer import write_models
 from ..vision.engine import build_vision_engine, tensorrt_problem
 from ..vision.export import export_vision
 from ..vision.sidecar import VisionEngineProfile
@@ -138,12 +138,8 @@ def build(
         _, llm = read_trtllm_config(tmp.llm_checkpoint)
         model = Path(model_dir).absolute()
         settings = settings or RepositorySettings()
-        memory = gpu_memory_plan(tmp, options.limits, llm, settings) if target == "gpu" else None
-        if memory is not None:
-            log(memory.describe())
         # The repository records the build's final paths, where its models will find the files.
-        configs = model_configs(final, model, target, options.limits, llm, settings, memory, files=tmp)
-        write_model_files(tmp.triton_repo, configs)
+        write_models(tmp.triton_repo, final, model, target, options.limits, llm, settings, files=tmp, log=log)
         stages.append(StageRecord.done(TRITON_REPO_STAGE, BuildLayout.TRITON_REPO, start, target=target))
         manifest = BuildManifest(
             model=model,

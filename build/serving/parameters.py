@@ -114,7 +114,7 @@ class Parameters:
 
 # The layout of the model repositories this version writes and serves (model.py imports, parameters, tensors).
 # Bump it with a change that makes repositories written before it unservable: `serve` refuses any other.
-REPOSITORY_SCHEMA = 6
+REPOSITORY_SCHEMA = 7
 # A replica whose vision pool does not answer: encodes here (local), or fails the request's images (fail).
 VISION_FALLBACKS = ("local", "fail")
 

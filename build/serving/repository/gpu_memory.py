@@ -45,6 +45,12 @@ models, and the contiguous copy the next model's dynamic batcher makes of it (py
 inputs into pool memory). `serve` passes
 `--cuda-memory-pool-byte-size=<gpu>:<bytes>` to the server (rank 0 under MPI, as TensorRT-LLM's
 launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
+
+A replica that leaves its images to a vision pool (`serve --role language`) loads no vision encoder and decodes
+nothing: its plan (plan(encodes=False)) has one python stub, no vision engine or decoding, and only the prompt tables
+in the CUDA memory pool, so its KV cache takes what the vision side took. The repository writes that plan's llm and
+preprocessing configs as `configs/language.pbtxt` beside their config.pbtxt, which tritonserver reads instead under
+`--model-config-name=language` (every rank).
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ MARGIN_FRACTION = 0.05
 # A CUDA context with cuBLAS/cuDNN handles (measured 500-600 MiB on Hopper with CUDA 12-13); one per process using the
 # GPU (see CUDA contexts above).
 CUDA_CONTEXT_BYTES = 600 * 2**20
-PYTHON_STUBS = 2  # preprocessing's and vision_encoder's
+PYTHON_STUBS = 2  # preprocessing's and vision_encoder's (a replica that leaves its images to a vision pool: 1)
 _BATCHES_IN_POOL = 2
 PATCH_PIXELS = 16 * 16  # released Qwen3-VL: patch 16, so one patch is 16 x 16 pixels (x 2 temporal copies)
 # Per patch on the way from preprocessing to vision_encoder (serving.interface.VISION_REQUEST): fp32 pixels
@@ -131,6 +137,9 @@ class GpuMemoryPlan:
     llm_paged_context_fmha: bool
     # The generation logits' buffers of an engine built to return them (max_top_logprobs), before its KV cache.
     generation_logits_bytes: int = 0
+    # Whether the python models decode and encode images (False: a replica of `serve --role language`, which leaves
+    # them to a vision pool: no vision engine, no decoding, only prompt tables in the pool; plan(encodes=False)).
+    encodes: bool = True
 
     @property
     def shares_llm_gpu(self) -> bool:
@@ -146,8 +155,12 @@ class GpuMemoryPlan:
     def llm_gpu(self) -> int:
         return self.llm_gpus[self.llm_rank]
 
+    @property
+    def python_stubs(self) -> int:
+        return PYTHON_STUBS if self.encodes else 1
+
     def _contexts_bytes(self, python_models: bool) -> int:
-        return (len(self.llm_gpus) + (PYTHON_STUBS if python_models else 0)) * CUDA_CONTEXT_BYTES
+        return (len(self.llm_gpus) + (self.python_stubs if python_models else 0)) * CUDA_CONTEXT_BYTES
 
     @property
     def python_models_bytes(self) -> int:
@@ -211,10 +224,13 @@ class GpuMemoryPlan:
             f"    decoding a full batch {_gib(self.decode_bytes)}",
             f"    CUDA memory pool (tensors between models, two full batches) {_gib(self.transfer_pool_bytes)}",
         ]
+        if not self.encodes:
+            python = [f"    CUDA memory pool (prompt tables to the LLM, two batches) {_gib(self.transfer_pool_bytes)}"]
+        role = "" if self.encodes else " with --role language (images encoded by a vision pool)"
         lines = [
-            f"GPU {self.llm_gpu} (LLM rank {self.llm_rank}{', python models' if shared else ''}): "
+            f"GPU {self.llm_gpu} (LLM rank {self.llm_rank}{', python models' if shared else ''}){role}: "
             f"{_gib(self.gpu_bytes)}",
-            f"  - CUDA contexts ({servers + (PYTHON_STUBS if shared else 0)} processes): "
+            f"  - CUDA contexts ({servers + (self.python_stubs if shared else 0)} processes): "
             f"{_gib(self._contexts_bytes(shared))}",
             f"  - LLM engine, rank {self.llm_rank}: {_gib(self.llm_engine_bytes)}",
             f"  = free when the LLM loads: {_gib(self.free_at_llm_load)}",
@@ -238,7 +254,7 @@ class GpuMemoryPlan:
             left = self.python_gpu_left_bytes
             lines += [
                 f"GPU {self.gpu} (python models): {_gib(self.gpu_bytes)}",
-                f"  - CUDA contexts ({servers + PYTHON_STUBS} processes): {_gib(self._contexts_bytes(True))}",
+                f"  - CUDA contexts ({servers + self.python_stubs} processes): {_gib(self._contexts_bytes(True))}",
                 f"  - python models: {_gib(self.python_models_bytes)}",
                 *python,
                 f"  - margin {MARGIN_FRACTION:.0%} of the GPU",
@@ -250,15 +266,16 @@ class GpuMemoryPlan:
         return asdict(self)
 
 
-def transfer_pool_bytes(limits: EngineLimits, patch_dim: int, merge_unit: int, prompt_table_row_bytes: int) -> int:
+def transfer_pool_bytes(
+    limits: EngineLimits, patch_dim: int, merge_unit: int, prompt_table_row_bytes: int, encodes: bool = True
+) -> int:
     """Device bytes between the models for two full batches of requests with the most visual tokens each (one in
     flight, one gathered by the next model's batcher): per-patch inputs of the vision encoder, and prompt tables
     ((K+1) rows per visual token) twice: the vision encoder's rows back to preprocessing, the request's table on to
-    the llm."""
+    the llm. Without encodes (a vision pool's rows arrive in host memory) the request's table alone."""
+    tables = limits.max_visual_tokens * prompt_table_row_bytes
     patches = limits.max_visual_tokens * merge_unit
-    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + 2 * limits.max_visual_tokens * (
-        prompt_table_row_bytes
-    )
+    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + 2 * tables if encodes else tables
     return _BATCHES_IN_POOL * limits.max_batch_size * per_request
 
 
@@ -281,10 +298,12 @@ def plan(
     patch_dim: int,
     merge_unit: int,
     llm: LLMConfig,
+    encodes: bool = True,
 ) -> GpuMemoryPlan:
     """The plan for a build's engines (the LLM engine's config.json and the file of the rank the KV cache is planned
     for, the vision plan), the python models on GPU `gpu` and rank r on llm_gpus[r], each GPU of gpu_bytes; `llm` is
-    the LLM checkpoint's configuration."""
+    the LLM checkpoint's configuration. encodes False: the plan of a replica that leaves its images to a vision pool
+    (GpuMemoryPlan.encodes)."""
     rank = llm_gpus.index(gpu) if gpu in llm_gpus else 0
     weights = llm_engine_dir / f"rank{rank}.engine"
     if not weights.is_file():
@@ -302,15 +321,16 @@ def plan(
         llm_gpus=llm_gpus,
         gpu_bytes=gpu_bytes,
         llm_engine_bytes=weights.stat().st_size,
-        vision_engine_bytes=vision_engine_file.stat().st_size,
-        vision_activation_bytes=vision_activation_bytes,
-        decode_bytes=decode_bytes(limits),
-        transfer_pool_bytes=transfer_pool_bytes(limits, patch_dim, merge_unit, row_bytes),
+        vision_engine_bytes=vision_engine_file.stat().st_size if encodes else 0,
+        vision_activation_bytes=vision_activation_bytes if encodes else 0,
+        decode_bytes=decode_bytes(limits) if encodes else 0,
+        transfer_pool_bytes=transfer_pool_bytes(limits, patch_dim, merge_unit, row_bytes, encodes),
         llm_activation_bytes=llm_activation_bytes(engine.max_num_tokens, llm),
         prompt_table_buffer_bytes=prompt_table_buffer_bytes(limits, llm),
         mrope_tables_bytes=mrope_tables_bytes(limits, llm),
         llm_paged_context_fmha=engine.paged_context_fmha,
         generation_logits_bytes=generation_logits_bytes(limits, llm) if limits.max_top_logprobs else 0,
+        encodes=encodes,
     )
 
 

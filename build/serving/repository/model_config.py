@@ -13,6 +13,11 @@ from ...errors import Qwen3VLTrtError
 from ..tensors import Tensor
 
 CONFIG_FILE = "config.pbtxt"
+# A model's alternative configurations, by name: configs/<name>.pbtxt, which tritonserver reads instead of config.pbtxt
+# under --model-config-name=<name> (server docs/user_guide/model_configuration.md, "Custom Model Configuration").
+CONFIGS_DIR = "configs"
+# The configs of a replica that leaves its images and videos to a vision pool (serve --role language).
+LANGUAGE_CONFIG = "language"
 
 # Triton data types of the checkpoint dtypes the LLM runs in ("MODEL" tensors take one of these).
 MODEL_DATA_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
@@ -76,14 +81,24 @@ def parse(text: str) -> mc.ModelConfig:
     return text_format.Parse(text, mc.ModelConfig())
 
 
-def write(model_dir: Path, config: mc.ModelConfig) -> Path:
-    path = model_dir / CONFIG_FILE
+def config_path(model_dir: Path, name: str | None = None) -> Path:
+    """The file tritonserver reads a model's configuration from: configs/<name>.pbtxt under --model-config-name=<name>
+    where the model has one, else config.pbtxt."""
+    custom = Path(model_dir) / CONFIGS_DIR / f"{name}.pbtxt"
+    return custom if name is not None and custom.is_file() else Path(model_dir) / CONFIG_FILE
+
+
+def write(model_dir: Path, config: mc.ModelConfig, name: str | None = None) -> Path:
+    """config.pbtxt, or with a name the alternative configs/<name>.pbtxt."""
+    path = Path(model_dir) / CONFIG_FILE if name is None else Path(model_dir) / CONFIGS_DIR / f"{name}.pbtxt"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(to_text(config))
     return path
 
 
-def read(model_dir: Path) -> mc.ModelConfig:
-    path = model_dir / CONFIG_FILE
+def read(model_dir: Path, name: str | None = None) -> mc.ModelConfig:
+    """The configuration tritonserver loads for the model (config_path)."""
+    path = config_path(model_dir, name)
     try:
         return parse(path.read_text())
     except (OSError, text_format.ParseError) as e:

@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -389,14 +389,69 @@ def write_warmup_files(model: Path, config: mc.ModelConfig) -> None:
         (model / WARMUP_DIR / file).write_bytes(data)
 
 
-def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
-    """config.pbtxt for every model, its model.py adapter for python models, version directory 1, and the files its
-    model_warmup samples read."""
+def language_configs(
+    configs: dict[str, mc.ModelConfig], settings: RepositorySettings, memory: GpuMemoryPlan | None
+) -> dict[str, mc.ModelConfig]:
+    """The configs a replica that leaves its images and videos to a vision pool loads instead (serve --role language;
+    cfg.LANGUAGE_CONFIG): preprocessing's with no local encoder to fall back to and, on the gpu target, the CUDA
+    memory pool of its plan (`memory`, plan(encodes=False)); the tensorrtllm llm's with that plan's KV cache fraction
+    (unless the settings fix one)."""
+    preprocessing = mc.ModelConfig()
+    preprocessing.CopyFrom(configs[interface.PREPROCESSING])
+    params = PreprocessingParameters.from_model_config(preprocessing)
+    pool = memory.transfer_pool_bytes if memory is not None else None
+    replace(params, vision_fallback="fail", cuda_memory_pool_bytes=pool).apply(preprocessing)
+    language = {interface.PREPROCESSING: preprocessing}
+    if memory is not None and configs[interface.LLM].backend == "tensorrtllm":
+        llm = mc.ModelConfig()
+        llm.CopyFrom(configs[interface.LLM])
+        fraction = settings.kv_cache_free_gpu_mem_fraction
+        llm.parameters["kv_cache_free_gpu_mem_fraction"].string_value = str(
+            memory.kv_cache_fraction() if fraction is None else fraction
+        )
+        language[interface.LLM] = llm
+    for config in language.values():
+        cfg.parse(cfg.to_text(config))
+    return language
+
+
+def write_models(
+    repo: Path,
+    build: BuildLayout,
+    model_dir: Path,
+    target: Target,
+    limits: EngineLimits,
+    llm: LLMConfig,
+    settings: RepositorySettings,
+    files: BuildLayout | None = None,
+    log: Callable[[str], None] = print,
+) -> GpuMemoryPlan | None:
+    """Writes every model of the repository `repo` for a build whose final location is `build.root` (files: where its
+    files are now, if elsewhere), the language role's configs beside them (language_configs); the gpu target's
+    memory plans (the colocated one, returned, and the language role's) are planned first and logged."""
+    memory = language = None
+    if target == "gpu":
+        memory = gpu_memory_plan(files or build, limits, llm, settings)
+        language = gpu_memory_plan(files or build, limits, llm, settings, encodes=False)
+        log(memory.describe())
+        log(language.describe())
+    configs = model_configs(build, model_dir, target, limits, llm, settings, memory, files=files)
+    write_model_files(repo, configs, language_configs(configs, settings, language))
+    return memory
+
+
+def write_model_files(
+    repo: Path, configs: dict[str, mc.ModelConfig], language: dict[str, mc.ModelConfig] | None = None
+) -> None:
+    """config.pbtxt for every model (and the `language` role's configs/language.pbtxt of those it changes), its
+    model.py adapter for python models, version directory 1, and the files its model_warmup samples read."""
     sources = resources.files("qwen3vl_trt.triton_models")
     for name, config in configs.items():
         version = repo / name / "1"
         version.mkdir(parents=True)
         cfg.write(repo / name, config)
+        if language and name in language:
+            cfg.write(repo / name, language[name], cfg.LANGUAGE_CONFIG)
         if config.backend == "python":
             (version / MODEL_FILE).write_text(sources.joinpath(name, MODEL_FILE).read_text())
         if config.model_warmup:
@@ -404,11 +459,11 @@ def write_model_files(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
 
 
 def gpu_memory_plan(
-    files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings
+    files: BuildLayout, limits: EngineLimits, llm: LLMConfig, settings: RepositorySettings, encodes: bool = True
 ) -> GpuMemoryPlan:
     """The GPU memory plan of a build's engines (read from `files`, the build as it is on disk now): the python models
-    on settings.python_models_gpu, the LLM's rank r on GPU r. Refuses python models that do not fit on a GPU of their
-    own."""
+    on settings.python_models_gpu, the LLM's rank r on GPU r (encodes False: a replica that leaves its images to a
+    vision pool). Refuses python models that do not fit on a GPU of their own."""
     gpu = settings.python_models_gpu
     llm_gpus = tuple(range(llm.mapping.world_size))
     total = settings.gpu_memory_bytes
@@ -434,6 +489,7 @@ def gpu_memory_plan(
         patch_dim=vision.patch_dim,
         merge_unit=vision.spatial_merge_size**2,
         llm=llm,
+        encodes=encodes,
     )
     memory.check_python_models_gpu()
     return memory
@@ -469,12 +525,7 @@ def write_repository(
             f"{build.llm_checkpoint} has no {TOKENIZER_INFO_FILE}, which guided decoding reads: convert the LLM again "
             "(`qwen3vl-trt convert-llm`, or build) from a checkpoint with its tokenizer.json and generation_config.json"
         )
-    limits = manifest.limits
-    memory = gpu_memory_plan(build, limits, llm, settings) if target == "gpu" else None
-    if memory is not None:
-        log(memory.describe())
-    configs = model_configs(build, model, target, limits, llm, settings, memory)
     with atomic_output_dir(output, force=force, inputs=[build.root, model]) as tmp:
-        write_model_files(tmp, configs)
+        memory = write_models(tmp, build, model, target, manifest.limits, llm, settings, log=log)
         RepositoryRecord(target, build.root, model, memory.as_record() if memory is not None else None).write(tmp)
     return Path(output)
