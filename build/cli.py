@@ -568,10 +568,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--role",
-        choices=("replica", "vision"),
+        choices=("replica", "vision", "language"),
         default="replica",
         help="replica (default): the whole deployment; vision: a vision pool member, serving only preprocessing and "
-        "the vision encoder for replicas started with --vision-pool (docs/vision-pool.md)",
+        "the vision encoder for replicas started with --vision-pool; language: a replica without a vision encoder "
+        "(its GPU memory goes to the KV cache), which needs --vision-pool and is ready only while a member is "
+        "(docs/vision-pool.md)",
     )
     parser.add_argument(
         "--vision-pool",
@@ -584,8 +586,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vision-fallback",
         choices=("local", "fail"),
-        help="with --vision-pool, when no member answers: local (default) encodes here, fail ends the request's "
-        "images with an error naming the pool",
+        help="with --vision-pool, when no member answers: local (default; a language replica has no encoder: fail) "
+        "encodes here, fail ends the request's images with an error naming the pool",
     )
     parser.add_argument(
         "--no-warmup",

@@ -205,9 +205,9 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
         "same tokens, 1 hit(s), 0 decoded, 0 runs"
     )
     assert "back after" in rows["metrics published; a killed vision_encoder stub comes back"].figure
-    split = rows["the vision pool: a member and a replica with --vision-pool answer as the colocated"]
+    split = rows["the vision pool: a member and a language replica (--role language) answer as the colocated"]
     assert split.status == PASS and split.figure == (
-        "3/3 requests' tokens as the colocated; 2 of 2 encoded by the pool, 0 decoded here"
+        "3/3 requests' tokens as the colocated; 2 of 2 encoded by the pool, 0 decoded here; vision encoder not loaded"
     ), split
 
     # The warm-up's verdict is its figure's (a CPU's first request may or may not be slower).

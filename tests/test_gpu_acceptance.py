@@ -48,7 +48,7 @@ CHECKS = [
             "logit bias, presence penalty and log probs on the engine",
             "metrics published; a killed vision_encoder stub comes back",
             "a stop lets a stream in flight finish",
-            "the vision pool: a member and a replica with --vision-pool answer as the colocated",
+            "the vision pool: a member and a language replica (--role language) answer as the colocated",
         )
     ],
     *[

@@ -234,6 +234,38 @@ def test_cuda_memory_pool_of_the_python_models_gpu_on_rank_0_only(tmp_path):
         cuda_pool_flags(_pool_repo(tmp_path / "bad", [0, 1], "4096"))
 
 
+def test_the_language_role_reads_its_own_configs_on_every_rank_and_sizes_the_pool_from_them(tmp_path):
+    """serve --role language: every rank's tritonserver gets --model-config-name=language (rank > 0 loads the llm from
+    its files, not through serve's overrides), and the CUDA memory pool and the overrides start from the language
+    configs (configs/language.pbtxt) where a model has one."""
+    ports = ServerPorts(grpc=9001, http=9000, metrics=9002)
+    mapping = {"world_size": 2, "tp_size": 2, "pp_size": 1, "cp_size": 1}
+    repo = _pool_repo(_llm_repo(tmp_path / "mpi", "tensorrtllm", tmp_path / "engine", mapping), [0], "4096")
+    language = serving_config.read(repo / PREPROCESSING)
+    replace(PreprocessingParameters.from_model_config(language), vision_fallback="fail", cuda_memory_pool_bytes=1024)\
+        .apply(language)  # fmt: skip
+    serving_config.write(repo / PREPROCESSING, language, serving_config.LANGUAGE_CONFIG)
+    assert serving_config.config_path(repo / PREPROCESSING, "other").name == serving_config.CONFIG_FILE
+    assert cuda_pool_flags(repo, serving_config.LANGUAGE_CONFIG) == ["--cuda-memory-pool-byte-size=0:1024"]
+    command = launch_command(INSTALL, repo, ports, config_name=serving_config.LANGUAGE_CONFIG)
+    separator = command.index(":")
+    for rank in (command[4:separator], command[separator:]):
+        assert rank.count("--model-config-name=language") == 1
+    assert command[4:separator].count("--cuda-memory-pool-byte-size=0:1024") == 1
+    assert "--model-config-name=language" not in launch_command(INSTALL, repo, ports)
+    single = _pool_repo(tmp_path / "single", [1], "4096")
+    language.instance_group[0].gpus[:] = [1]
+    serving_config.write(single / PREPROCESSING, language, serving_config.LANGUAGE_CONFIG)
+    assert launch_command(INSTALL, single, ports, config_name="language")[-2:] == [
+        "--cuda-memory-pool-byte-size=1:1024",
+        "--model-config-name=language",
+    ]
+    # An override (--visual-cache) is made of the config the server reads.
+    overridden = ConfigOverrides(visual_cache="off").configs(single, serving_config.LANGUAGE_CONFIG)[PREPROCESSING]
+    served = PreprocessingParameters.from_model_config(json_format.Parse(overridden, mc.ModelConfig()))
+    assert (served.visual_cache, served.vision_fallback, served.cuda_memory_pool_bytes) == ("off", "fail", 1024)
+
+
 def test_world_size_and_mpi_command(tmp_path):
     assert world_size(tmp_path / "empty") == 1
     assert world_size(_llm_repo(tmp_path / "cpu", "python")) == 1
@@ -506,11 +538,22 @@ def test_a_repository_of_another_layout_is_refused_before_tritonserver_starts(tm
         check_repository(repo)
 
 
+def test_a_language_replica_without_a_pool_or_with_a_local_fallback_is_refused_before_tritonserver_starts(tmp_path):
+    """--role language has no vision encoder: it needs --vision-pool, and nothing to fall back to locally."""
+    repo = echo_repository(tmp_path / "repo")
+    with pytest.raises(ServingError, match="give it --vision-pool TARGET"):
+        serve(ServeOptions(repo, role="language"))
+    with pytest.raises(ServingError, match="no vision encoder to fall back to .*--vision-fallback local"):
+        serve(ServeOptions(repo, role="language", vision_pool="127.0.0.1:1", vision_fallback="local"))
+    options = _serve_args("--repo", str(repo), "--role", "language", "--vision-pool", "pool:8001")
+    assert (options.role, options.vision_pool, options.vision_fallback) == ("language", "pool:8001", None)
+
+
 def test_a_failed_warm_up_request_ends_serve_naming_it(tmp_path, nowhere, monkeypatch):
     """serve exits (3) when a warm-up request fails: the deployment would fail real requests like it."""
     repo = echo_repository(tmp_path / "repo")
     refused = WarmupRequest("an image for an ensemble without images", "hi", (b"\xff\xd8",))
-    monkeypatch.setattr(serve_module, "plan", lambda _repo, vision_only=False: [refused])
+    monkeypatch.setattr(serve_module, "plan", lambda _repo, images=True, text=True: [refused])
     ports = free_ports()
     with pytest.raises(
         WarmupError, match=r"^warm-up request 1/1 \(an image for an ensemble without images\) failed: "

@@ -3,30 +3,39 @@ encoder (`serve --role vision`'s models) and a replica sending them what its vis
 (`--vision-pool`): the replica's answers equal transformers' greedy tokens for an image, several images, a video
 and text, through gRPC (both ensembles) and the OpenAI gateway, with the replica decoding nothing itself; a member
 killed under load fails no request; the whole pool down, the replica encodes locally (fallback) with the same
-tokens; a member back is used again without a restart; a pool of another repository is refused by name."""
+tokens; a member back is used again without a restart; a pool of another repository is refused by name. A replica
+without a vision encoder (`serve --role language`, its visual cache in Redis) answers the same tokens, and is ready
+only while a member is."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
+import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 
 import pytest
-from deployment import Gateway, TransformersGreedy, build_cpu_repository, user
+from deployment import Gateway, TransformersGreedy, build_cpu_repository, cli, port_flags, user
 from images import jpeg
 from qwen3vl_trt.decoding.detokenize import Detokenizer
 from qwen3vl_trt.errors import ServingError
+from qwen3vl_trt.qa.redis_server import RedisServer
 from qwen3vl_trt.qa.tiny import ENDOFTEXT_ID, IM_END_ID, synthetic_video
 from qwen3vl_trt.serving import interface
-from qwen3vl_trt.serving.client import Client
+from qwen3vl_trt.serving.client import Client, InferenceError
 from qwen3vl_trt.serving.parameters import PreprocessingParameters
 from qwen3vl_trt.serving.ports import free_ports
 from qwen3vl_trt.serving.repository import model_config as serving_config
-from qwen3vl_trt.serving.server.serve import VISION_MODELS, check_vision_pool
+from qwen3vl_trt.serving.server.serve import NO_POOL_MEMBER, VISION_MODELS, check_vision_pool
 from qwen3vl_trt.serving.server.tritonserver import TritonServer
 from qwen3vl_trt.serving.server.warmup import plan, warm_up
 from qwen3vl_trt.serving.stages import metrics as stage_metrics
+from tritonclient.grpc import InferenceServerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -198,10 +207,78 @@ def test_a_member_warms_up_on_images_alone(split):
     """serve --role vision's warm-up: the plan's image requests, sent to preprocessing (a member has no ensemble),
     kept out of the member's metrics as every warm-up is."""
     member = split.members[0]
-    requests = plan(split.repo, vision_only=True)
+    requests = plan(split.repo, text=False)
     assert requests and all(request.images for request in requests)
     before = split.counts(member)
     lines: list[str] = []
     warm_up(member.url, requests, lines.append, 120, model=interface.PREPROCESSING)
     assert len(lines) == len(requests)
     assert split.counts(member)[stage_metrics.REQUESTS.name] == before[stage_metrics.REQUESTS.name]
+
+
+def _readiness(url: str) -> tuple[int, str]:
+    """serve's /ready: its status and the reason it gives."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read()).get("reason", "")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()).get("reason", "")
+    except OSError:
+        return 0, "not answering"
+
+
+def _await_readiness(url: str, status: int, process: subprocess.Popen, log, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (answer := _readiness(url))[0] != status:
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"serve's /ready answered {answer}, not {status}; its output:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return answer[1]
+
+
+def test_a_language_replica_encodes_nothing_and_is_ready_only_while_a_member_is(split, greedy, tmp_path):
+    """serve --role language with its visual cache in Redis: no vision encoder loaded, the same tokens as
+    transformers; with no member answering it is not ready, its images' requests end naming the pool, text and
+    cached images are served; a member back makes it ready again (run last: the fault test left one member)."""
+    member = split.members[0]
+    ports = free_ports()
+    ready_url = f"http://127.0.0.1:{ports.ready}/ready"
+    log = tmp_path / "language.log"
+    with RedisServer(tmp_path / "redis") as redis:
+        args = ["--repo", str(split.repo), "--role", "language", "--vision-pool", member.url]
+        process = cli("serve", *args, "--visual-cache", redis.url, *port_flags(ports),
+                      stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            _await_readiness(ready_url, 200, process, log)
+            url = f"127.0.0.1:{ports.grpc}"
+            triton = InferenceServerClient(url)
+            assert not triton.is_model_ready(interface.VISION_ENCODER) and triton.is_model_ready(interface.ENSEMBLE)
+            triton.close()
+            expected = {name: greedy.tokens("Describe.", media[0], 12, media[1]) for name, media in CASES.items()}
+            for name, (images, videos) in CASES.items():
+                answer = Client(url, timeout_s=120).generate("Describe.", images, 12, videos=videos)
+                assert answer.token_ids == expected[name], name
+            assert len(list(redis.client().scan_iter(match="qwen3vl:features:*"))) == 3  # PHOTO, OTHER, CLIP
+
+            # No member: not ready; an image it has not seen fails naming the pool; text and a cached image answer.
+            member.signal(signal.SIGKILL)
+            assert _await_readiness(ready_url, 503, process, log, 30) == NO_POOL_MEMBER
+            with pytest.raises(InferenceError, match=f"the vision pool {member.url} did not answer"):
+                Client(url, timeout_s=120).generate("What is it?", [jpeg(72, 72, seed=300)], 6)
+            for name in ("text", "an image"):
+                images, videos = CASES[name]
+                assert Client(url, timeout_s=120).generate("Describe.", images, 12).token_ids == expected[name]
+
+            # A member back on its address: ready again, images encoded by it.
+            member.stop()
+            split.members = [split.member(0, member.ports)]
+            _await_readiness(ready_url, 200, process, log, 120)
+            image = [jpeg(72, 72, seed=300)]
+            answer = Client(url, timeout_s=120).generate("What is it?", image, 6)
+            assert answer.token_ids == greedy.tokens("What is it?", image, 6)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -532,7 +532,9 @@ class Acceptance:
         warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
         decoding = f"the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble ({name})"
         topping = f"top_logprobs from the engine's generation logits vs transformers' log-softmax ({name})"
-        splitting = f"the vision pool: a member and a replica with --vision-pool answer as the colocated ({name})"
+        splitting = (
+            f"the vision pool: a member and a language replica (--role language) answer as the colocated ({name})"
+        )
         split_limit = "same tokens, the replica decoding nothing"
         top_limit = f"{TOP_LOGPROBS} each, the likeliest served, gap <= {TOP_LOGPROB_GAP:g}"
         if self.row(serving, "ready, answers, no CUDA pool misses", needs, serve_and_send).status != PASS:
@@ -1067,21 +1069,28 @@ def _split_answers(
     log_path: Path,
 ) -> tuple[bool, str]:
     """The build's repository split on this host (docs/vision-pool.md): a vision pool member (serve --role vision's
-    models: preprocessing decoding on the GPU, the vision engine) and a replica that sends it what its visual cache
-    does not hold (--vision-pool, the cache off): each request's tokens against the colocated deployment's (`served`),
-    and the replica's metrics, which say the pool encoded the images and videos and the replica decoded none."""
+    models: preprocessing decoding on the GPU, the vision engine) and a language replica (serve --role language's
+    models and configs: no vision encoder, the KV cache share of its own plan) that sends it what its visual cache
+    does not hold (the cache off): each request's tokens against the colocated deployment's (`served`), the replica's
+    metrics, which say the pool encoded the images and videos and the replica decoded none, and what it loaded."""
+    from tritonclient.grpc import InferenceServerClient
+
     from ..common.contracts import BuildLayout
     from ..serving import interface
     from ..serving.client import Client
     from ..serving.ports import free_ports
-    from ..serving.server.serve import VISION_MODELS
+    from ..serving.repository import model_config as serving_config
+    from ..serving.server.serve import LANGUAGE_ROLE, VISION_MODELS, role_config, role_models
     from ..serving.server.tritonserver import TritonServer
     from ..serving.stages import metrics as stage_metrics
 
     repo = BuildLayout(build_dir).triton_repo
     member = TritonServer(repo, free_ports(), log_path=log_path.with_suffix(".pool.log"), models=VISION_MODELS)
     with member:
-        replica = TritonServer(repo, free_ports(), log_path=log_path, vision_pool=member.url, visual_cache="off")
+        replica = TritonServer(
+            repo, free_ports(), log_path=log_path, vision_pool=member.url, visual_cache="off",
+            models=role_models(repo, LANGUAGE_ROLE), config_name=role_config(LANGUAGE_ROLE),
+        )  # fmt: skip
         with replica, contextlib.closing(Client(replica.url, timeout_s=300)) as client:
             tokens = {
                 kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos).token_ids
@@ -1092,12 +1101,22 @@ def _split_answers(
                 for (name, model), value in stage_metrics.read(replica.metrics_url).items()
                 if model == interface.PREPROCESSING
             }
+            with contextlib.closing(InferenceServerClient(replica.url)) as triton:
+                encoder = triton.is_model_ready(interface.VISION_ENCODER)
+                llm = triton.get_model_config(interface.LLM).config
     media = sum(len(images) + len(videos) for _, images, videos in requests.values())
     pooled = int(counts.get(stage_metrics.VISION_POOL_ENCODES.name, 0))
     decoded = int(counts.get(stage_metrics.IMAGES_DECODED.name, 0) + counts.get(stage_metrics.VIDEOS_DECODED.name, 0))
     same = [kind for kind in requests if tokens[kind] == served[kind]]
     figure = f"{len(same)}/{len(requests)} requests' tokens as the colocated; {pooled} of {media} encoded by the pool"
-    return len(same) == len(requests) and pooled == media and decoded == 0, f"{figure}, {decoded} decoded here"
+    figure += f", {decoded} decoded here; vision encoder {'loaded' if encoder else 'not loaded'}"
+    fraction = "kv_cache_free_gpu_mem_fraction"  # the tensorrtllm backend's (none on the CPU target's llm)
+    planned = serving_config.read(repo / interface.LLM, serving_config.LANGUAGE_CONFIG).parameters
+    share = fraction not in planned or llm.parameters[fraction].string_value == planned[fraction].string_value
+    if fraction in planned:
+        colocated = serving_config.read(repo / interface.LLM).parameters[fraction].string_value
+        figure += f", KV cache share {llm.parameters[fraction].string_value} (colocated {colocated})"
+    return len(same) == len(requests) and pooled == media and decoded == 0 and not encoder and share, figure
 
 
 def _warm_up(server: Any) -> tuple[bool, str]:

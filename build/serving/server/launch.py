@@ -96,6 +96,7 @@ def mpi_command(
     drain_s: float | None = None,
     shm_prefix: str = "prefix",
     load_at_start: bool = True,
+    every_rank: Sequence[str] = (),
 ) -> list[str]:
     """`mpirun` with one tritonserver per rank, as TensorRT-LLM v1.2.1's
     triton_backend/scripts/launch_triton_server.py (get_cmd) builds it: rank 0 serves the whole repository;
@@ -105,7 +106,8 @@ def mpi_command(
     rank 0 only, as launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes. Unlike upstream's, rank 0
     runs under explicit model control (model_control_flags): in Triton's default mode the repository API refuses
     every load (core r26.04, model_repository_manager.cc: "explicit model load / unload is not allowed if polling
-    is enabled"), and `serve` loads the models with config overrides through it (`load_at_start` False)."""
+    is enabled"), and `serve` loads the models with config overrides through it (`load_at_start` False). every_rank:
+    flags every rank gets (which configs the models load)."""
     command = ["mpirun", "--allow-run-as-root"]
     for rank in range(world):
         own = ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_"]
@@ -115,19 +117,20 @@ def mpi_command(
             own += ["--model-control-mode=explicit", f"--load-model={LLM}"]
         verbose = log_verbose if rank == 0 else 0  # upstream logs rank 0 only
         command += [":", "-n", "1"] if rank else ["-n", "1"]
-        rank_extra = [*own, *(rank0_extra if rank == 0 else ())]
+        rank_extra = [*own, *(rank0_extra if rank == 0 else ()), *every_rank]
         command += server_command(install, repo, ports, address, verbose, rank_extra, drain_s)
     return command
 
 
-def cuda_pool_flags(repo: Path) -> list[str]:
+def cuda_pool_flags(repo: Path, config_name: str | None = None) -> list[str]:
     """`--cuda-memory-pool-byte-size=<gpu>:<bytes>` for the GPU of the repository's python models, sized by
-    write-repo (serving.repository.gpu_memory); none for the CPU target. Triton's default pool is 64 MB per GPU
-    (command_line_parser.cc), below which python_backend passes device tensors by CUDA IPC."""
+    write-repo (serving.repository.gpu_memory) for the configs the server reads (config_name); none for the CPU
+    target. Triton's default pool is 64 MB per GPU (command_line_parser.cc), below which python_backend passes device
+    tensors by CUDA IPC."""
     path = Path(repo) / PREPROCESSING
     if not (path / serving_config.CONFIG_FILE).is_file():
         return []
-    config = serving_config.read(path)
+    config = serving_config.read(path, config_name)
     pool = PreprocessingParameters.from_model_config(config).cuda_memory_pool_bytes
     if pool is None:
         return []
@@ -156,19 +159,22 @@ def launch_command(
     load_at_start: bool = True,
     drain_s: float | None = None,
     shm_prefix: str | None = None,
+    config_name: str | None = None,
 ) -> list[str]:
     """One server, or one per rank under MPI when the engine is split over several GPUs. The single server and MPI's
     rank 0 run under explicit model control (model_control_flags); the other ranks as TensorRT-LLM launches them.
     shm_prefix: the python backend's shared-memory region prefix (None: its default, as upstream's launcher leaves it
-    for a single rank; under MPI, upstream's `prefix`), each rank's ending in its rank."""
+    for a single rank; under MPI, upstream's `prefix`), each rank's ending in its rank. config_name: every rank reads
+    the models' configs/<name>.pbtxt where they have one (serving_config.LANGUAGE_CONFIG: serve --role language)."""
     world = world_size(repo)
-    pool = cuda_pool_flags(repo)
+    pool = cuda_pool_flags(repo, config_name)
+    named = [] if config_name is None else [f"--model-config-name={config_name}"]
     if world == 1:
         prefix = [] if shm_prefix is None else [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
-        flags = [*model_control_flags(load_at_start), *pool, *prefix]
+        flags = [*model_control_flags(load_at_start), *pool, *prefix, *named]
         return server_command(install, repo, ports, address, log_verbose, flags, drain_s)
     return mpi_command(
-        install, repo, ports, world, address, log_verbose, pool, drain_s, shm_prefix or "prefix", load_at_start
+        install, repo, ports, world, address, log_verbose, pool, drain_s, shm_prefix or "prefix", load_at_start, named
     )
 
 
@@ -218,12 +224,13 @@ class ConfigOverrides:
         self.apply(overridden)
         return overridden == served
 
-    def configs(self, repo: Path) -> dict[str, str]:
+    def configs(self, repo: Path, config_name: str | None = None) -> dict[str, str]:
         """The configs (JSON, as the repository API's load takes them) of the repository's models that the
-        overrides apply to, overridden."""
+        overrides apply to, overridden: those the server reads (config_name: configs/<name>.pbtxt where a model has
+        one)."""
         overridden = {}
         for model in repository_models(repo):
-            config = serving_config.read(Path(repo) / model)
+            config = serving_config.read(Path(repo) / model, config_name)
             if self.apply(config):
                 overridden[model] = serving_config.to_json(config)
         return overridden

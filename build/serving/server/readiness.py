@@ -2,7 +2,8 @@
 metrics, on a port of its own (--ready-port, beside tritonserver's three).
 
     GET /ready     200 {"ready": true, ...} once the warm-up (server.warmup) has run and while tritonserver reports
-                   ready; else 503 with the reason: "loading", "warming up", "tritonserver not ready", "stopping"
+                   ready; else 503 with the reason: "loading", "warming up", "tritonserver not ready", "stopping",
+                   or what the replica needs besides (a language replica: "no vision pool member ready")
     GET /metrics   Prometheus text of serve's own registry: qwen3vl_serve_ready, qwen3vl_serve_warmup_seconds,
                    qwen3vl_serve_warmup_requests_total, qwen3vl_serve_build_info{key, source, target, gpu}
 
@@ -108,6 +109,7 @@ class Readiness:
         self._answered_at = -math.inf
         self._answer = False
         self._serving: Callable[[], bool] | None = None
+        self._needs: list[tuple[Callable[[], bool], str]] = []
 
     @property
     def phase(self) -> str:
@@ -126,6 +128,11 @@ class Readiness:
     def stopping(self) -> None:
         self._phase = STOPPING
 
+    def needs(self, check: Callable[[], bool], why: str) -> None:
+        """The replica serves only while `check` says so too (a language replica's vision pool); `why` is the reason
+        /ready gives when it does not."""
+        self._needs.append((check, why))
+
     def also_requires(self, serving: Callable[[], bool]) -> None:
         """Ready only while `serving` says so too: serve's own gateway routes to this replica (its fleet takes the
         replica's readiness, replica_ready, on its next probe), so that a request sent once /ready answers 200 is
@@ -143,7 +150,7 @@ class Readiness:
         return self.replica_state()[0]
 
     def replica_state(self) -> tuple[bool, str]:
-        """Whether tritonserver is ready and warmed up, and why not."""
+        """Whether tritonserver is ready and warmed up (and what the replica needs besides: `needs`), and why not."""
         phase = self._phase
         if phase != READY:
             return False, phase
@@ -151,6 +158,9 @@ class Readiness:
             return False, NOT_READY
         if self._server() != self._warmed:  # started again, and ready: serve is warming it up (or soon)
             return False, WARMING_UP
+        for check, why in self._needs:
+            if not check():
+                return False, why
         return True, READY
 
     def is_ready(self) -> bool:

@@ -7,10 +7,12 @@ warmed it up (server.warmup), and while tritonserver stays ready.
 
 from __future__ import annotations
 
+import math
 import shlex
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -29,7 +31,8 @@ from ..ports import (
 )
 from ..repository import model_config as serving_config
 from ..targets import FleetTarget
-from .readiness import BuildInfo, Readiness, ReadinessServer, ServeMetrics
+from .launch import repository_models
+from .readiness import TRITON_ANSWER_S, TRITON_PROBE_TIMEOUT_S, BuildInfo, Readiness, ReadinessServer, ServeMetrics
 from .tritonserver import TritonServer
 from .warmup import WarmupError, WarmupRequest, plan, warm_up
 
@@ -69,37 +72,89 @@ def check_repository(repo: Path) -> None:
         )
 
 
-# What `serve --role` runs: the whole deployment, or a vision pool member (stages.vision_pool).
-REPLICA_ROLE, VISION_ROLE = "replica", "vision"
-ROLES = (REPLICA_ROLE, VISION_ROLE)
+# What `serve --role` runs: the whole deployment; a vision pool member (stages.vision_pool); or a replica that leaves
+# every image and video to a vision pool (no vision encoder of its own: its GPU memory goes to the KV cache).
+REPLICA_ROLE, VISION_ROLE, LANGUAGE_ROLE = "replica", "vision", "language"
+ROLES = (REPLICA_ROLE, VISION_ROLE, LANGUAGE_ROLE)
 VISION_MODELS = (VISION_ENCODER, PREPROCESSING)  # a member's, in load order (preprocessing calls the encoder)
+NO_POOL_MEMBER = "no vision pool member ready"
+
+
+def role_models(repo: Path, role: str) -> list[str] | None:
+    """The models a role loads (None: every model of the repository)."""
+    if role == VISION_ROLE:
+        return list(VISION_MODELS)
+    if role == LANGUAGE_ROLE:
+        return [model for model in repository_models(repo) if model != VISION_ENCODER]
+    return None
+
+
+def role_config(role: str) -> str | None:
+    """The models' alternative configs a role loads (serving_config.LANGUAGE_CONFIG), None: config.pbtxt."""
+    return serving_config.LANGUAGE_CONFIG if role == LANGUAGE_ROLE else None
+
+
+class VisionPoolProbe:
+    """The members of a vision pool (its target, resolved again on every look) as a replica of `repo` sees them:
+    whether one answers ready now, and what a member that serves another repository differs in
+    (PreprocessingParameters.pool_mismatch)."""
+
+    def __init__(self, target: str, repo: Path):
+        self.target = FleetTarget.parse(target)
+        self.repo = Path(repo)
+        self.mine = PreprocessingParameters.from_model_config(serving_config.read(self.repo / PREPROCESSING))
+        self._lock = threading.Lock()  # one look at a time; probes meanwhile take its answer
+        self._answered_at, self._answer = -math.inf, False
+
+    def addresses(self) -> list[str]:
+        try:
+            return list(self.target.resolve())
+        except Exception:  # a resolver that fails now: no member known, this time
+            return []
+
+    def member(self, address: str, timeout_s: float = 5.0) -> tuple[bool, str | None]:
+        """Whether the member at `address` answers with its preprocessing ready, and what it does not share with this
+        replica (None: it serves this repository, or does not answer)."""
+        from tritonclient.grpc import InferenceServerClient
+
+        client = InferenceServerClient(address)
+        try:
+            config = client.get_model_config(PREPROCESSING, client_timeout=timeout_s).config
+            ready = client.is_model_ready(PREPROCESSING, client_timeout=timeout_s)
+        except Exception:  # not answering (tritonclient's own error types)
+            return False, None
+        finally:
+            client.close()
+        try:
+            why = self.mine.pool_mismatch(PreprocessingParameters.from_model_config(config))
+        except ParameterError as e:  # another version's repository
+            why = str(e)
+        return ready and why is None, why
+
+    def check(self) -> None:
+        """Refuses a pool whose members that answer now serve another repository, naming the member; members that
+        do not answer yet are checked by preprocessing before their first request."""
+        for address in self.addresses():
+            why = self.member(address)[1]
+            if why is not None:
+                raise ServingError(
+                    f"the vision pool member {address} serves another repository than {self.repo}: {why}"
+                )
+
+    def any_ready(self) -> bool:
+        """Whether a member serving this repository is ready now (a language replica's readiness), looked at most
+        every TRITON_ANSWER_S, each member given TRITON_PROBE_TIMEOUT_S as tritonserver's own answer is."""
+        with self._lock:
+            if time.monotonic() - self._answered_at >= TRITON_ANSWER_S:
+                self._answer = any(self.member(a, TRITON_PROBE_TIMEOUT_S)[0] for a in self.addresses())
+                self._answered_at = time.monotonic()
+            return self._answer
 
 
 def check_vision_pool(target: str, repo: Path) -> None:
     """Refuses, before anything starts, a vision pool whose members that answer now serve another repository
-    (PreprocessingParameters.pool_mismatch), naming the member; members that do not answer yet are checked by
-    preprocessing before their first request."""
-    from tritonclient.grpc import InferenceServerClient
-
-    mine = PreprocessingParameters.from_model_config(serving_config.read(repo / PREPROCESSING))
-    try:
-        addresses = FleetTarget.parse(target).resolve()
-    except Exception:  # a resolver that fails now: preprocessing resolves again
-        return
-    for address in addresses:
-        client = InferenceServerClient(address)
-        try:
-            config = client.get_model_config(PREPROCESSING, client_timeout=5.0).config
-        except Exception:  # not answering yet (tritonclient's own error types)
-            continue
-        finally:
-            client.close()
-        try:
-            why = mine.pool_mismatch(PreprocessingParameters.from_model_config(config))
-        except ParameterError as e:  # another version's repository
-            why = str(e)
-        if why is not None:
-            raise ServingError(f"the vision pool member {address} serves another repository than {repo}: {why}")
+    (VisionPoolProbe.check)."""
+    VisionPoolProbe(target, repo).check()
 
 
 @dataclass(frozen=True)
@@ -110,7 +165,8 @@ class ServeOptions:
     the repository's queue bound and visual cache; warmup: send the warm-up requests (server.warmup) before ready.
     role (ROLES): a replica serves the whole deployment; a vision pool member (`vision`) only preprocessing and the
     vision encoder, which replicas started with vision_pool (its target) send the images and videos their visual
-    cache does not hold; vision_fallback: what such a replica does when no member answers (VISION_FALLBACKS)."""
+    cache does not hold; vision_fallback: what such a replica does when no member answers (VISION_FALLBACKS); a
+    `language` replica loads no vision encoder, needs a vision pool and is ready only while a member is."""
 
     repo: Path
     ports: ServerPorts = DEFAULT_PORTS
@@ -182,11 +238,22 @@ def serve(args: ServeOptions) -> int:
     (TritonServer.stop: SIGTERM, SIGKILL after the grace period); the server's exit status. Its readiness endpoint
     (server.readiness) says ready once the server is ready and warmed up (server.warmup)."""
     check_repository(args.repo)
-    vision = args.role == VISION_ROLE
+    vision, language = args.role == VISION_ROLE, args.role == LANGUAGE_ROLE
     if vision and (args.openai_port is not None or args.vision_pool is not None):
         raise ServingError("a vision pool member (--role vision) runs no gateway and no pool of its own")
-    if args.vision_pool is not None:
-        check_vision_pool(args.vision_pool, args.repo)
+    if language and args.vision_pool is None:
+        raise ServingError(
+            "a language replica (--role language) leaves its images and videos to a vision pool: give it "
+            "--vision-pool TARGET, or serve the whole deployment with --role replica"
+        )
+    if language and args.vision_fallback not in (None, "fail"):
+        raise ServingError(
+            f"a language replica (--role language) has no vision encoder to fall back to (--vision-fallback "
+            f"{args.vision_fallback}): its images fail while no pool member answers; --role replica encodes them here"
+        )
+    pool = VisionPoolProbe(args.vision_pool, args.repo) if args.vision_pool is not None else None
+    if pool is not None:
+        pool.check()
     server = TritonServer(
         args.repo,
         args.ports,
@@ -198,9 +265,10 @@ def serve(args: ServeOptions) -> int:
         stop_grace=args.stop_grace,
         max_queue_size=args.max_queue_size,
         visual_cache=args.visual_cache,
-        models=VISION_MODELS if vision else None,
+        models=role_models(args.repo, args.role),
         vision_pool=args.vision_pool,
         vision_fallback=args.vision_fallback,
+        config_name=role_config(args.role),
     )
     if args.print_command:
         env = [f"{name}={shlex.quote(value)}" for name, value in server.install.env.items()]
@@ -208,8 +276,10 @@ def serve(args: ServeOptions) -> int:
         return 0
     build = BuildInfo.of_repository(args.repo)
     readiness = Readiness(server.reports_ready, lambda: server.pid)
+    if language and pool is not None:
+        readiness.needs(pool.any_ready, NO_POOL_MEMBER)
     metrics = ServeMetrics(readiness, build)
-    requests = plan(args.repo, vision_only=vision) if args.warmup else []
+    requests = plan(args.repo, images=not language, text=not vision) if args.warmup else []
     warmer = _Warmer(server, readiness, metrics, requests, PREPROCESSING if vision else None)
     endpoint = ReadinessServer(readiness, metrics, build, args.address, args.ports.ready)
     stopping = threading.Event()

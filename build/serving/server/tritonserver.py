@@ -86,7 +86,8 @@ class TritonServer:
     started and ready. A single server is supervised (server.supervisor): a stage whose python stub dies is
     unloaded and loaded again, and a server that exits on its own is started again (a few times).
     max_queue_size, visual_cache, vision_pool and vision_fallback override the repository's queue bound, visual cache
-    and vision pool (ConfigOverrides); `models` loads only those (a vision pool member's), not every model."""
+    and vision pool (ConfigOverrides); `models` loads only those (serve's role's), not every model; config_name: the
+    models' alternative configs it loads (serving_config.LANGUAGE_CONFIG: serve --role language)."""
 
     log_tail_lines = 30
 
@@ -108,14 +109,15 @@ class TritonServer:
         models: Sequence[str] | None = None,
         vision_pool: str | None = None,
         vision_fallback: str | None = None,
+        config_name: str | None = None,
     ) -> None:
         self.repo = Path(repo)
         self.ports = ports
         self.address = address
         self.install = find_tritonserver(tritonserver)
         self.config_overrides = ConfigOverrides(max_queue_size, visual_cache, vision_pool, vision_fallback)
-        self.overrides = self.config_overrides.configs(self.repo)
-        # The models to load (a vision pool member's: serving.server.serve), None: every model of the repository.
+        self.overrides = self.config_overrides.configs(self.repo, config_name)
+        # The models to load (serve's role's: serving.server.serve), None: every model of the repository.
         self.models = list(models) if models is not None else None
         # A random part too: servers in other PID namespaces may share this /dev/shm (a container with --ipc=host).
         self.shm_prefix = f"{process_shm_prefix(os.getpid())}{next(_SERVER_NUMBERS)}_{secrets.token_hex(4)}_"
@@ -129,6 +131,7 @@ class TritonServer:
             load_at_start=not self.overrides and self.models is None,
             drain_s=stop_grace,
             shm_prefix=self.shm_prefix,
+            config_name=config_name,
         )
         self.log_path = log_path
         self.ready_timeout = ready_timeout

@@ -105,16 +105,17 @@ def picture(pixels: int, image_format: str) -> bytes:
     return encoded.getvalue()
 
 
-def plan(repo: Path, vision_only: bool = False) -> list[WarmupRequest]:
+def plan(repo: Path, images: bool = True, text: bool = True) -> list[WarmupRequest]:
     """The warm-up requests for a repository: none when it has no preprocessing model (not a qwen3vl-trt ensemble
-    of this layout's stages); with vision_only (a vision pool member, which serves preprocessing and the vision
-    encoder alone) the images' requests only."""
+    of this layout's stages); the images' requests (not for a language replica, whose vision pool encodes them and may
+    not answer yet) and the text one (not for a vision pool member, which serves preprocessing and the vision encoder
+    alone)."""
     if not (Path(repo) / PREPROCESSING / serving_config.CONFIG_FILE).is_file():
         return []
     params = PreprocessingParameters.from_model_config(serving_config.read(Path(repo) / PREPROCESSING))
     resizing = Resizing.of_checkpoint(params.model_dir)
     requests = []
-    for n, side in enumerate(resizing.sides(params.limits)):
+    for n, side in enumerate(resizing.sides(params.limits) if images else ()):
         image_format = "PNG" if n == 1 else "JPEG"  # the middle one a PNG: both decoders run
         pixels = side * resizing.factor
         requests.append(
@@ -124,7 +125,7 @@ def plan(repo: Path, vision_only: bool = False) -> list[WarmupRequest]:
                 (picture(pixels, image_format),),
             )
         )
-    if not vision_only:
+    if text:
         requests.append(WarmupRequest(f"a text prompt, {DECODE_TOKENS} tokens generated", "Count to ten.",
                                       max_tokens=DECODE_TOKENS, min_tokens=DECODE_TOKENS))  # fmt: skip
     return requests
