@@ -4,7 +4,7 @@ nothing, and the rendered fleet has the properties the deployment relies on (doc
 
 The custom resources have no schema in kubernetes-validate. The Prometheus Operator's PodMonitor gets the minimal
 check of test_custom_resources_minimal_check instead (API group, known fields, a selector that matches a workload's
-pods, ports those pods declare). KEDA's ScaledObject (overlays/gpu-keda) is validated against the CRD of a pinned KEDA
+pods, ports those pods declare). KEDA's ScaledObjects (the KEDA overlays) are validated against the CRD of a pinned KEDA
 release, vendored in tests/data/keda (KEDA_RELEASE; its README names the source and commit), with unknown fields
 rejected as kubernetes-validate's strict mode rejects them for built-in kinds.
 
@@ -35,10 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
 KUBERNETES_VERSION = "1.37.0"  # the API the manifests are written for (kubernetes-validate's schemas)
-# Overlay -> GPUs per replica.
-OVERLAYS = {"gpu": 1, "gpu-tp": 2, "gpu-keda": 1, "cpu": 0}
-# Overlays whose replicas KEDA scales (a ScaledObject instead of the base's HPA), and the overlay each is built on.
-KEDA_OVERLAYS = {"gpu-keda": "gpu"}
+# Overlay -> GPUs per replica (and per vision pool member).
+OVERLAYS = {"gpu": 1, "gpu-tp": 2, "gpu-keda": 1, "cpu": 0, "gpu-vision-pool": 1, "gpu-vision-pool-keda": 1}
+# Overlays whose replicas KEDA scales (a ScaledObject instead of the base's HPA), and the overlay with the HPAs whose
+# bounds and targets the ScaledObjects take.
+KEDA_OVERLAYS = {"gpu-keda": "gpu", "gpu-vision-pool-keda": "gpu-vision-pool"}
+# Overlays with a vision pool (components/vision-pool): members of their own, serving language replicas.
+POOL_OVERLAYS = ("gpu-vision-pool", "gpu-vision-pool-keda")
+REPLICAS = "qwen3vl-triton"
+POOL = "qwen3vl-vision-pool"  # the members' Deployment, and its Service, autoscaler, PodMonitor and NetworkPolicy
 POD_MONITOR = ("monitoring.coreos.com/v1", "PodMonitor")
 SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 CUSTOM_KINDS = {POD_MONITOR, SCALED_OBJECT}
@@ -231,50 +236,62 @@ def _adapter_rules(rendered) -> list[dict[str, Any]]:
     return yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
 
 
+def _servers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Deployments whose pods build a repository and serve it: the replicas, and the vision pool's members."""
+    return [d for d in _objects(objects, "Deployment") if d["metadata"]["name"] in (REPLICAS, POOL)]
+
+
 @pytest.fixture(params=list(OVERLAYS))
 def fleet(request, rendered):
     objects = rendered[request.param][1]
-    return request.param, objects, _one(objects, "Deployment", "qwen3vl-triton")
+    return request.param, objects, _one(objects, "Deployment", REPLICAS)
 
 
 def test_triton_probes(fleet):
     """Startup and readiness on serve's own /ready (200 only after warm-up requests ran through every model, and while
     tritonserver is ready: tritonserver's /v2/health/ready cannot be held back for the warm-up), on the named port
-    `ready` that serve --ready-port opens; liveness on tritonserver's /v2/health/live."""
-    _, _, replicas = fleet
-    triton = _container(replicas, "triton")
-    serve = _cli(triton)
-    assert _port(triton, "ready") == serve.ready_port == READY_PORT
-    for probe in ("startupProbe", "readinessProbe"):
-        get = triton[probe]["httpGet"]
-        assert (get["path"], get["port"]) == ("/ready", "ready"), probe
-    live = triton["livenessProbe"]["httpGet"]
-    assert (live["path"], _port(triton, live["port"])) == ("/v2/health/live", serve.http_port)
-    startup = triton["startupProbe"]
-    budget = startup["failureThreshold"] * startup["periodSeconds"]
-    assert budget >= STARTUP_BUDGET_S
-    # serve gives up first and says why (exit 3), rather than the kubelet killing it without a word.
-    assert serve.ready_timeout < budget
-    assert (serve.grpc_port, serve.http_port, serve.metrics_port, serve.address) == (8001, 8000, 8002, "0.0.0.0")
+    `ready` that serve --ready-port opens; liveness on tritonserver's /v2/health/live. Replicas and pool members
+    alike."""
+    _, objects, _ = fleet
+    for server in _servers(objects):
+        name = server["metadata"]["name"]
+        triton = _container(server, "triton")
+        serve = _cli(triton)
+        assert _port(triton, "ready") == serve.ready_port == READY_PORT, name
+        for probe in ("startupProbe", "readinessProbe"):
+            get = triton[probe]["httpGet"]
+            assert (get["path"], get["port"]) == ("/ready", "ready"), (name, probe)
+        live = triton["livenessProbe"]["httpGet"]
+        assert (live["path"], _port(triton, live["port"])) == ("/v2/health/live", serve.http_port), name
+        startup = triton["startupProbe"]
+        budget = startup["failureThreshold"] * startup["periodSeconds"]
+        assert budget >= STARTUP_BUDGET_S, name
+        # serve gives up first and says why (exit 3), rather than the kubelet killing it without a word.
+        assert serve.ready_timeout < budget, name
+        assert (serve.grpc_port, serve.http_port, serve.metrics_port, serve.address) == (8001, 8000, 8002, "0.0.0.0")
 
 
 def test_gpus_per_replica(fleet):
-    overlay, objects, replicas = fleet
+    """The overlay's GPUs for each replica and each vision pool member (a member builds the same repository on the
+    same GPU model, so its build shares the replicas' cache entry); none for anything else."""
+    overlay, objects, _ = fleet
     gpus = OVERLAYS[overlay]
-    build = _cli(_container(replicas, "build-repository"))
-    assert build.target == ("gpu" if gpus else "cpu")
-    for container in _containers(replicas):
-        resources = container["resources"]
+    servers = _servers(objects)
+    for server in servers:
+        build = _cli(_container(server, "build-repository"))
+        assert build.target == ("gpu" if gpus else "cpu")
+        for container in _containers(server):
+            resources = container["resources"]
+            if gpus:
+                assert resources["requests"].get(GPU) == resources["limits"].get(GPU) == gpus, container["name"]
+            else:
+                assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {})
         if gpus:
-            assert resources["requests"].get(GPU) == resources["limits"].get(GPU) == gpus, container["name"]
-        else:
-            assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {})
-    if gpus:
-        # The engine's world size is the pod's GPUs: serve starts one rank per GPU under mpirun.
-        assert build.tp * build.pp == gpus
+            # The engine's world size is the pod's GPUs: serve starts one rank per GPU under mpirun.
+            assert build.tp * build.pp == gpus
     # Nothing else asks for a GPU.
     for deployment in _objects(objects, "Deployment"):
-        if deployment is not replicas:
+        if deployment not in servers:
             assert all(GPU not in json.dumps(c["resources"]) for c in _containers(deployment))
 
 
@@ -380,13 +397,14 @@ def test_hpa_scales_replicas_on_adapter_metrics(fleet, rendered):
 
 
 def test_dev_shm_is_memory_with_a_limit(fleet):
-    _, _, replicas = fleet
-    triton = _container(replicas, "triton")
-    (mount,) = [m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-    (volume,) = [v for v in _pod(replicas)["volumes"] if v["name"] == mount["name"]]
-    assert volume["emptyDir"]["medium"] == "Memory"
-    # Memory-backed: it counts against the container's memory limit, which must hold it and more.
-    assert 64 * 2**20 < _bytes(volume["emptyDir"]["sizeLimit"]) < _bytes(triton["resources"]["limits"]["memory"])
+    _, objects, _ = fleet
+    for server in _servers(objects):
+        triton = _container(server, "triton")
+        (mount,) = [m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (volume,) = [v for v in _pod(server)["volumes"] if v["name"] == mount["name"]]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        # Memory-backed: it counts against the container's memory limit, which must hold it and more.
+        assert 64 * 2**20 < _bytes(volume["emptyDir"]["sizeLimit"]) < _bytes(triton["resources"]["limits"]["memory"])
 
 
 def test_redis_is_a_bounded_lru_cache(fleet):
@@ -410,25 +428,28 @@ def test_redis_is_a_bounded_lru_cache(fleet):
 
 
 def test_termination_outlasts_the_drain(fleet):
-    _, objects, replicas = fleet
-    triton = _container(replicas, "triton")
-    serve = _cli(triton)
-    pre_stop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pre_stop >= 10  # endpoint removal, DNS caches, the gateway's next resolution
-    # tritonserver gives in-flight requests, streams included, stop-grace seconds to finish (serve passes it as
-    # --exit-timeout-secs), then unloads; serve kills what is left stop-grace seconds after SIGTERM. The kubelet's
-    # SIGKILL comes after both. Minutes: a long generation finishes on the replica it started on.
-    assert serve.stop_grace >= 120
-    assert _pod(replicas)["terminationGracePeriodSeconds"] > pre_stop + serve.stop_grace
+    _, objects, _ = fleet
+    for server in _servers(objects):
+        triton = _container(server, "triton")
+        serve = _cli(triton)
+        pre_stop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
+        # Endpoint removal, DNS caches, the next resolution by the gateway (of replicas) or the replicas (of members).
+        assert pre_stop >= 10
+        # tritonserver gives in-flight requests, streams included, stop-grace seconds to finish (serve passes it as
+        # --exit-timeout-secs), then unloads; serve kills what is left stop-grace seconds after SIGTERM. The kubelet's
+        # SIGKILL comes after both. Minutes: a long generation finishes on the replica it started on.
+        assert serve.stop_grace >= 120
+        assert _pod(server)["terminationGracePeriodSeconds"] > pre_stop + serve.stop_grace
     gateway = _one(objects, "Deployment", "qwen3vl-gateway")
     gateway_pre_stop = _container(gateway, "gateway")["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert _pod(gateway)["terminationGracePeriodSeconds"] > gateway_pre_stop + 10  # its 10 s for open streams
 
 
 def test_every_pod_runs_non_root_and_locked_down(fleet):
-    _, objects, _ = fleet
+    overlay, objects, _ = fleet
     deployments = _objects(objects, "Deployment")
-    assert {d["metadata"]["name"] for d in deployments} == {"qwen3vl-triton", "qwen3vl-gateway", "qwen3vl-redis"}
+    pool = {POOL} if overlay in POOL_OVERLAYS else set()
+    assert {d["metadata"]["name"] for d in deployments} == {REPLICAS, "qwen3vl-gateway", "qwen3vl-redis", *pool}
     for deployment in deployments:
         pod = _pod(deployment)
         context = pod["securityContext"]
@@ -464,12 +485,16 @@ def test_volumes_fit_the_pods_ephemeral_storage(fleet):
 
 
 def test_disruption_budget_for_the_replicas(fleet):
-    _, objects, replicas = fleet
-    budgets = [
-        b for b in _objects(objects, "PodDisruptionBudget") if _selects(b["spec"]["selector"]["matchLabels"], replicas)
-    ]
-    assert len(budgets) == 1
-    assert budgets[0]["spec"].get("maxUnavailable") == 1 or budgets[0]["spec"].get("minAvailable")
+    """One budget for the replicas, one for the pool's members (each selecting its own pods only)."""
+    _, objects, _ = fleet
+    for server in _servers(objects):
+        budgets = [
+            b
+            for b in _objects(objects, "PodDisruptionBudget")
+            if _selects(b["spec"]["selector"]["matchLabels"], server)
+        ]
+        assert len(budgets) == 1, server["metadata"]["name"]
+        assert budgets[0]["spec"].get("maxUnavailable") == 1 or budgets[0]["spec"].get("minAvailable")
 
 
 _POD_MONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels"}
@@ -484,10 +509,12 @@ def test_custom_resources_minimal_check(fleet):
     overlay, objects, _ = fleet
     assert {(o["apiVersion"], o["kind"]) for o in objects if o["kind"] in {k for _, k in CUSTOM_KINDS}} <= CUSTOM_KINDS
     monitors = {m["metadata"]["name"]: m for m in objects if (m["apiVersion"], m["kind"]) == POD_MONITOR}
-    assert set(monitors) == {"qwen3vl-triton", "qwen3vl-gateway"}
-    # Triton's metrics, and serve's own on its readiness port; the gateway's on its API port.
+    pool = overlay in POOL_OVERLAYS
+    assert set(monitors) == {REPLICAS, "qwen3vl-gateway", *([POOL] if pool else [])}
+    # Triton's metrics, and serve's own on its readiness port (replicas and members); the gateway's on its API port.
     expected = {
-        "qwen3vl-triton": {(8002, "/metrics"), (READY_PORT, "/metrics")},
+        REPLICAS: {(8002, "/metrics"), (READY_PORT, "/metrics")},
+        POOL: {(8002, "/metrics"), (READY_PORT, "/metrics")},
         "qwen3vl-gateway": {(9000, "/metrics")},
     }
     for name, monitor in monitors.items():
@@ -504,7 +531,9 @@ def test_custom_resources_minimal_check(fleet):
             endpoints.add((_port(container, endpoint["port"]), endpoint["path"]))
         assert endpoints == expected[name]
     scaled = [o for o in objects if (o["apiVersion"], o["kind"]) == SCALED_OBJECT]
-    assert len(scaled) == (overlay in KEDA_OVERLAYS)
+    keda = overlay in KEDA_OVERLAYS
+    targets = {REPLICAS, POOL} if keda and pool else {REPLICAS} if keda else set()
+    assert sorted(o["spec"]["scaleTargetRef"]["name"] for o in scaled) == sorted(targets)
     for obj in scaled:
         assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}
         assert set(obj["metadata"]) <= {"name", "namespace", "labels", "annotations"}
@@ -526,11 +555,16 @@ def test_replicas_share_a_build_cache(fleet):
     """The init container builds with --cache on a volume every replica mounts: read-write there (a miss builds and
     publishes into it), read-only in the server at the same path (link mode leaves the build directory pointing at
     the cache's files, by absolute path). The GPU overlays use the ReadWriteMany claim; the CPU trial a cache of each
-    pod's own (no shared storage needed for a trial)."""
-    overlay, objects, replicas = fleet
-    init, triton = _container(replicas, "build-repository"), _container(replicas, "triton")
+    pod's own (no shared storage needed for a trial). Vision pool members build the same way, from the same cache."""
+    overlay, objects, _ = fleet
+    for server in _servers(objects):
+        _check_build_cache(overlay, objects, server)
+
+
+def _check_build_cache(overlay: str, objects: list[dict[str, Any]], server: dict[str, Any]) -> None:
+    init, triton = _container(server, "build-repository"), _container(server, "triton")
     build = _cli(init)
-    (volume,) = [v for v in _pod(replicas)["volumes"] if v["name"] == "build-cache"]
+    (volume,) = [v for v in _pod(server)["volumes"] if v["name"] == "build-cache"]
     writer, reader = _mount(init, "build-cache"), _mount(triton, "build-cache")
     assert str(build.cache) == writer["mountPath"] == reader["mountPath"]
     assert not writer.get("readOnly", False) and reader["readOnly"] is True
@@ -549,8 +583,35 @@ def test_replicas_share_a_build_cache(fleet):
     assert "storageClassName" not in claim["spec"]  # the user's file-storage class (docs/kubernetes.md)
     assert _bytes(claim["spec"]["resources"]["requests"]["storage"]) >= 200 * 2**30
     # Links and the Triton repository only: the repository emptyDir is small (a miss builds in the cache).
-    (local,) = [v for v in _pod(replicas)["volumes"] if v["name"] == repository["name"]]
+    (local,) = [v for v in _pod(server)["volumes"] if v["name"] == repository["name"]]
     assert _bytes(local["emptyDir"]["sizeLimit"]) <= 8 * 2**30
+
+
+def _policy(objects: list[dict[str, Any]], deployment: dict[str, Any]) -> dict[str, Any]:
+    """The one NetworkPolicy that selects the Deployment's pods."""
+    (policy,) = [
+        p for p in _objects(objects, "NetworkPolicy") if _selects(p["spec"]["podSelector"]["matchLabels"], deployment)
+    ]
+    return policy
+
+
+def _admits(
+    policy: dict[str, Any], container: dict[str, Any], port: int, labels: dict[str, str], same_namespace: bool
+) -> bool:
+    """Whether the policy lets a pod with these labels, in the policy's namespace or another, reach the container's
+    port."""
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in {_port(container, p["port"]) for p in rule["ports"]}:
+            continue
+        if not rule.get("from"):
+            return True  # from anywhere
+        for peer in rule["from"]:
+            namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector") or {}
+            assert namespaces in (None, {}) and "matchExpressions" not in pods, peer  # not evaluated here
+            in_namespace = same_namespace if namespaces is None else True
+            if in_namespace and all(labels.get(k) == v for k, v in pods.get("matchLabels", {}).items()):
+                return True
+    return False
 
 
 def test_network_policies_admit_the_replicas_ports(fleet):
@@ -559,28 +620,15 @@ def test_network_policies_admit_the_replicas_ports(fleet):
     _, objects, replicas = fleet
     triton = _container(replicas, "triton")
     gateway = _one(objects, "Deployment", "qwen3vl-gateway")
-    (policy,) = [
-        p for p in _objects(objects, "NetworkPolicy") if _selects(p["spec"]["podSelector"]["matchLabels"], replicas)
-    ]
+    policy = _policy(objects, replicas)
 
     def admits(port: int, labels: dict[str, str], same_namespace: bool) -> bool:
-        for rule in policy["spec"]["ingress"]:
-            if "ports" in rule and port not in {_port(triton, p["port"]) for p in rule["ports"]}:
-                continue
-            if not rule.get("from"):
-                return True  # from anywhere
-            for peer in rule["from"]:
-                namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector") or {}
-                assert namespaces in (None, {}) and "matchExpressions" not in pods, peer  # not evaluated here
-                in_namespace = same_namespace if namespaces is None else True
-                if in_namespace and all(labels.get(k) == v for k, v in pods.get("matchLabels", {}).items()):
-                    return True
-        return False
+        return _admits(policy, triton, port, labels, same_namespace)
 
     gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
     assert admits(8001, gateway_labels, same_namespace=True)
     assert admits(_cli(_container(gateway, "gateway")).replica_ready_port, gateway_labels, same_namespace=True)
-    monitor = _one(objects, "PodMonitor", "qwen3vl-triton")
+    monitor = _one(objects, "PodMonitor", REPLICAS)
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert admits(_port(triton, endpoint["port"]), {}, same_namespace=False), endpoint["port"]
 
@@ -635,8 +683,12 @@ def _crd_problems(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _scaled_object(rendered, overlay: str) -> dict[str, Any]:
-    (obj,) = [o for o in rendered[overlay][1] if (o["apiVersion"], o["kind"]) == SCALED_OBJECT]
+def _scaled_objects(rendered, overlay: str) -> list[dict[str, Any]]:
+    return [o for o in rendered[overlay][1] if (o["apiVersion"], o["kind"]) == SCALED_OBJECT]
+
+
+def _scaled_object(rendered, overlay: str, target: str = REPLICAS) -> dict[str, Any]:
+    (obj,) = [o for o in _scaled_objects(rendered, overlay) if o["spec"]["scaleTargetRef"]["name"] == target]
     return obj
 
 
@@ -644,7 +696,10 @@ def _scaled_object(rendered, overlay: str) -> dict[str, Any]:
 def test_scaled_object_matches_the_keda_crd(rendered, scaled_object_schema, overlay):
     """Every field is one the ScaledObject CRD of KEDA_RELEASE declares (nested objects, arrays' items, the trigger
     metadata map of strings), of its type, within its enums and bounds, and every required field is there."""
-    assert _crd_problems(_scaled_object(rendered, overlay), scaled_object_schema) == []
+    scaled = _scaled_objects(rendered, overlay)
+    assert scaled
+    for obj in scaled:
+        assert _crd_problems(obj, scaled_object_schema) == [], obj["metadata"]["name"]
 
 
 def _set(path: str, value: Any) -> Any:
@@ -708,31 +763,30 @@ def _quantity(value: str | int) -> float:
     return float(number) / (1000 if milli else 1)
 
 
-@pytest.mark.parametrize("overlay", KEDA_OVERLAYS)
-def test_keda_scales_the_replicas(rendered, overlay):
-    """One ScaledObject scales the replicas, in place of the base's HPA (none is left on them: KEDA creates its own);
-    never to zero (the model would leave /v1/models); the HPA's bounds and behaviour; Prometheus triggers that sum
-    over the replicas exactly what the adapter rules compute per pod, at the HPA's per-pod targets, and the gateways'
-    admission backlog."""
+def _keda_mirrors_the_hpa(rendered, overlay: str, target: str, adapted: dict[str, str]) -> dict[str, Any]:
+    """The overlay's ScaledObject for `target`, checked against the HPA it replaces (in KEDA_OVERLAYS[overlay]): no
+    HPA left on the target (KEDA creates its own); never to zero; the HPA's bounds and behaviour; Prometheus triggers
+    that sum over the target's pods exactly what the adapter rules compute per pod, at the HPA's per-pod targets
+    (`adapted`: trigger name -> the adapter metric it sums). Its triggers, by name."""
     objects = rendered[overlay][1]
-    replicas = _one(objects, "Deployment", "qwen3vl-triton")
-    hpas = _objects(objects, "HorizontalPodAutoscaler")
-    assert [h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["qwen3vl-gateway"]
-    assert "replicas" not in replicas["spec"]  # KEDA's HPA owns the count
-    (scaled,) = _objects(objects, "ScaledObject")
+    deployment = _one(objects, "Deployment", target)
+    assert not [
+        h for h in _objects(objects, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == target
+    ]
+    assert "replicas" not in deployment["spec"]  # KEDA's HPA owns the count
+    scaled = _scaled_object(rendered, overlay, target)
     spec = scaled["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen3vl-triton"}
-    assert scaled["metadata"]["namespace"] == replicas["metadata"]["namespace"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": target}
+    assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
     assert spec["minReplicaCount"] >= 1
     assert "idleReplicaCount" not in spec  # KEDA's other way to scale to zero
-    base = _autoscaler(rendered[KEDA_OVERLAYS[overlay]][1], "qwen3vl-triton")
+    base = _autoscaler(rendered[KEDA_OVERLAYS[overlay]][1], target)
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (base["minReplicas"], base["maxReplicas"])
     assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == base["behavior"]
     assert spec["cooldownPeriod"] >= base["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
     assert 0 < spec["pollingInterval"] <= 60
     triggers = {t["name"]: t for t in spec["triggers"]}
     assert len(triggers) == len(spec["triggers"])
-    assert set(triggers) == {"llm-queue-compute-ratio", "llm-waiting-requests", "gateway-requests-queued"}
     # The Prometheus that scrapes the PodMonitors, in the cluster; a query without data holds the count (an error)
     # instead of reading as 0 and scaling down, as an unavailable adapter metric does.
     assert {t["metadata"]["serverAddress"] for t in triggers.values()} == {
@@ -742,16 +796,35 @@ def test_keda_scales_the_replicas(rendered, overlay):
         assert (trigger["type"], trigger.get("metricType", "AverageValue")) == ("prometheus", "AverageValue")
         assert trigger["metadata"]["ignoreNullValues"] == "false"
         assert "authenticationRef" not in trigger
-    namespace = replicas["metadata"]["namespace"]
+    namespace = deployment["metadata"]["namespace"]
     rules = {rule["name"]["as"]: rule for rule in _adapter_rules(rendered)}
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in base["metrics"]}
-    for name, metric in (
-        ("llm-queue-compute-ratio", "qwen3vl_llm_queue_compute_ratio"),
-        ("llm-waiting-requests", "qwen3vl_llm_waiting_requests"),
-    ):
+    assert set(adapted.values()) == set(targets)  # every metric of the HPA, as a trigger
+    for name, metric in adapted.items():
         metadata = triggers[name]["metadata"]
         assert _promql(metadata["query"]) == _promql(f"sum({_adapter_query(rules[metric], namespace)})"), name
         assert float(metadata["threshold"]) == _quantity(targets[metric]), name
+    return triggers
+
+
+@pytest.mark.parametrize("overlay", KEDA_OVERLAYS)
+def test_keda_scales_the_replicas(rendered, overlay):
+    """One ScaledObject scales the replicas, in place of the base's HPA (_keda_mirrors_the_hpa), on the LLM's backlog
+    and the gateways' admission backlog; the gateways keep their HPA on CPU."""
+    objects = rendered[overlay][1]
+    hpas = _objects(objects, "HorizontalPodAutoscaler")
+    assert [h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["qwen3vl-gateway"]
+    triggers = _keda_mirrors_the_hpa(
+        rendered,
+        overlay,
+        REPLICAS,
+        {
+            "llm-queue-compute-ratio": "qwen3vl_llm_queue_compute_ratio",
+            "llm-waiting-requests": "qwen3vl_llm_waiting_requests",
+        },
+    )
+    assert set(triggers) == {"llm-queue-compute-ratio", "llm-waiting-requests", "gateway-requests-queued"}
+    namespace = _one(objects, "Deployment", REPLICAS)["metadata"]["namespace"]
     # The gateways' admission queue (build/serving/gateway/metrics.py), summed over the gateway pods.
     queued = triggers["gateway-requests-queued"]["metadata"]
     (metric,) = re.findall(r"\b(qwen3vl_gateway_\w+)\{", queued["query"])
@@ -759,3 +832,164 @@ def test_keda_scales_the_replicas(rendered, overlay):
     assert metric in {m.name for m in GatewayMetrics().registry.collect()}
     assert f'namespace="{namespace}"' in queued["query"] and queued["query"].startswith("sum(")
     assert float(queued["threshold"]) >= 1
+
+
+# -- the vision pool (components/vision-pool) -------------------------------------------------------------------------
+
+
+def _pod_selector(obj: dict[str, Any]) -> dict[str, str]:
+    """The pod labels a Service, PodDisruptionBudget, PodMonitor or NetworkPolicy selects."""
+    spec = obj["spec"]
+    if obj["kind"] == "Service":
+        return spec["selector"]
+    if obj["kind"] == "NetworkPolicy":
+        return spec["podSelector"]["matchLabels"]
+    return spec["selector"]["matchLabels"]
+
+
+@pytest.fixture(params=POOL_OVERLAYS)
+def pool(request, rendered):
+    objects = rendered[request.param][1]
+    return request.param, objects, _one(objects, "Deployment", REPLICAS), _one(objects, "Deployment", POOL)
+
+
+def test_pool_members_serve_the_replicas_repository(pool):
+    """The members run `serve --role vision` on the repository the replicas build: the replicas' pod (a copy,
+    components/vision-pool/members) but for their labels and serve's arguments, so the same build arguments give the
+    same build key (one cache entry) and the repository the replicas check members against; no visual cache (the
+    replica looked every file up and stores the rows it gets back)."""
+    _, _, replicas, members = pool
+    member, replica = _cli(_container(members, "triton")), _cli(_container(replicas, "triton"))
+    assert (member.command, member.role, member.vision_pool, member.openai_port) == ("serve", "vision", None, None)
+    assert member.visual_cache == "off"
+    differ = {"role", "vision_pool", "vision_fallback", "visual_cache"}
+    assert {k: v for k, v in vars(member).items() if k not in differ} == {
+        k: v for k, v in vars(replica).items() if k not in differ
+    }
+
+    def but_serve_and_labels(deployment: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        spec = copy.deepcopy(deployment["spec"])
+        pod = spec["template"]["spec"]
+        for container in pod["containers"]:
+            del container["args"]
+        for constraint in pod.get("topologySpreadConstraints", []):
+            # Spread among the Deployment's own pods.
+            assert constraint["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+            del constraint["labelSelector"]
+        del spec["selector"], spec["template"]["metadata"]
+        return spec, deployment["metadata"].get("annotations", {})
+
+    assert but_serve_and_labels(members) == but_serve_and_labels(replicas)
+
+
+def test_pool_members_have_labels_of_their_own(pool):
+    """No selector of the replicas (their Deployment, the gateway's headless Service, budget, monitor, policy) matches
+    the members, and only the pool's own objects select them: a member never answers the gateway."""
+    _, objects, replicas, members = pool
+    labels = members["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "vision-pool"
+    for deployment, other in ((replicas, members), (members, replicas)):
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert _selects(selector, deployment) and not _selects(selector, other)
+    selecting = sorted(
+        (obj["kind"], obj["metadata"]["name"])
+        for kind in ("Service", "PodDisruptionBudget", "PodMonitor", "NetworkPolicy")
+        for obj in _objects(objects, kind)
+        if _selects(_pod_selector(obj), members)
+    )
+    assert selecting == sorted(
+        (kind, POOL) for kind in ("Service", "PodDisruptionBudget", "PodMonitor", "NetworkPolicy")
+    )
+
+
+def test_replicas_send_images_to_the_pool(fleet):
+    """With a pool, the replicas are language replicas (`serve --role language --vision-pool NAME:PORT`) whose target
+    is the members' headless Service (its DNS name answers every ready member) at the port that leads to the members'
+    gRPC; without one, replicas serve the whole deployment."""
+    overlay, objects, replicas = fleet
+    serve = _cli(_container(replicas, "triton"))
+    if overlay not in POOL_OVERLAYS:
+        assert (serve.role, serve.vision_pool) == ("replica", None)
+        assert not [obj for obj in objects if obj["metadata"]["name"] == POOL]
+        return
+    members = _one(objects, "Deployment", POOL)
+    member = _container(members, "triton")
+    assert serve.role == "language"
+    assert serve.vision_fallback in (None, "fail")  # no vision encoder here to fall back to
+    (service,) = [s for s in _objects(objects, "Service") if _selects(s["spec"]["selector"], members)]
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None"
+    # Only ready members (serve's /ready) are resolved.
+    assert not spec.get("publishNotReadyAddresses", False)
+    assert [d["metadata"]["name"] for d in _objects(objects, "Deployment") if _selects(spec["selector"], d)] == [POOL]
+    (grpc,) = [p for p in spec["ports"] if _port(member, p["targetPort"]) == _cli(member).grpc_port]
+    assert grpc["appProtocol"] == "grpc"
+    # The short name resolves in the replicas' own namespace.
+    assert service["metadata"]["namespace"] == replicas["metadata"]["namespace"]
+    assert serve.vision_pool == f"{service['metadata']['name']}:{grpc['port']}"
+
+
+def test_only_replicas_reach_the_pool(pool):
+    """The members' one NetworkPolicy admits the replicas to their gRPC port and nothing else to it (not the gateway,
+    not another pod of the namespace, not another namespace); Prometheus, wherever it runs, to the ports the pool's
+    PodMonitor scrapes; no pod to the rest (HTTP: the kubelet's liveness probe comes from the node)."""
+    _, objects, replicas, members = pool
+    member = _container(members, "triton")
+    policy = _policy(objects, members)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    grpc = _cli(member).grpc_port
+    replica = replicas["spec"]["template"]["metadata"]["labels"]
+    others = [
+        d["spec"]["template"]["metadata"]["labels"]
+        for d in _objects(objects, "Deployment")
+        if d["metadata"]["name"] != REPLICAS
+    ]
+    assert _admits(policy, member, grpc, replica, same_namespace=True)
+    scraped = {_port(member, e["port"]) for e in _one(objects, "PodMonitor", POOL)["spec"]["podMetricsEndpoints"]}
+    assert grpc not in scraped
+    for port in scraped:
+        assert _admits(policy, member, port, {}, same_namespace=False), port
+    for port in {p["containerPort"] for p in member["ports"]} - scraped:
+        assert _admits(policy, member, port, replica, same_namespace=True) == (port == grpc), port
+        assert not _admits(policy, member, port, replica, same_namespace=False), port
+        assert not _admits(policy, member, port, {}, same_namespace=True), port
+        for labels in others:
+            assert not _admits(policy, member, port, labels, same_namespace=True), (port, labels)
+
+
+# Trigger of the pool's ScaledObject -> the adapter metric (of the pool's HPA) it sums over the members.
+POOL_METRICS = {
+    "vision-encoder-queue-compute-ratio": "qwen3vl_vision_encoder_queue_compute_ratio",
+    "vision-encoder-pending-requests": "qwen3vl_vision_encoder_pending_requests",
+}
+
+
+@pytest.mark.parametrize("overlay", POOL_OVERLAYS)
+def test_pool_scales_on_its_vision_encoder_queue(rendered, overlay):
+    """The members' own autoscaler (an HPA through prometheus-adapter, or KEDA's ScaledObject in its place) on the
+    queue of their vision encoder, which only members load (language replicas do not); never below two members, since
+    every replica is unready while none is."""
+    objects = rendered[overlay][1]
+    members = _one(objects, "Deployment", POOL)
+    assert "replicas" not in members["spec"]  # the autoscaler owns the count
+    rules = {rule["name"]["as"]: rule for rule in _adapter_rules(rendered)}
+    for metric in POOL_METRICS.values():
+        rule = rules[metric]
+        assert f'model="{interface.VISION_ENCODER}"' in rule["seriesQuery"]
+        assert f'model="{interface.VISION_ENCODER}"' in rule["metricsQuery"]
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    ratio, pending = (rules[metric] for metric in POOL_METRICS.values())
+    assert "nv_inference_queue_duration_us" in ratio["seriesQuery"]
+    assert "nv_inference_compute_infer_duration_us" in ratio["metricsQuery"]
+    assert "nv_inference_pending_request_count" in pending["seriesQuery"]
+    if overlay in KEDA_OVERLAYS:
+        triggers = _keda_mirrors_the_hpa(rendered, overlay, POOL, POOL_METRICS)
+        assert set(triggers) == set(POOL_METRICS)
+        assert _scaled_object(rendered, overlay, POOL)["spec"]["minReplicaCount"] >= 2
+        return
+    hpa = _autoscaler(objects, POOL)
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": POOL}
+    metrics = [m["pods"]["metric"]["name"] for m in hpa["metrics"] if m["type"] == "Pods"]
+    assert sorted(metrics) == sorted(POOL_METRICS.values()) and len(metrics) == len(hpa["metrics"])
+    assert 2 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
