@@ -346,12 +346,16 @@ class Preprocessing:
             lookup = self.cache.lookup([(digest, *image) for digest, image in wanted.items()], self.table.dtype)
             found.update((digest, rows) for digest, rows in zip(wanted, lookup, strict=True) if rows is not None)
         return [
-            [(looked_up and item.digest in found) or item.digest in coming or self._pooled(item) for item in items]
+            [
+                (looked_up and item.digest in found) or item.digest in coming or self._pool_source(item) is not None
+                for item in items
+            ]
             for items, looked_up in zip(visual, cached, strict=True)
         ]
 
-    def _pooled(self, item: VisualInput) -> bool:
-        return self.pooled and isinstance(item.source, bytes)
+    def _pool_source(self, item: VisualInput) -> bytes | None:
+        """The encoded file a vision pool decodes for this item, None when this replica decodes it."""
+        return item.source if self.pooled and isinstance(item.source, bytes) else None
 
     def _prepared(self, parsed: _Parsed, request: Request, found: Found, encoding: Collection[bytes]) -> Prepared:
         return Prepared(self._outputs(parsed, request), tuple(self._features(request, found, encoding)), parsed.cached)
@@ -375,8 +379,8 @@ class Preprocessing:
                 }
                 first += patches
             rows = None if was_decoded else found.get(digest)  # None: being encoded by an earlier batch or a pool
-            pooled = not was_decoded and rows is None and digest not in encoding and self._pooled(item)
-            source = item.source if pooled and isinstance(item.source, bytes) else None
+            pooled = not was_decoded and rows is None and digest not in encoding
+            source = self._pool_source(item) if pooled else None
             t, h, w = (int(g) for g in grid)
             images.append(VisualFeatures(item.kind, digest, (t, h, w), tokens, rows, vision_inputs, source))
         return images
