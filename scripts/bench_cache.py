@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from benchutil import preset_repository
 from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.serving import interface
@@ -153,24 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     args = p.parse_args(argv)
 
-    from qwen3vl_trt.pipeline.build import BuildOptions, build
     from qwen3vl_trt.qa.redis_server import RedisServer
-    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
     from qwen3vl_trt.serving.ports import free_ports
 
     with ExitStack() as stack:
         work = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cache-")))
-        model_dir, build_dir = work / f"ckpt-{args.preset}", work / f"build-{args.preset}"
-        if not model_dir.exists():
-            print(f"making a random {args.preset} checkpoint in {model_dir}", file=sys.stderr, flush=True)
-            make_tiny_checkpoint(model_dir, preset=args.preset, shard_mb=1024)
-        if not (build_dir / "triton_repo").exists():
-            print(f"building it for the CPU target in {build_dir}", file=sys.stderr, flush=True)
-            limits = EngineLimits(max_batch_size=args.max_batch_size)
-            build(
-                model_dir, build_dir, BuildOptions(llm_dtype="fp32", limits=limits), target="cpu", log=lambda *_: None
-            )
-        repo = build_dir / "triton_repo"
+        repo = preset_repository(work, args.preset, EngineLimits(max_batch_size=args.max_batch_size))
 
         pools = {c: photo_pool(args.pool, seed=c) for c in args.concurrency}
         sequences = {c: draw(args.requests, args.pool, args.reuse, seed=c) for c in args.concurrency}
