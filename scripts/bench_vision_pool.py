@@ -4,8 +4,9 @@ colocated deployment against the split one, side by side in one run on real trit
 
 The model has the real 2B vision tower (`--preset 2b-vision`; a tiny language model behind it), so an image costs
 what it would to decode and encode. Colocated: one replica on every core this process may use. Split: the replica
-pinned to the first core and one pool member (`serve --role vision`'s models) to the second, the replica started
-with the member as its vision pool. The visual cache is off in both, so every image is encoded.
+pinned to the first core and one pool member (`serve --role vision`'s models) to the second, the replica a language
+replica (`serve --role language`'s models and configs: no vision encoder) with the member as its vision pool. The
+visual cache is off in both, so every image is encoded.
 
 The load, the same for both: --image-clients clients each sending, one after another, requests of --images images
 (photos of mixed sizes, never the same twice), and text-only requests sent at --text-rate per second (an open loop:
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from benchutil import preset_repository
 from qwen3vl_trt.common.limits import EngineLimits
 from qwen3vl_trt.qa.tiny import synthetic_jpeg
 from qwen3vl_trt.serving.client import Client
@@ -165,31 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     args = p.parse_args(argv)
 
-    from qwen3vl_trt.pipeline.build import BuildOptions, build
-    from qwen3vl_trt.qa.tiny import make_tiny_checkpoint
     from qwen3vl_trt.serving.repository.settings import RepositorySettings
-    from qwen3vl_trt.serving.server.serve import VISION_MODELS
+    from qwen3vl_trt.serving.server.serve import LANGUAGE_ROLE, VISION_MODELS, role_config, role_models
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         p.error("the split needs two cores: one for the replica, one for the pool")
     with contextlib.ExitStack() as stack:
         work = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vision-pool-")))
-        model_dir, build_dir = work / f"ckpt-{args.preset}", work / f"build-{args.preset}"
-        if not model_dir.exists():
-            print(f"making a random {args.preset} checkpoint in {model_dir}", file=sys.stderr, flush=True)
-            make_tiny_checkpoint(model_dir, preset=args.preset, shard_mb=1024)
-        if not (build_dir / "triton_repo").exists():
-            print(f"building it for the CPU target in {build_dir}", file=sys.stderr, flush=True)
-            build(
-                model_dir,
-                build_dir,
-                BuildOptions(llm_dtype="fp32", limits=EngineLimits(max_batch_size=16)),
-                target="cpu",
-                settings=RepositorySettings(visual_cache="off"),
-                log=lambda *_: None,
-            )
-        repo = build_dir / "triton_repo"
+        settings = RepositorySettings(visual_cache="off")
+        repo = preset_repository(work, args.preset, EngineLimits(max_batch_size=16), settings)
         results: list[Figures] = []
         answers: dict[str, dict[str, list[list[int]]]] = {}
 
@@ -205,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"split: the replica on core {cores[0]}, the pool on core {cores[1]}", file=sys.stderr, flush=True)
         member = _start(repo, work / "pool.log", {cores[1]}, models=VISION_MODELS)
         try:
-            replica = _start(repo, work / "replica.log", {cores[0]}, vision_pool=member.url)
+            language = {"models": role_models(repo, LANGUAGE_ROLE), "config_name": role_config(LANGUAGE_ROLE)}
+            replica = _start(repo, work / "replica.log", {cores[0]}, vision_pool=member.url, **language)
             try:
                 _ttft(replica.url, IMAGE_PROMPT, _photos(999, args.images))
                 figures, answers["split"] = run("split", replica.url, args)

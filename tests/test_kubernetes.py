@@ -248,8 +248,9 @@ def fleet(request, rendered):
 
 
 def test_triton_probes(fleet):
-    """Startup and readiness on serve's own /ready (200 only after warm-up requests ran through every model, and while
-    tritonserver is ready: tritonserver's /v2/health/ready cannot be held back for the warm-up), on the named port
+    """Readiness on serve's own /ready (200 only after warm-up requests ran through every model, and while
+    tritonserver is ready: tritonserver's /v2/health/ready cannot be held back for the warm-up), startup on its
+    /started (the same without what the replica needs besides: a language replica's vision pool), on the named port
     `ready` that serve --ready-port opens; liveness on tritonserver's /v2/health/live. Replicas and pool members
     alike."""
     _, objects, _ = fleet
@@ -258,9 +259,9 @@ def test_triton_probes(fleet):
         triton = _container(server, "triton")
         serve = _cli(triton)
         assert _port(triton, "ready") == serve.ready_port == READY_PORT, name
-        for probe in ("startupProbe", "readinessProbe"):
+        for probe, path in (("startupProbe", "/started"), ("readinessProbe", "/ready")):
             get = triton[probe]["httpGet"]
-            assert (get["path"], get["port"]) == ("/ready", "ready"), (name, probe)
+            assert (get["path"], get["port"]) == (path, "ready"), (name, probe)
         live = triton["livenessProbe"]["httpGet"]
         assert (live["path"], _port(triton, live["port"])) == ("/v2/health/live", serve.http_port), name
         startup = triton["startupProbe"]

@@ -263,6 +263,7 @@ def test_a_language_replica_encodes_nothing_and_is_ready_only_while_a_member_is(
             # No member: not ready; an image it has not seen fails naming the pool; text and a cached image answer.
             member.signal(signal.SIGKILL)
             assert _await_readiness(ready_url, 503, process, log, 30) == NO_POOL_MEMBER
+            assert _readiness(ready_url.replace("/ready", "/started")) == (200, "")  # no restart for the pool
             with pytest.raises(InferenceError, match=f"the vision pool {member.url} did not answer"):
                 Client(url, timeout_s=120).generate("What is it?", [jpeg(72, 72, seed=300)], 6)
             for name in ("text", "an image"):

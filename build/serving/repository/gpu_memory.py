@@ -47,10 +47,10 @@ inputs into pool memory). `serve` passes
 launch_triton_server.py passes --multimodal_gpu0_cuda_mem_pool_bytes).
 
 A replica that leaves its images to a vision pool (`serve --role language`) loads no vision encoder and decodes
-nothing: its plan (plan(encodes=False)) has one python stub, no vision engine or decoding, and only the prompt tables
-in the CUDA memory pool, so its KV cache takes what the vision side took. The repository writes that plan's llm and
-preprocessing configs as `configs/language.pbtxt` beside their config.pbtxt, which tritonserver reads instead under
-`--model-config-name=language` (every rank).
+nothing: its plan (plan(encodes=False)) has one python stub, no vision engine or decoding, and no CUDA memory pool
+beyond Triton's default (nothing it sends is in device memory), so its KV cache takes what the vision side took. The
+repository writes that plan's llm and preprocessing configs as `configs/language.pbtxt` beside their config.pbtxt,
+which tritonserver reads instead under `--model-config-name=language` (every rank).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class GpuMemoryPlan:
     # The generation logits' buffers of an engine built to return them (max_top_logprobs), before its KV cache.
     generation_logits_bytes: int = 0
     # Whether the python models decode and encode images (False: a replica of `serve --role language`, which leaves
-    # them to a vision pool: no vision engine, no decoding, only prompt tables in the pool; plan(encodes=False)).
+    # them to a vision pool: no vision engine, no decoding, no CUDA memory pool; plan(encodes=False)).
     encodes: bool = True
 
     @property
@@ -225,7 +225,7 @@ class GpuMemoryPlan:
             f"    CUDA memory pool (tensors between models, two full batches) {_gib(self.transfer_pool_bytes)}",
         ]
         if not self.encodes:
-            python = [f"    CUDA memory pool (prompt tables to the LLM, two batches) {_gib(self.transfer_pool_bytes)}"]
+            python = ["    no vision engine, no decoding, no CUDA memory pool (tables reach the llm in host memory)"]
         role = "" if self.encodes else " with --role language (images encoded by a vision pool)"
         lines = [
             f"GPU {self.llm_gpu} (LLM rank {self.llm_rank}{', python models' if shared else ''}){role}: "
@@ -272,10 +272,15 @@ def transfer_pool_bytes(
     """Device bytes between the models for two full batches of requests with the most visual tokens each (one in
     flight, one gathered by the next model's batcher): per-patch inputs of the vision encoder, and prompt tables
     ((K+1) rows per visual token) twice: the vision encoder's rows back to preprocessing, the request's table on to
-    the llm. Without encodes (a vision pool's rows arrive in host memory) the request's table alone."""
+    the llm. Without encodes none: a vision pool's rows arrive in host memory and the request's table leaves
+    preprocessing as a host tensor (the tensorrtllm backend copies it to the device through its pinned pool:
+    triton_backend inflight_batcher_llm/src/utils.cc readInputsTensors), so python_backend takes nothing from the
+    pool (r26.04 src/infer_response.cc: only GPU outputs do), which Triton reserves whole at start."""
+    if not encodes:
+        return 0
     tables = limits.max_visual_tokens * prompt_table_row_bytes
     patches = limits.max_visual_tokens * merge_unit
-    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + 2 * tables if encodes else tables
+    per_request = patches * (patch_dim * 4 + _METADATA_BYTES_PER_PATCH) + 2 * tables
     return _BATCHES_IN_POOL * limits.max_batch_size * per_request
 
 

@@ -393,14 +393,14 @@ def language_configs(
     configs: dict[str, mc.ModelConfig], settings: RepositorySettings, memory: GpuMemoryPlan | None
 ) -> dict[str, mc.ModelConfig]:
     """The configs a replica that leaves its images and videos to a vision pool loads instead (serve --role language;
-    cfg.LANGUAGE_CONFIG): preprocessing's with no local encoder to fall back to and, on the gpu target, the CUDA
-    memory pool of its plan (`memory`, plan(encodes=False)); the tensorrtllm llm's with that plan's KV cache fraction
-    (unless the settings fix one)."""
+    cfg.LANGUAGE_CONFIG): preprocessing's with no local encoder to fall back to and no CUDA memory pool of its own
+    (its plan, `memory`, plan(encodes=False), needs none: Triton's default); the tensorrtllm llm's with that plan's KV
+    cache fraction (unless the settings fix one)."""
     preprocessing = mc.ModelConfig()
     preprocessing.CopyFrom(configs[interface.PREPROCESSING])
     params = PreprocessingParameters.from_model_config(preprocessing)
-    pool = memory.transfer_pool_bytes if memory is not None else None
-    replace(params, vision_fallback="fail", cuda_memory_pool_bytes=pool).apply(preprocessing)
+    pool = memory.transfer_pool_bytes if memory is not None else 0
+    replace(params, vision_fallback="fail", cuda_memory_pool_bytes=pool or None).apply(preprocessing)
     language = {interface.PREPROCESSING: preprocessing}
     if memory is not None and configs[interface.LLM].backend == "tensorrtllm":
         llm = mc.ModelConfig()

@@ -137,8 +137,8 @@ def cuda_pool_flags(repo: Path, config_name: str | None = None) -> list[str]:
     gpus = [gpu for group in config.instance_group for gpu in group.gpus]
     if len(set(gpus)) != 1:
         raise ServingError(
-            f"{path / serving_config.CONFIG_FILE}: expected one GPU and a byte count for the CUDA memory pool, "
-            f"got gpus {gpus} and {pool}; write the repository again with `qwen3vl-trt write-repo`"
+            f"{serving_config.config_path(path, config_name)}: expected one GPU and a byte count for the CUDA memory "
+            f"pool, got gpus {gpus} and {pool}; write the repository again with `qwen3vl-trt write-repo`"
         )
     return [f"--cuda-memory-pool-byte-size={gpus[0]}:{pool}"]
 

@@ -4,6 +4,8 @@ metrics, on a port of its own (--ready-port, beside tritonserver's three).
     GET /ready     200 {"ready": true, ...} once the warm-up (server.warmup) has run and while tritonserver reports
                    ready; else 503 with the reason: "loading", "warming up", "tritonserver not ready", "stopping",
                    or what the replica needs besides (a language replica: "no vision pool member ready")
+    GET /started   200 {"started": true, ...} once the warm-up has run and while tritonserver reports ready, whatever
+                   the replica needs besides (a startup probe's: a pool that is down restarts no replica)
     GET /metrics   Prometheus text of serve's own registry: qwen3vl_serve_ready, qwen3vl_serve_warmup_seconds,
                    qwen3vl_serve_warmup_requests_total, qwen3vl_serve_build_info{key, source, target, gpu}
 
@@ -109,7 +111,7 @@ class Readiness:
         self._answered_at = -math.inf
         self._answer = False
         self._serving: Callable[[], bool] | None = None
-        self._needs: list[tuple[Callable[[], bool], str]] = []
+        self._needs: list[Callable[[], str | None]] = []
 
     @property
     def phase(self) -> str:
@@ -128,10 +130,10 @@ class Readiness:
     def stopping(self) -> None:
         self._phase = STOPPING
 
-    def needs(self, check: Callable[[], bool], why: str) -> None:
-        """The replica serves only while `check` says so too (a language replica's vision pool); `why` is the reason
-        /ready gives when it does not."""
-        self._needs.append((check, why))
+    def needs(self, missing: Callable[[], str | None]) -> None:
+        """The replica serves only while `missing` answers None too (a language replica's vision pool); else what it
+        answers is the reason /ready gives."""
+        self._needs.append(missing)
 
     def also_requires(self, serving: Callable[[], bool]) -> None:
         """Ready only while `serving` says so too: serve's own gateway routes to this replica (its fleet takes the
@@ -149,8 +151,9 @@ class Readiness:
     def replica_ready(self) -> bool:
         return self.replica_state()[0]
 
-    def replica_state(self) -> tuple[bool, str]:
-        """Whether tritonserver is ready and warmed up (and what the replica needs besides: `needs`), and why not."""
+    def replica_state(self, needs: bool = True) -> tuple[bool, str]:
+        """Whether tritonserver is ready and warmed up (and has what the replica needs besides: `needs`), and why
+        not."""
         phase = self._phase
         if phase != READY:
             return False, phase
@@ -158,8 +161,8 @@ class Readiness:
             return False, NOT_READY
         if self._server() != self._warmed:  # started again, and ready: serve is warming it up (or soon)
             return False, WARMING_UP
-        for check, why in self._needs:
-            if not check():
+        for missing in self._needs if needs else ():
+            if (why := missing()) is not None:
                 return False, why
         return True, READY
 
@@ -218,14 +221,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.partition("?")[0]
-        if path == "/ready":
-            ready, reason = self.server.readiness.state()
-            body = {"ready": ready, **({} if ready else {"reason": reason}), "build_key": self.server.build.key}
+        if path in ("/ready", "/started"):
+            started = path == "/started"
+            readiness = self.server.readiness
+            ready, reason = readiness.replica_state(needs=False) if started else readiness.state()
+            key = "started" if started else "ready"
+            body = {key: ready, **({} if ready else {"reason": reason}), "build_key": self.server.build.key}
             self._send(200 if ready else 503, json.dumps(body).encode(), "application/json")
         elif path == "/metrics":
             self._send(200, self.server.metrics.text(), CONTENT_TYPE_LATEST)
         else:
-            self._send(404, b'{"error": "not found: GET /ready or /metrics"}', "application/json")
+            self._send(404, b'{"error": "not found: GET /ready, /started or /metrics"}', "application/json")
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)

@@ -7,12 +7,10 @@ warmed it up (server.warmup), and while tritonserver stays ready.
 
 from __future__ import annotations
 
-import math
 import shlex
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -103,8 +101,8 @@ class VisionPoolProbe:
         self.target = FleetTarget.parse(target)
         self.repo = Path(repo)
         self.mine = PreprocessingParameters.from_model_config(serving_config.read(self.repo / PREPROCESSING))
-        self._lock = threading.Lock()  # one look at a time; probes meanwhile take its answer
-        self._answered_at, self._answer = -math.inf, False
+        self._missing: str | None = NO_POOL_MEMBER  # until the first look
+        self._stop = threading.Event()
 
     def addresses(self) -> list[str]:
         try:
@@ -141,14 +139,34 @@ class VisionPoolProbe:
                     f"the vision pool member {address} serves another repository than {self.repo}: {why}"
                 )
 
-    def any_ready(self) -> bool:
-        """Whether a member serving this repository is ready now (a language replica's readiness), looked at most
-        every TRITON_ANSWER_S, each member given TRITON_PROBE_TIMEOUT_S as tritonserver's own answer is."""
-        with self._lock:
-            if time.monotonic() - self._answered_at >= TRITON_ANSWER_S:
-                self._answer = any(self.member(a, TRITON_PROBE_TIMEOUT_S)[0] for a in self.addresses())
-                self._answered_at = time.monotonic()
-            return self._answer
+    def look(self) -> str | None:
+        """None when a member serving this repository is ready now, else why the pool has none (NO_POOL_MEMBER, and
+        the members that serve another repository); each member given TRITON_PROBE_TIMEOUT_S."""
+        others = []
+        for address in self.addresses():
+            ready, why = self.member(address, TRITON_PROBE_TIMEOUT_S)
+            if ready:
+                return None
+            if why is not None:
+                others.append(f"{address} serves another repository: {why}")
+        return f"{NO_POOL_MEMBER} ({'; '.join(others)})" if others else NO_POOL_MEMBER
+
+    def missing(self) -> str | None:
+        """The last look's answer (a language replica's readiness needs it None): probes never wait on members."""
+        return self._missing
+
+    def watch(self) -> None:
+        """Looks again every TRITON_ANSWER_S on a thread of its own, until stop()."""
+
+        def run() -> None:
+            while not self._stop.is_set():
+                self._missing = self.look()
+                self._stop.wait(TRITON_ANSWER_S)
+
+        threading.Thread(target=run, name="vision-pool-probe", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def check_vision_pool(target: str, repo: Path) -> None:
@@ -267,7 +285,7 @@ def serve(args: ServeOptions) -> int:
         visual_cache=args.visual_cache,
         models=role_models(args.repo, args.role),
         vision_pool=args.vision_pool,
-        vision_fallback=args.vision_fallback,
+        vision_fallback="fail" if language else args.vision_fallback,  # as its language configs say
         config_name=role_config(args.role),
     )
     if args.print_command:
@@ -277,7 +295,8 @@ def serve(args: ServeOptions) -> int:
     build = BuildInfo.of_repository(args.repo)
     readiness = Readiness(server.reports_ready, lambda: server.pid)
     if language and pool is not None:
-        readiness.needs(pool.any_ready, NO_POOL_MEMBER)
+        readiness.needs(pool.missing)
+        pool.watch()
     metrics = ServeMetrics(readiness, build)
     requests = plan(args.repo, images=not language, text=not vision) if args.warmup else []
     warmer = _Warmer(server, readiness, metrics, requests, PREPROCESSING if vision else None)
@@ -341,6 +360,8 @@ def serve(args: ServeOptions) -> int:
         return server.stop() or 0
     finally:
         readiness.stopping()
+        if pool is not None:
+            pool.stop()
         if gateway is not None:
             gateway.stop()
         server.stop()
