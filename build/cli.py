@@ -330,6 +330,10 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         api_keys=tuple(args.api_key),
         api_key_files=tuple(args.api_key_file),
         open_metrics=args.open_metrics,
+        batch_redis=args.batch_redis,
+        batch_dir=args.batch_dir,
+        batch_runners=args.batch_runners,
+        batch_share=args.batch_share,
         triton_refresh_s=getattr(args, "triton_refresh", fleet.triton_refresh_s),
         replica_ready_port=getattr(args, "replica_ready_port", fleet.replica_ready_port),
     )
@@ -388,6 +392,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a share in (0, 1]")
     return value
 
 
@@ -513,6 +524,33 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "--open-metrics",
         action="store_true",
         help="serve GET /metrics without a key even when keys are required (for scrapers without credentials)",
+    )
+    batches = DEFAULT_GATEWAY_OPTIONS
+    parser.add_argument(
+        "--batch-redis",
+        metavar="URL",
+        help="serve the Batch API (/v1/files, /v1/batches) with its state in this Redis (redis://HOST:PORT/DB): one "
+        "of its own, with --appendonly yes and --maxmemory-policy noeviction, never the visual cache's; needs "
+        "--batch-dir (docs/batch.md)",
+    )
+    parser.add_argument(
+        "--batch-dir",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="where batch files are kept: a directory every gateway of the deployment mounts",
+    )
+    parser.add_argument(
+        "--batch-runners",
+        type=_positive_int,
+        default=batches.batch_runners,
+        help=f"batch lines this gateway runs at once (default {batches.batch_runners})",
+    )
+    parser.add_argument(
+        "--batch-share",
+        type=_share,
+        default=batches.batch_share,
+        help="the most of the request slots batch lines take, and only while no request waits (default "
+        f"{batches.batch_share})",
     )
 
 

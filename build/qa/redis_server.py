@@ -16,10 +16,16 @@ from .ports import free_port
 
 class RedisServer:
     def __init__(
-        self, workdir: Path, maxmemory_bytes: int = 256 << 20, policy: str = "allkeys-lru", port: int | None = None
+        self,
+        workdir: Path,
+        maxmemory_bytes: int = 256 << 20,
+        policy: str = "allkeys-lru",
+        port: int | None = None,
+        appendonly: bool = False,
     ):
         """maxmemory_bytes and policy: the server's byte budget and what it does when full (allkeys-lru evicts
-        the least recently used entry; noeviction refuses writes)."""
+        the least recently used entry; noeviction refuses writes). appendonly: every write logged to its
+        append-only file in workdir (fsync every second), which a server started again there replays."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServingError(
@@ -31,6 +37,7 @@ class RedisServer:
         self.port = port or free_port()
         self.maxmemory_bytes = maxmemory_bytes
         self.policy = policy
+        self.appendonly = appendonly
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -43,7 +50,7 @@ class RedisServer:
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
             "--dir", str(self.workdir),
             "--maxmemory", str(self.maxmemory_bytes),
             "--maxmemory-policy", self.policy,

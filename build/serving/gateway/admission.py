@@ -24,6 +24,7 @@ GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 # A chat request nests about 5 deep (body, messages, message, content, part, image_url); nothing needs 32.
 MAX_JSON_DEPTH = 32
 RETRY_AFTER_S = 1  # a refusal under load: the next slot frees within about a request's time
+BATCH_POLL_S = 0.05  # how often a batch line waiting for a slot looks again
 
 
 class Overloaded(Exception):
@@ -46,6 +47,20 @@ class Admission:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextlib.asynccontextmanager
+    async def batch_slot(self, share: float) -> AsyncIterator[None]:
+        """A slot for a batch line: taken only while no request waits and fewer than `share` of the slots are in use
+        (looked at again every BATCH_POLL_S), so batch work uses what interactive traffic leaves; given back as any
+        slot is (to a waiting request first)."""
+        cap = max(1, int(self.max_in_flight * share))
+        while self._waiting or self.in_flight >= cap:
+            await anyio.sleep(BATCH_POLL_S)
+        self.in_flight += 1
         try:
             yield
         finally:

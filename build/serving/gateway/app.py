@@ -354,12 +354,23 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
         settings.max_concurrent_requests, settings.max_queued_requests, settings.options.max_queue_wait_s
     )
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
+    batches = None
+    if settings.options.batch_redis is not None:
+        from .batch.routes import BatchAPI
+
+        batches = BatchAPI(settings, planner, gateway.complete, admission, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         try:
-            yield
+            if batches is not None:
+                await batches.start()
+            try:
+                yield
+            finally:
+                if batches is not None:
+                    await batches.close()
         finally:
             await gateway.close()
 
@@ -443,6 +454,15 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     async def completions(body: CompletionRequest, request: Request) -> Response:
         record: RequestRecord = request.scope[RECORD]
         return await answer(await planner.plan_completion(body, record.started), record, body.stream)
+
+    if batches is not None:
+        batches.mount(app)
+    else:
+
+        @app.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"])
+        @app.api_route("/v1/batches{rest:path}", methods=["GET", "POST"])
+        async def no_batches(rest: str) -> None:
+            raise APIError(404, "this gateway serves no batches: start it with --batch-redis and --batch-dir")
 
     app.state.gateway = gateway
     app.state.metrics = metrics

@@ -94,6 +94,34 @@ class GatewayMetrics:
         self.replicas_ready = Gauge(
             "qwen3vl_gateway_replicas_ready", "Triton replicas in the rotation (ready when last probed)", registry=r
         )
+        # The Batch API's (gateway.batch): of the whole deployment as this gateway last looked, and its own runners'.
+        self.batches = Gauge(
+            "qwen3vl_gateway_batches", "Batches not ended, by status (the deployment's, as last looked)", ["status"],
+            registry=r,
+        )  # fmt: skip
+        self.batch_entries_queued = Gauge(
+            "qwen3vl_gateway_batch_entries_queued",
+            "Work entries (up to 16 lines each) not yet run to the end, the deployment's (as last looked)",
+            registry=r,
+        )
+        self.batch_lines_running = Gauge(
+            "qwen3vl_gateway_batch_lines_running", "Batch lines this gateway's runners are running", registry=r
+        )
+        self.batch_lines = Counter(
+            "qwen3vl_gateway_batch_lines", "Batch lines this gateway ran, by outcome", ["outcome"], registry=r
+        )
+        self.batch_slot_wait = Histogram(
+            "qwen3vl_gateway_batch_slot_wait_seconds",
+            "Batch lines: from wanting a request slot to getting one (interactive requests go first)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_line_duration = Histogram(
+            "qwen3vl_gateway_batch_line_seconds",
+            "Batch lines: from getting a request slot to the answer",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def watch(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         """The gauges read the admission's counts when scraped."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...errors import ServingError
+
 # Splitting a Thinking checkpoint's <think>...</think> into reasoning_content: auto (from the chat template), qwen3
 # (always: vLLM's parser of that name), none (the text as generated).
 REASONING_PARSERS = ("auto", "qwen3", "none")
@@ -19,6 +21,8 @@ BODY_SLACK_BYTES = 4 * 2**20
 MAX_DEFAULT_REQUEST_BYTES = 32 * 2**20
 # Where `openai` listens unless told otherwise (`serve` runs the gateway only with --openai-port).
 DEFAULT_OPENAI_PORT = 9000
+# A batch input file at most, as OpenAI's Batch API takes ("up to 200 MB").
+MAX_BATCH_FILE_BYTES = 200 * 2**20
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,12 @@ class GatewayOptions:
 
     Who may call it (gateway.auth): api_keys and the keys of api_key_files (one a line), which /v1/* and, unless
     open_metrics, /metrics require as `Authorization: Bearer <key>`; none: the API is open. Keys never appear in
-    the options' repr."""
+    the options' repr.
+
+    Batches (gateway.batch, docs/batch.md), served when both batch_redis (a Redis of their own: append-only,
+    noeviction) and batch_dir (a directory every gateway mounts) are given: batch_runners lines run at once here,
+    taking at most batch_share of the request slots and only while no request waits; a work entry whose runner
+    stopped holding it for batch_claim_s is another's; uploads up to max_batch_file_bytes."""
 
     served_model_name: str | None = None
     allow_remote_media: bool = False
@@ -62,6 +71,16 @@ class GatewayOptions:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_files: tuple[Path, ...] = ()
     open_metrics: bool = False
+    batch_redis: str | None = None
+    batch_dir: Path | None = None
+    batch_runners: int = 4
+    batch_share: float = 0.5
+    batch_claim_s: float = 60.0
+    max_batch_file_bytes: int = MAX_BATCH_FILE_BYTES
+
+    def __post_init__(self) -> None:
+        if (self.batch_redis is None) != (self.batch_dir is None):
+            raise ServingError("the Batch API needs both --batch-redis (its state) and --batch-dir (its files)")
 
 
 DEFAULT_GATEWAY_OPTIONS = GatewayOptions()
