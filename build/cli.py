@@ -334,6 +334,7 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         batch_dir=args.batch_dir,
         batch_runners=args.batch_runners,
         batch_share=args.batch_share,
+        batch_claim_s=args.batch_claim_s,
         triton_refresh_s=getattr(args, "triton_refresh", fleet.triton_refresh_s),
         replica_ready_port=getattr(args, "replica_ready_port", fleet.replica_ready_port),
     )
@@ -551,6 +552,14 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         default=batches.batch_share,
         help="the most of the request slots batch lines take, and only while no request waits (default "
         f"{batches.batch_share})",
+    )
+    parser.add_argument(
+        "--batch-claim-s",
+        type=float,
+        default=batches.batch_claim_s,
+        metavar="SECONDS",
+        help="a batch line whose gateway stopped holding it (killed) is run by another after this long (default "
+        f"{batches.batch_claim_s:g})",
     )
 
 
