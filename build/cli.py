@@ -1063,6 +1063,78 @@ def _add_openai_parser(sub: _Subparsers) -> None:
     s.set_defaults(func=_openai)
 
 
+def _add_batch_parser(sub: _Subparsers) -> None:
+    s = sub.add_parser("batch", help="submit a JSONL file of requests to a gateway's Batch API, watch it, fetch it")
+    actions = s.add_subparsers(dest="action", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", default=f"http://127.0.0.1:{DEFAULT_OPENAI_PORT}", help="the gateway (http://HOST:PORT)"
+    )
+    common.add_argument("--api-key-file", type=pathlib.Path, metavar="PATH",
+                        help="a file whose first line is the API key (else $OPENAI_API_KEY, if set)")  # fmt: skip
+    submit = actions.add_parser("submit", parents=[common], help="upload the file and start a batch of it")
+    submit.add_argument("requests", type=pathlib.Path, help="JSONL: {custom_id, method, url, body} a line")
+    endpoints = ("/v1/chat/completions", "/v1/completions")
+    submit.add_argument("--endpoint", default=endpoints[0], choices=endpoints)
+    submit.add_argument("--window", default="24h", help="the completion window (24h, or shorter: 30m, 2h)")
+    submit.add_argument("--wait", action="store_true", help="watch it to the end, then fetch its files")
+    submit.add_argument("--output", type=pathlib.Path, help="with --wait: where the output file goes")
+    watch = actions.add_parser("watch", parents=[common], help="show a batch's progress until it ends")
+    watch.add_argument("batch_id")
+    fetch = actions.add_parser("fetch", parents=[common], help="write an ended batch's output and error files")
+    fetch.add_argument("batch_id")
+    fetch.add_argument("--output", type=pathlib.Path, required=True, help="the output file (errors beside it)")
+    cancel = actions.add_parser("cancel", parents=[common], help="cancel a batch")
+    cancel.add_argument("batch_id")
+    s.set_defaults(func=_batch)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    import os
+
+    from tqdm import tqdm
+
+    from .serving.batch_client import BatchClient
+
+    key = os.environ.get("OPENAI_API_KEY")
+    if args.api_key_file is not None:
+        lines = args.api_key_file.read_text().split()
+        key = lines[0] if lines else None
+    client = BatchClient(args.url, key)
+    if args.action == "cancel":
+        print(json.dumps(client.cancel(args.batch_id), indent=2))
+        return 0
+    if args.action == "submit":
+        batch = client.submit(args.requests, args.endpoint, args.window)
+        print(f"batch {batch['id']}: {batch['request_counts']['total']} requests, {batch['status']}", flush=True)
+        if not args.wait:
+            return 0
+        batch_id = batch["id"]
+    else:
+        batch_id = args.batch_id
+    if args.action == "fetch":
+        batch = client.batch(batch_id)
+    else:
+        with tqdm(unit="request", desc=batch_id, dynamic_ncols=True) as bar:
+
+            def progress(batch: dict) -> None:
+                counts = batch["request_counts"]
+                bar.total = counts["total"]
+                bar.n = counts["completed"] + counts["failed"]
+                bar.set_postfix(status=batch["status"], failed=counts["failed"], refresh=False)
+                bar.refresh()
+
+            batch = client.wait(batch_id, progress)
+        counts = batch["request_counts"]
+        print(f"batch {batch_id}: {batch['status']}, {counts['completed']} completed, {counts['failed']} failed of "
+              f"{counts['total']}")  # fmt: skip
+        if args.action == "watch" or args.output is None:
+            return 0 if batch["status"] == "completed" else 1
+    for path in client.fetch(batch, args.output):
+        print(f"wrote {path}")
+    return 0 if batch["status"] == "completed" else 1
+
+
 def _add_infer_parser(sub: _Subparsers) -> None:
     from .serving.client import RESPONSE_TIMEOUT_S
 
@@ -1150,6 +1222,7 @@ def parser() -> argparse.ArgumentParser:
         _add_write_repo_parser,
         _add_serve_parser,
         _add_openai_parser,
+        _add_batch_parser,
         _add_infer_parser,
         _add_generate_parser,
         _add_convert_llm_parser,

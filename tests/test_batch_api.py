@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -260,3 +262,31 @@ def test_hostile_inputs_are_refused(deployment):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("x.jsonl", twice), purpose="fine-tune")
+
+
+def test_the_batch_command_submits_watches_and_fetches(deployment, tmp_path):
+    """`qwen3vl-trt batch submit --wait` for people who do not write code: a progress bar, then the files."""
+    lines = [_line(f"cli-{k}", _chat(f"Name colour {k}.")) for k in range(6)] + [
+        _line("cli-bad", _chat("Hi."), url="/v1/completions")
+    ]
+    requests, output, key = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl", tmp_path / "key"
+    requests.write_bytes(_jsonl(lines))
+    key.write_text(KEYS[0] + "\n")
+    common = ["--url", deployment.gateway.url, "--api-key-file", str(key)]
+    run = subprocess.run(
+        [sys.executable, "-m", "qwen3vl_trt.cli", "batch", "submit", str(requests), *common, "--wait",
+         "--output", str(output)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "completed, 6 completed, 1 failed of 7" in run.stdout and "request" in run.stderr  # the bar
+    assert [json.loads(line)["custom_id"] for line in output.read_text().splitlines()] == [f"cli-{k}" for k in range(6)]
+    errors = output.with_suffix(".errors.jsonl")
+    assert [json.loads(line)["custom_id"] for line in errors.read_text().splitlines()] == ["cli-bad"]
+    batch_id = run.stdout.split()[1].rstrip(":")
+    refetched = tmp_path / "again.jsonl"
+    run = subprocess.run([sys.executable, "-m", "qwen3vl_trt.cli", "batch", "fetch", batch_id, *common, "--output",
+                          str(refetched)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0 and refetched.read_bytes() == output.read_bytes(), run.stderr
+    run = subprocess.run([sys.executable, "-m", "qwen3vl_trt.cli", "batch", "watch", batch_id, "--url",
+                          deployment.gateway.url], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode != 0 and "401: no API key" in run.stderr  # no key: refused, said so
