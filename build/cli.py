@@ -555,7 +555,7 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-claim-s",
-        type=float,
+        type=_positive_float,
         default=batches.batch_claim_s,
         metavar="SECONDS",
         help="a batch line whose gateway stopped holding it (killed) is run by another after this long (default "

@@ -13,8 +13,10 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from deployment import Gateway, build_cpu_repository, data_url, error_body, port_flags
@@ -50,8 +52,8 @@ SCHEMA = {
 
 
 class Deployment:
-    def __init__(self, gateway: Gateway, redis: RedisServer):
-        self.gateway, self.redis = gateway, redis
+    def __init__(self, gateway: Gateway, redis: RedisServer, root: Path):
+        self.gateway, self.redis, self.root = gateway, redis, root
 
     def client(self, key: str = KEYS[0]) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.gateway.url}/v1", api_key=key, max_retries=0, timeout=120)
@@ -70,7 +72,7 @@ def deployment(checkpoints, tmp_path_factory):
         args += ["--batch-redis", redis.url, "--batch-dir", str(root / "files")]
         gateway = Gateway(args, port, root / "serve.log", ready_status=200)
         try:
-            yield Deployment(gateway, redis)
+            yield Deployment(gateway, redis, root)
         finally:
             gateway.stop()
 
@@ -112,6 +114,7 @@ def _requests() -> tuple[list[dict[str, Any]], set[str]]:
         "messages-not-a-list": _line("messages-not-a-list", {"model": MODEL, "messages": "Hi."}),
         "too-many-tokens": _line("too-many-tokens", _chat("Hi.", max_tokens=10**7)),
         "streamed": _line("streamed", _chat("Hi.", stream=True)),
+        "two-choices": _line("two-choices", _chat("Hi.", n=2)),
     }
     for n, line in enumerate(invalid.values()):
         lines.insert(17 + 31 * n, line)
@@ -130,6 +133,10 @@ def _content(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]
     if file_id is None:
         return []
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[0]}"}
 
 
 def _metrics(deployment: Deployment) -> dict[str, float]:
@@ -186,6 +193,7 @@ def test_a_batch_answers_every_line_as_the_interactive_api_does(deployment):
         assert _answer(output["response"]["body"]) == _answer(answer.model_dump()), output["custom_id"]
     tool = next(o for o in outputs if o["custom_id"] == "request-1")["response"]["body"]["choices"][0]
     assert tool["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert tool["message"]["content"] is None  # the body as the interactive API sends it, nulls included
     typed = next(o for o in outputs if o["custom_id"] == "request-2")["response"]["body"]["choices"][0]
     assert set(json.loads(typed["message"]["content"])) == {"name", "count"}
 
@@ -211,6 +219,8 @@ def test_cancel_and_an_ended_window_keep_what_finished_and_report_the_rest(deplo
     while client.batches.retrieve(batch.id).request_counts.completed < 2:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    with pytest.raises(openai.ConflictError):  # the input of a batch that has not ended stays
+        client.files.delete(uploaded.id)
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     batch = _await_end(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
@@ -236,6 +246,16 @@ def _ends_with_what_finished(client: openai.OpenAI, batch: Any, lines: list[dict
     assert errors and all(e["error"]["code"] == code for e in errors)
 
 
+def test_a_batch_whose_input_file_is_lost_fails_saying_so(deployment):
+    client = deployment.client()
+    lines = [_line(f"lost-{k}", _chat(f"Count from {k}.", max_tokens=48)) for k in range(40)]
+    uploaded = client.files.create(file=("lost.jsonl", _jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    (deployment.root / "files" / "files" / uploaded.id).unlink()  # the storage lost it
+    batch = _await_end(client, batch.id, timeout_s=120)
+    assert batch.status == "failed" and batch.failed_at and batch.errors.data[0].code == "invalid_file"
+
+
 def test_hostile_inputs_are_refused(deployment):
     client = deployment.client()
     # A 1 GB upload: refused from its Content-Length, before any of the body is sent.
@@ -257,6 +277,13 @@ def test_hostile_inputs_are_refused(deployment):
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert error_body(refused.value)["code"] == "duplicate_custom_id"
+    # Two files in one form; a body that is not multipart.
+    two = [("file", ("a.jsonl", twice)), ("file", ("b.jsonl", twice)), ("purpose", (None, "batch"))]
+    answer = httpx.post(f"{deployment.gateway.url}/v1/files", files=two, headers=_auth(), timeout=30)
+    assert answer.status_code == 400 and "more than one file" in answer.json()["error"]["message"]
+    answer = httpx.post(f"{deployment.gateway.url}/v1/files", content=b"--x\r\nnonsense", timeout=30,
+                        headers={**_auth(), "Content-Type": "multipart/form-data; boundary=x"})  # fmt: skip
+    assert answer.status_code == 400, answer.text
     # Another endpoint than the API's, another purpose.
     with pytest.raises(openai.BadRequestError):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")

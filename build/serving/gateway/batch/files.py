@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..protocol import APIError
 
 UPLOAD_FIELD, PURPOSE_FIELD = "file", "purpose"
 _SMALL_FIELD_BYTES = 1024  # purpose and any other form field but the file
+_MAX_PARTS = 8  # the file, purpose, and a few a client may add
+_FORM_SLACK_BYTES = 64 * 1024  # the form's boundaries, part headers and small fields around the file
 
 
 def too_large(limit: int) -> APIError:
@@ -54,12 +57,18 @@ class FileStore:
         path = self.incoming / secrets.token_hex(16)
         form = _Form(path, limit)
         parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]
+        received = 0
         try:
             async for chunk in body:
-                parser.write(chunk)
+                received += len(chunk)
+                if received > limit + _FORM_SLACK_BYTES:
+                    raise too_large(limit)
+                _parse(parser.write, chunk)
                 if form.too_large:
                     raise too_large(limit)
-            parser.finalize()
+                if form.problem is not None:
+                    raise APIError(400, form.problem)
+            _parse(lambda _: parser.finalize(), b"")
             form.close()
             if form.filename is None:
                 raise APIError(400, "the form has no file: send it in the field `file`", param=UPLOAD_FIELD)
@@ -96,6 +105,13 @@ class FileStore:
         self.path(file_id).unlink(missing_ok=True)
 
 
+def _parse(step: Callable[[bytes], object], chunk: bytes) -> None:
+    try:
+        step(chunk)
+    except MultipartParseError as e:
+        raise APIError(400, f"the upload is not a well-formed multipart/form-data body: {e}") from None
+
+
 class _Form:
     """python-multipart's callbacks: the `file` part streamed into `path`, other fields kept (small)."""
 
@@ -105,6 +121,8 @@ class _Form:
         self.filename: str | None = None
         self.size = 0
         self.too_large = False
+        self.problem: str | None = None  # why the form is refused
+        self._parts = 0
         self._out: BinaryIO | None = None
         self._header_field = bytearray()
         self._header_value = bytearray()
@@ -125,12 +143,17 @@ class _Form:
 
     def _part_begin(self) -> None:
         self._name, self._is_file, self._value = None, False, bytearray()
+        self._parts += 1
+        if self._parts > _MAX_PARTS:
+            self.problem = f"the form has more than {_MAX_PARTS} fields: send file and purpose"
 
     def _header_end(self) -> None:
         if bytes(self._header_field).lower() == b"content-disposition":
             _, params = parse_options_header(bytes(self._header_value))
             self._name = params.get(b"name", b"").decode("utf-8", "replace")
             if self._name == UPLOAD_FIELD:
+                if self.filename is not None:
+                    self.problem = "the form has more than one file: upload one file a request"
                 self._is_file = True
                 self.filename = params.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
         self._header_field.clear()

@@ -3,7 +3,6 @@ only its own files and batches (another key's is a 404, as one that does not exi
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import Counter
 from pathlib import Path
@@ -54,7 +53,6 @@ class BatchAPI:
         self.files = FileStore(options.batch_dir)
         runner_options = RunnerOptions(options.batch_runners, options.batch_share, options.batch_claim_s)
         self.runner = BatchRunner(self.store, self.files, planner, complete, admission, runner_options, metrics)
-        self._validating: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.store.check()
@@ -119,6 +117,9 @@ class BatchAPI:
         @app.delete("/v1/files/{file_id}")
         async def delete_file(request: Request, file_id: str) -> FileDeleted:
             file = await owned_file(request, file_id)
+            if file.id in await store.active_inputs():
+                raise APIError(409, f"the file {file.id} is the input of a batch that has not ended: delete it once "
+                               "the batch has", code="file_in_use")  # fmt: skip
             await store.delete_file(owner(request), file.id)
             files.delete(file.id)
             return FileDeleted(id=file.id)
@@ -155,9 +156,7 @@ class BatchAPI:
                 metadata=body.metadata,
             )
             await store.add_batch(owner(request), batch)
-            task = asyncio.ensure_future(self.runner.validate(batch.id))
-            self._validating.add(task)
-            task.add_done_callback(self._validating.discard)
+            self.runner.spawn(batch.id, self.runner.validate(batch.id))
             return batch
 
         @app.get("/v1/batches")

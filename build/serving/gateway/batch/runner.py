@@ -15,7 +15,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 from pydantic import ValidationError
 
+from ...client import InferenceError
 from ..admission import Admission
 from ..metrics import GatewayMetrics
 from ..planning import Plan, Planner
@@ -33,6 +34,8 @@ from .records import (
     ENDED,
     OUTPUT_PURPOSE,
     Batch,
+    BatchError,
+    BatchErrors,
     FileObject,
     InputLine,
     error_line,
@@ -130,15 +133,36 @@ class BatchRunner:
         self.admission, self.options, self.metrics = admission, options, metrics
         self.consumer = f"gateway-{secrets.token_hex(6)}"
         self._tasks: list[asyncio.Task[None]] = []
+        self._busy: dict[str, asyncio.Task[None]] = {}  # a batch's own work running here (validating, finalizing)
 
     async def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._sweep())]
         self._tasks += [asyncio.ensure_future(self._run(n)) for n in range(self.options.runners)]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._busy.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def spawn(self, batch_id: str, work: Coroutine[Any, Any, None]) -> None:
+        """Runs a batch's own work (validate, finalize) on a task of its own, one at a time per batch here, so that a
+        long one holds up no other batch; a batch whose input cannot be read fails."""
+        if batch_id in self._busy:
+            work.close()
+            return
+
+        async def guarded() -> None:
+            try:
+                await work
+            except (OSError, ValidationError) as e:  # its input file gone or unreadable: it cannot go on
+                await self._fail(batch_id, f"its input file cannot be read: {e}")
+            except Exception as e:  # Redis away for a moment: the next sweep tries again
+                print(f"gateway: batch {batch_id}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+        task = asyncio.ensure_future(guarded())
+        self._busy[batch_id] = task
+        task.add_done_callback(lambda _: self._busy.pop(batch_id, None))
 
     # -- a batch's own work ---------------------------------------------------------------------------------
 
@@ -153,7 +177,8 @@ class BatchRunner:
         async def renew() -> None:
             while True:
                 await asyncio.sleep(LEASE_MS / 3000)
-                await self.store.renew(batch_id, token, LEASE_MS)
+                with contextlib.suppress(Exception):  # Redis away for a moment: the next renewal may make it
+                    await self.store.renew(batch_id, token, LEASE_MS)
 
         renewing = asyncio.ensure_future(renew())
         try:
@@ -174,6 +199,7 @@ class BatchRunner:
             lines = await anyio.to_thread.run_sync(read_lines, self.files.path(batch.input_file_id))
             groups: dict[str | None, list[list[tuple[int, int, int]]]] = {}
             for parsed in lines:
+                await asyncio.sleep(0)  # planning a line may not suspend: the loop serves everything else meanwhile
                 problem = parsed.problem
                 if problem is None and parsed.line is not None:
                     problem = await self._check(batch, parsed.line)
@@ -203,9 +229,11 @@ class BatchRunner:
         if line.url != batch.endpoint:
             return f"the line's url {line.url} is not the batch's endpoint {batch.endpoint}"
         try:
-            await self._plan(batch.endpoint, line.body)
+            plan = await self._plan(batch.endpoint, line.body)
         except APIError as e:
             return e.message
+        if plan.n > 1:  # each choice would be a request on the deployment that the batch class does not count
+            return "a batch line takes n = 1: send one line per choice"
         return None
 
     async def _plan(self, endpoint: str, body: dict[str, Any]) -> Plan:
@@ -279,6 +307,12 @@ class BatchRunner:
                 print(f"gateway: batch sweep: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             await asyncio.sleep(SWEEP_S)
 
+    async def _fail(self, batch_id: str, why: str) -> None:
+        errors = BatchErrors(data=[BatchError(code="invalid_file", message=why)])
+        values = {"status": "failed", "failed_at": now(), "errors": errors.model_dump()}
+        await self.store.move(batch_id, ["validating", "in_progress", "finalizing", "cancelling"], **values)
+        await self.store.ended(batch_id)
+
     async def _look_after(self, batch_id: str) -> str | None:
         """Moves a batch on where it is due (validated, finalized, expired, cancelled); the status it had."""
         found = await self.store.batch(batch_id)
@@ -288,15 +322,15 @@ class BatchRunner:
         batch = found[0]
         counts = batch.request_counts
         if batch.status == "validating":
-            await self.validate(batch_id)  # one whose validator died (its lease lapsed); else the lease says no
+            self.spawn(batch_id, self.validate(batch_id))  # one whose validator died (its lease lapsed), else no-op
         elif batch.status in ("in_progress", "finalizing") and counts.completed + counts.failed >= counts.total:
-            await self.finalize(batch_id, "completed")
+            self.spawn(batch_id, self.finalize(batch_id, "completed"))
         elif batch.status == "in_progress" and batch.expires_at is not None and time.time() >= batch.expires_at:
-            await self.finalize(batch_id, "expired")
+            self.spawn(batch_id, self.finalize(batch_id, "expired"))
         elif batch.status == "cancelling":
             left = await self.store.entries_left(batch_id)
             if left <= 0 or time.time() - (batch.cancelling_at or 0) >= CANCEL_GRACE_S:
-                await self.finalize(batch_id, "cancelled")
+                self.spawn(batch_id, self.finalize(batch_id, "cancelled"))
         elif batch.status in ENDED:
             await self.store.ended(batch_id)
         return batch.status
@@ -327,7 +361,8 @@ class BatchRunner:
     async def _hold(self, consumer: str, entry_id: str, claim_ms: int) -> None:
         while True:
             await asyncio.sleep(claim_ms / 3000)
-            await self.store.hold(consumer, entry_id)
+            with contextlib.suppress(Exception):  # Redis away for a moment: the next hold may make it
+                await self.store.hold(consumer, entry_id)
 
     async def _run_entry(self, batch_id: str, lines: list[list[int]]) -> None:
         for index, offset, length in lines:
@@ -337,8 +372,12 @@ class BatchRunner:
             if await self.store.recorded(batch_id, index):
                 continue  # a runner before this one (that died) ran it
             batch = found[0]
-            raw = await anyio.to_thread.run_sync(_read, self.files.path(batch.input_file_id), offset, length)
-            line = InputLine.model_validate_json(raw)
+            try:
+                raw = await anyio.to_thread.run_sync(_read, self.files.path(batch.input_file_id), offset, length)
+                line = InputLine.model_validate_json(raw)
+            except (OSError, ValidationError) as e:  # the input file gone or changed under the batch
+                await self._fail(batch_id, f"its input file cannot be read: {e}")
+                return
             self.metrics.batch_lines_running.inc()
             try:
                 result, counted = await self._answer(batch, line)
@@ -359,7 +398,7 @@ class BatchRunner:
                     plan = await self._plan(batch.endpoint, line.body)
                     answer = await self.complete(plan)
                     self.metrics.batch_line_duration.observe(time.monotonic() - started)
-                body = answer.model_dump(mode="json", exclude_none=True)
+                body = json.loads(answer.model_dump_json())  # as the interactive API answers it
                 return output_line(request_id, line.custom_id, 200, plan.id, body), "completed"
             except APIError as e:
                 if e.status in (429, 503) and (batch.expires_at is None or time.time() < batch.expires_at):
@@ -368,6 +407,9 @@ class BatchRunner:
                     continue
                 error = e.response().model_dump()
                 return output_line(request_id, line.custom_id, e.status, request_id, error), "failed"
+            except (InferenceError, ValueError) as e:  # what the interactive API would answer 500 for
+                error = APIError(500, str(e), type="server_error").response().model_dump()
+                return output_line(request_id, line.custom_id, 500, request_id, error), "failed"
 
 
 def _no_stream(stream: bool | None) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 from .records import Batch, BatchRequestCounts, FileObject
 
 PREFIX = "qwen3vl:batch:"
+# What a Redis must say to keep batches (BatchStore.check), and what is taken when CONFIG is refused.
+_KEPT = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
 GROUP = "runners"
 COUNTS = ("completed", "failed")
 
@@ -98,32 +100,37 @@ class BatchStore:
         self.active = PREFIX + "active"
 
     async def check(self) -> None:
-        """Refuses a Redis that is not reachable or would lose batches: append-only persistence off, or an eviction
-        policy (a managed Redis that refuses CONFIG is taken as configured)."""
+        """Refuses a Redis that is not reachable or would lose batches: append-only persistence off or never synced
+        (appendfsync no), or an eviction policy (a managed Redis that refuses CONFIG is taken as configured); then makes
+        the work stream's consumer group, once."""
         from redis.exceptions import RedisError, ResponseError
 
         try:
             await self.redis.ping()
+            config: dict[str, Any] = {}
             try:
-                config = await self.redis.config_get("appendonly")
-                config.update(await self.redis.config_get("maxmemory-policy"))
+                for name in ("appendonly", "appendfsync", "maxmemory-policy"):
+                    config.update(await self.redis.config_get(name))
             except ResponseError:
                 config = {}
-            await self.redis.xgroup_create(self.work, GROUP, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise BatchStoreError(f"the batch store {self.url}: {e}") from None
+            settings = {name: _text(config.get(name, ok)) for name, ok in _KEPT.items()}
+            if (
+                settings["appendonly"] != "yes"
+                or settings["appendfsync"] == "no"
+                or settings["maxmemory-policy"] != ("noeviction")
+            ):
+                found = ", ".join(f"{name} {value}" for name, value in settings.items())
+                raise BatchStoreError(
+                    f"the batch store {self.url} would lose batches ({found}): run a Redis of its own with "
+                    "--appendonly yes --maxmemory-policy noeviction, not the visual cache's"
+                )
+            try:
+                await self.redis.xgroup_create(self.work, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise BatchStoreError(f"the batch store {self.url}: {e}") from None
         except RedisError as e:
             raise BatchStoreError(f"the batch store {self.url} cannot be reached: {e}") from None
-        else:
-            appendonly = _text(config.get("appendonly", b"yes"))
-            policy = _text(config.get("maxmemory-policy", b"noeviction"))
-            if appendonly != "yes" or policy != "noeviction":
-                raise BatchStoreError(
-                    f"the batch store {self.url} would lose batches (appendonly {appendonly}, maxmemory-policy "
-                    f"{policy}): run a Redis of its own with --appendonly yes --maxmemory-policy noeviction, not the "
-                    "visual cache's"
-                )
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -210,6 +217,15 @@ class BatchStore:
 
     async def active_batches(self) -> list[str]:
         return [_text(i) for i in await self.redis.smembers(self.active)]
+
+    async def active_inputs(self) -> set[str]:
+        """The input files of the batches not ended."""
+        inputs = set()
+        for batch_id in await self.active_batches():
+            value = await self.redis.hget(self.key(batch_id), "input_file_id")
+            if value is not None:
+                inputs.add(json.loads(value))
+        return inputs
 
     async def ended(self, batch_id: str) -> None:
         await self.redis.srem(self.active, batch_id)
