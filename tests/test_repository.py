@@ -31,6 +31,7 @@ from qwen3vl_trt.serving.repository.writer import (
     write_model_files,
     write_models,
 )
+from qwen3vl_trt.serving.request import BATCH_PRIORITY, PRIORITY_LEVELS
 from qwen3vl_trt.serving.stages.preprocessing import split_word_list, word_list
 from qwen3vl_trt.serving.stages.vision_batching import plan_runs
 from qwen3vl_trt.serving.tensors import NUMPY_DTYPES
@@ -165,6 +166,29 @@ def test_every_ensemble_step_delivers_its_responses_in_order(built, tiny_dense, 
         for ensemble in (interface.ENSEMBLE, interface.TOKENS_ENSEMBLE):
             for step in configs[ensemble].ensemble_scheduling.step:
                 assert _preserves_response_order(configs[step.model_name]), (target, ensemble, step.model_name)
+
+
+def test_the_python_steps_serve_batch_lines_after_interactive_requests(built, tiny_dense):
+    """Every python model an ensemble runs but postprocessing queues at two priority levels, interactive (1, the
+    default) before batch lines (BATCH_PRIORITY), with its queue bound on each (core r24.10 and r26.04
+    src/scheduler_utils.cc: a level's own PolicyQueue). Postprocessing keeps its pieces' order, which Triton allows
+    at one level only; the tensorrtllm model has none, so it takes any priority as its default."""
+    layout = BuildLayout(built)
+    _, llm = read_trtllm_config(layout.llm_checkpoint)
+    for target, memory in (("cpu", None), ("gpu", MEMORY)):
+        configs = model_configs(layout, tiny_dense, target, EngineLimits(), llm, memory=memory)
+        steps = {step.model_name for step in configs[interface.ENSEMBLE].ensemble_scheduling.step}
+        for name in steps:
+            batching = configs[name].dynamic_batching
+            if configs[name].backend == "python" and not batching.preserve_ordering:
+                assert (batching.priority_levels, batching.default_priority_level) == (PRIORITY_LEVELS, 1), name
+                assert BATCH_PRIORITY == PRIORITY_LEVELS
+            else:
+                assert batching.priority_levels == 0, (target, name)
+        assert configs[interface.PREPROCESSING].dynamic_batching.priority_levels == PRIORITY_LEVELS
+    settings = RepositorySettings(dynamic_batching=False)
+    unbatched = model_configs(layout, tiny_dense, "cpu", EngineLimits(), llm, settings)
+    assert not unbatched[interface.PREPROCESSING].HasField("dynamic_batching")
 
 
 def _gpu_build(built: Path, root: Path, rank_bytes: tuple[int, ...]) -> BuildLayout:

@@ -166,7 +166,11 @@ class Generation:
         client.grpc.start_stream(callback=lambda result, error: self._responses.put((result, error)))
         try:
             client.grpc.async_stream_infer(
-                client.model, inputs, request_id=self.request_id, enable_empty_final_response=True
+                client.model,
+                inputs,
+                request_id=self.request_id,
+                priority=request.priority,
+                enable_empty_final_response=True,
             )
         except Exception as e:  # tritonclient's own error types
             self._close(cancel=True)
@@ -239,6 +243,12 @@ def _input(tensor: Tensor, array: np.ndarray) -> Any:
 def request_inputs(request: GenerationRequest) -> list[Any]:
     """The ensemble's inputs for one request, as tritonclient sends them."""
     return [_input(tensor, array) for tensor, array in request.to_inputs().items()]
+
+
+def stream_request(model: str, inputs: list[Any], request_id: str, priority: int = 0) -> dict[str, Any]:
+    """One request as grpc.aio's stream_infer takes it from its iterator (tritonclient r24.10 and r26.04
+    grpc/aio/__init__.py: "priority" defaults to 0, the model's default level)."""
+    return {"model_name": model, "inputs": inputs, "request_id": request_id, "priority": priority}
 
 
 def stop_inputs() -> list[Any]:
@@ -403,7 +413,7 @@ class AsyncClient:
         """One request's responses as they arrive. Past `deadline` (a time.monotonic() value) it raises
         RequestTimedOutError. Leaving the iteration early, cancelling the task iterating it, or its deadline,
         cancels the stream and stops the request on the llm (stop)."""
-        responses = self._send(self.model, request_inputs(request), request_id)
+        responses = self._send(self.model, request_inputs(request), request_id, request.priority)
         decode = _Decoding(self.detokenizer, request.top_logprobs)
         watch = _Watch(self, responses, deadline)
         finished = False
@@ -449,9 +459,9 @@ class AsyncClient:
         except gone_or_slow:  # the server is gone or slow: the request ends anyway
             responses.cancel()
 
-    def _send(self, model: str, inputs: list[Any], request_id: str) -> Any:
+    def _send(self, model: str, inputs: list[Any], request_id: str, priority: int = 0) -> Any:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+            yield stream_request(model, inputs, request_id, priority)
 
         return self.grpc.stream_infer(one_request())
 

@@ -61,6 +61,13 @@ def _wire(
     return field(default=default, metadata={"wire": Wire(tensor, check, bound, engine, json_value)})
 
 
+# Triton request priorities. The python models' dynamic batchers have PRIORITY_LEVELS levels, level 1 their default,
+# and serve a level's requests only while no higher level's wait (core r24.10 and r26.04 src/scheduler_utils.cc
+# PriorityQueue); an ensemble passes its request's priority to each step (ensemble_scheduler.cc InitStep), and a
+# model without levels takes any as its default. 0: the default (interactive requests); batch lines go lowest.
+PRIORITY_LEVELS = 2
+BATCH_PRIORITY = PRIORITY_LEVELS
+
 # Tensors of the fields that travel as two (a logit bias: OpenAI's token id -> bias; a guide: type and text), which
 # the tensorrt_llm backend takes as they are named here for the guide.
 LOGIT_BIAS_IDS = Tensor("logit_bias_ids", "INT32", (-1,), optional=True)
@@ -78,7 +85,8 @@ class GenerationRequest:
     and videos in their placeholders' order. images, videos: encoded files, placed by the messages' media parts without
     data, else before the text. messages: OpenAI-style chat messages; tools: the function definitions the chat
     template renders. end_id, pad_id: None takes the checkpoint's. stop_words, bad_words: strings, tokenized by
-    the stage. logit_bias: token id -> a bias added to its logit. guide: the grammar the answer must follow."""
+    the stage. logit_bias: token id -> a bias added to its logit. guide: the grammar the answer must follow.
+    priority: Triton's request priority (PRIORITY_LEVELS), which travels with the request, not as a tensor."""
 
     prompt: str = _wire("text_input", "STRING", "", required=True)
     max_tokens: int = _wire("max_tokens", "INT32", 0, required=True, check=lambda v: v >= 1, bound="at least 1")
@@ -113,6 +121,7 @@ class GenerationRequest:
                               bound=f"in [0, {TOP_LOGPROBS_CAP}]")  # fmt: skip
     logit_bias: Mapping[int, float] | None = None
     guide: Guide | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -131,6 +140,8 @@ class GenerationRequest:
             if wire is not None and wire.tensor.data_type == "INT32" and value is not None:
                 if any(v >= 2**31 for v in (value if isinstance(value, tuple) else (value,))):
                     raise RequestError(f"{f.name} must be below 2**31 (an int32), got {value!r}", field=f.name)
+        if not 0 <= self.priority <= PRIORITY_LEVELS:
+            raise RequestError(f"priority must be in [0, {PRIORITY_LEVELS}], got {self.priority!r}", field="priority")
         if self.prompt_ids and (self.prompt or self.messages is not None or self.tools or self.raw_prompt):
             raise MessageError("prompt_ids are the whole prompt, tokenized: send no prompt text, messages, tools or "
                                "raw_prompt with them", field="prompt_ids")  # fmt: skip

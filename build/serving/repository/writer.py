@@ -49,7 +49,7 @@ from ..parameters import (
     VisionEncoderParameters,
     VisionParameters,
 )
-from ..request import REQUEST_INPUTS
+from ..request import PRIORITY_LEVELS, REQUEST_INPUTS
 from ..tensors import NUMPY_DTYPES, Tensor
 from . import gpu_memory
 from . import model_config as cfg
@@ -154,6 +154,7 @@ def _python_model(
     params: dict[str, str],
     decoupled: bool = False,
     bounded_queue: bool = True,
+    priority_levels: bool = True,
 ) -> mc.ModelConfig:
     limits, settings = m.limits, m.settings
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=limits.max_batch_size)
@@ -163,6 +164,10 @@ def _python_model(
     config.instance_group.append(cfg.instance_group(kind, gpus=[settings.python_models_gpu] if kind == "gpu" else []))
     if settings.dynamic_batching:
         config.dynamic_batching.max_queue_delay_microseconds = settings.max_queue_delay_us
+        if priority_levels:
+            # Batch lines (BATCH_PRIORITY) wait here while interactive requests do; each level has its own queue bound.
+            config.dynamic_batching.priority_levels = PRIORITY_LEVELS
+            config.dynamic_batching.default_priority_level = 1
         if bounded_queue:
             queue = BackPressure.plan(limits, settings.max_queue_size).triton_queue
             cfg.queue_policy(config, queue, settings.queue_timeout_us)
@@ -312,6 +317,8 @@ def _postprocessing(m: _Models) -> mc.ModelConfig:
         # Its requests are the llm's responses, a burst per streamed request already admitted: refusing one
         # would drop a piece of an answer, and tritonserver 2.51 then leaves the ensemble's stream open.
         bounded_queue=False,
+        # preserve_ordering (below) takes one priority level only (core model_config_utils.cc refuses more).
+        priority_levels=False,
     )
     if m.settings.dynamic_batching:
         # Each streamed piece of an answer is a request of its own. Triton core r26.04 hands the responses of an
