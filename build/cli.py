@@ -323,6 +323,9 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait,
+        max_queued_bytes=args.max_queued_bytes,
+        queue_order=args.queue_order,
+        queue_ageing=args.queue_ageing,
         max_request_bytes=args.max_request_bytes,
         request_timeout_s=args.request_timeout,
         reasoning_parser=args.reasoning_parser,
@@ -335,6 +338,7 @@ def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
         batch_runners=args.batch_runners,
         batch_share=args.batch_share,
         batch_claim_s=args.batch_claim_s,
+        batch_group_images=not args.batch_file_order,
         triton_refresh_s=getattr(args, "triton_refresh", fleet.triton_refresh_s),
         replica_ready_port=getattr(args, "replica_ready_port", fleet.replica_ready_port),
     )
@@ -444,10 +448,22 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _ageing(text: str) -> float:
+    value = float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"{text} is below 1")
+    return value
+
+
 def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """The OpenAI gateway's options, which `serve --openai-port` and `openai` both take."""
     from .serving.backpressure import GATEWAY_IN_FLIGHT_BATCHES, GATEWAY_QUEUED_BATCHES
-    from .serving.gateway.options import BODY_SLACK_BYTES, MAX_DEFAULT_REQUEST_BYTES
+    from .serving.gateway.options import (
+        BODY_SLACK_BYTES,
+        MAX_DEFAULT_QUEUED_BYTES,
+        MAX_DEFAULT_REQUEST_BYTES,
+        QUEUE_ORDERS,
+    )
 
     defaults = DEFAULT_GATEWAY_OPTIONS
 
@@ -489,6 +505,28 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=defaults.max_queue_wait_s,
         help="seconds a queued request waits for a slot before it is refused with 429 (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--max-queued-bytes",
+        type=_positive_int,
+        help="the bodies of the requests held without a slot, in all; a request past it is refused with 429 "
+        f"(default: max queued requests x max request bytes, at most {MAX_DEFAULT_QUEUED_BYTES // 2**20} MiB; at "
+        "least --max-request-bytes)",
+    )
+    parser.add_argument(
+        "--queue-order",
+        choices=QUEUE_ORDERS,
+        default=defaults.queue_order,
+        help="which waiting request a free slot goes to: short-first (default: the least prompt plus output tokens, "
+        "with ageing) or fifo (the first come)",
+    )
+    parser.add_argument(
+        "--queue-ageing",
+        type=_ageing,
+        default=defaults.queue_ageing,
+        metavar="FACTOR",
+        help="short-first: a request gets its slot within FACTOR x the slots handed out before first come first "
+        "served would give it one, plus one round of the slots (default: %(default)g)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -560,6 +598,12 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a batch line whose gateway stopped holding it (killed) is run by another after this long (default "
         f"{batches.batch_claim_s:g})",
+    )
+    parser.add_argument(
+        "--batch-file-order",
+        action="store_true",
+        help="run a batch's lines in the file's order, each on its own, instead of lines that share an image "
+        "together (which the visual cache serves all but the first of): for comparison",
     )
 
 

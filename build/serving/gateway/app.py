@@ -50,9 +50,11 @@ from .admission import (
     COMPLETIONS_PATH,
     RECORD,
     RETRY_AFTER_S,
+    TICKET,
     Admission,
     ChatRequestGuard,
     Overloaded,
+    at_capacity,
     error_response,
 )
 from .answers import ChatChunks, CompletionChunks, Event, TokenTexts, chat_choice, completion_choice
@@ -350,9 +352,9 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
     planner = Planner(settings)
     detokenizer = Detokenizer.from_model_dir(settings.model_dir, planner.tokenizer)
     gateway = GenerationDriver(settings, metrics, TokenTexts(planner.tokenizer), detokenizer, readiness)
-    admission = Admission(
-        settings.max_concurrent_requests, settings.max_queued_requests, settings.options.max_queue_wait_s
-    )
+    options = settings.options
+    admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests, options.max_queue_wait_s,
+                          settings.max_queued_bytes, options.queue_order, options.queue_ageing)  # fmt: skip
     metrics.watch(lambda: admission.in_flight, lambda: admission.queued)
     batches = None
     if settings.options.batch_redis is not None:
@@ -433,27 +435,26 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
                            param="model", code="model_not_found")  # fmt: skip
         return served
 
-    async def answer(plan: Plan, record: RequestRecord, stream: bool) -> Response:
-        if plan.n > 1:
-            try:
-                await admission.take(plan.n - 1)
-            except Overloaded as e:
-                raise overloaded(f"the gateway is at capacity for {plan.n} choices: {e}", RETRY_AFTER_S) from None
-            record.extra_slots = plan.n - 1  # ChatRequestGuard gives them back
+    async def answer(plan: Plan, request: Request, stream: bool) -> Response:
+        """Runs the plan once its slots are the request's (ChatRequestGuard gives them back)."""
+        try:
+            waited = await admission.run(request.scope[TICKET], plan.expected_cost, plan.n)
+        except Overloaded as e:
+            metrics.refusals.labels("overloaded").inc()
+            raise at_capacity(e) from None
+        metrics.queue_wait.labels("interactive").observe(waited)
         if stream:
-            return await gateway.stream(plan, record)
+            return await gateway.stream(plan, request.scope[RECORD])
         # Serialized by pydantic directly (FastAPI's jsonable_encoder walks the model in Python first).
         return Response((await gateway.complete(plan)).model_dump_json(), media_type="application/json")
 
     @app.post(CHAT_PATH, response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        record: RequestRecord = request.scope[RECORD]
-        return await answer(await planner.plan(body, record.started), record, body.stream)
+        return await answer(await planner.plan(body, request.scope[RECORD].started), request, body.stream)
 
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        record: RequestRecord = request.scope[RECORD]
-        return await answer(await planner.plan_completion(body, record.started), record, body.stream)
+        return await answer(await planner.plan_completion(body, request.scope[RECORD].started), request, body.stream)
 
     if batches is not None:
         batches.mount(app)

@@ -28,7 +28,6 @@ class RequestRecord:
     started: float  # time.monotonic() at arrival
     status: int = 0
     outcome: Outcome | None = None
-    extra_slots: int = 0  # admission slots taken for the request's choices after the first
 
     def final_outcome(self) -> Outcome:
         if self.outcome is not None:
@@ -80,6 +79,14 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "qwen3vl_gateway_completion_tokens", "Completion tokens the deployment generated", registry=r
         )
+        self.queue_wait = Histogram(
+            "qwen3vl_gateway_queue_wait_seconds",
+            "From asking for a request slot to getting one, by traffic class (interactive: a planned request; batch: "
+            "a batch line, which waits while interactive requests do)",
+            ["traffic_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge("qwen3vl_gateway_requests_in_flight", "Chat requests being served", registry=r)
         self.queued = Gauge("qwen3vl_gateway_requests_queued", "Chat requests waiting for a slot", registry=r)
         self.replica_requests = Counter(
@@ -109,12 +116,6 @@ class GatewayMetrics:
         )
         self.batch_lines = Counter(
             "qwen3vl_gateway_batch_lines", "Batch lines this gateway ran, by outcome", ["outcome"], registry=r
-        )
-        self.batch_slot_wait = Histogram(
-            "qwen3vl_gateway_batch_slot_wait_seconds",
-            "Batch lines: from wanting a request slot to getting one (interactive requests go first)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
         self.batch_line_duration = Histogram(
             "qwen3vl_gateway_batch_line_seconds",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from ...errors import ServingError
 
@@ -21,6 +22,11 @@ BODY_SLACK_BYTES = 4 * 2**20
 MAX_DEFAULT_REQUEST_BYTES = 32 * 2**20
 # Where `openai` listens unless told otherwise (`serve` runs the gateway only with --openai-port).
 DEFAULT_OPENAI_PORT = 9000
+# The interactive queue's orders (gateway.admission): short-first (least expected cost first, with ageing) or fifo.
+QueueOrder = Literal["short-first", "fifo"]
+QUEUE_ORDERS: tuple[QueueOrder, ...] = get_args(QueueOrder)
+# The bodies of requests waiting for a slot, in all, by default at most (and at least one request's worth).
+MAX_DEFAULT_QUEUED_BYTES = 2**30
 # A batch input file at most, as OpenAI's Batch API takes ("up to 200 MB").
 MAX_BATCH_FILE_BYTES = 200 * 2**20
 
@@ -32,8 +38,11 @@ class GatewayOptions:
     remote_media_timeout_s.
 
     Back-pressure and bounds; None takes what the deployment's engine limits imply (GatewaySettings):
-    max_concurrent_requests: chat requests served at once. max_queued_requests: more that wait for a slot,
-    each at most max_queue_wait_s; beyond, requests are refused at once (429 with Retry-After).
+    max_concurrent_requests: chat requests served at once. max_queued_requests: more held (their bodies read and
+    planned first), each waiting at most max_queue_wait_s for its slot, their bodies max_queued_bytes in all; beyond,
+    requests are refused at once (429 with Retry-After). queue_order (QUEUE_ORDERS): which waiting request a free slot
+    goes to: short-first, the least expected cost (prompt plus output tokens), a request passed by later ones at most
+    max_concurrent_requests + (queue_ageing - 1) x (the requests before it + 1) times; fifo, the first come.
     max_request_bytes: a larger request body is refused (413) before it is read. request_timeout_s: a
     request still generating after it ends with an error and is cancelled on the server. reasoning_parser
     (REASONING_PARSERS): whether answers are split into reasoning_content and content; auto: when the checkpoint's
@@ -54,7 +63,8 @@ class GatewayOptions:
     Batches (gateway.batch, docs/batch.md), served when both batch_redis (a Redis of their own: append-only,
     noeviction) and batch_dir (a directory every gateway mounts) are given: batch_runners lines run at once here,
     taking at most batch_share of the request slots and only while no request waits; a work entry whose runner
-    stopped holding it for batch_claim_s is another's; uploads up to max_batch_file_bytes."""
+    stopped holding it for batch_claim_s is another's; uploads up to max_batch_file_bytes; batch_group_images: lines
+    that share their first image run together (else in the file's order, each line on its own: for comparison)."""
 
     served_model_name: str | None = None
     allow_remote_media: bool = False
@@ -62,6 +72,9 @@ class GatewayOptions:
     max_concurrent_requests: int | None = None
     max_queued_requests: int | None = None
     max_queue_wait_s: float = 30.0
+    max_queued_bytes: int | None = None
+    queue_order: QueueOrder = "short-first"
+    queue_ageing: float = 1.5
     max_request_bytes: int | None = None
     request_timeout_s: float = 600.0
     reasoning_parser: str = "auto"
@@ -77,8 +90,14 @@ class GatewayOptions:
     batch_share: float = 0.5
     batch_claim_s: float = 60.0
     max_batch_file_bytes: int = MAX_BATCH_FILE_BYTES
+    batch_group_images: bool = True
 
     def __post_init__(self) -> None:
+        if self.queue_order not in QUEUE_ORDERS:
+            raise ServingError(f"the queue order {self.queue_order!r} is none of {', '.join(QUEUE_ORDERS)}")
+        if self.queue_ageing < 1:
+            raise ServingError(f"queue ageing {self.queue_ageing:g} is below 1: a request would go before those "
+                               "that came first even under FIFO")  # fmt: skip
         if (self.batch_redis is None) != (self.batch_dir is None):
             raise ServingError("the Batch API needs both --batch-redis (its state) and --batch-dir (its files)")
 

@@ -89,6 +89,11 @@ class Plan:
         return self.request.max_tokens
 
     @property
+    def expected_cost(self) -> int:
+        """What the admission's short-first order ranks it by: the tokens each choice may take, prompt and output."""
+        return self.n * (self.prompt_tokens + self.max_tokens)
+
+    @property
     def logprobs(self) -> bool:
         return self.request.return_log_probs
 
@@ -136,7 +141,8 @@ class Planner:
                 code="model_not_found",
             )
 
-    async def plan(self, body: ChatCompletionRequest, started: float) -> Plan:
+    async def plan(self, body: ChatCompletionRequest, started: float, priority: int = 0) -> Plan:
+        """priority: the request's on the deployment (serving.request.PRIORITY_LEVELS; 0, interactive)."""
         settings = self.settings
         self._check_model(body.model)
         refuse_unsupported(body)
@@ -169,7 +175,8 @@ class Planner:
                            "logits of that many tokens in host memory per request",
                            param="max_completion_tokens")  # fmt: skip
         request = self._request(body, asked, {"max_tokens": param}, prompt_tokens, stops, guide=guide,
-                                return_log_probs=body.logprobs, top_logprobs=body.top_logprobs, **content)  # fmt: skip
+                                return_log_probs=body.logprobs, top_logprobs=body.top_logprobs, priority=priority,
+                                **content)  # fmt: skip
         return Plan(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
@@ -181,7 +188,7 @@ class Planner:
             opens_reasoning=self.opens_reasoning,
         )
 
-    async def plan_completion(self, body: CompletionRequest, started: float) -> Plan:
+    async def plan_completion(self, body: CompletionRequest, started: float, priority: int = 0) -> Plan:
         self._check_model(body.model)
         refuse_unsupported(body)
         stops = stop_strings(body.stop)
@@ -199,6 +206,7 @@ class Planner:
         except RequestError as e:
             raise request_error(e) from None
         request = self._request(body, body.max_tokens, COMPLETION_PARAMS, prompt_tokens, stops, prompt_ids=ids,
+                                priority=priority,
                                 return_log_probs=body.logprobs is not None, top_logprobs=body.logprobs)  # fmt: skip
         return Plan(
             id=f"cmpl-{uuid.uuid4().hex}",

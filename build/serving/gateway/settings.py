@@ -16,7 +16,13 @@ from ..parameters import PreprocessingParameters
 from ..repository import model_config as serving_config
 from ..targets import FleetTarget
 from .auth import NO_API_KEYS, APIKeys
-from .options import BODY_SLACK_BYTES, DEFAULT_GATEWAY_OPTIONS, MAX_DEFAULT_REQUEST_BYTES, GatewayOptions
+from .options import (
+    BODY_SLACK_BYTES,
+    DEFAULT_GATEWAY_OPTIONS,
+    MAX_DEFAULT_QUEUED_BYTES,
+    MAX_DEFAULT_REQUEST_BYTES,
+    GatewayOptions,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,14 @@ class GatewaySettings:
     def max_queued_requests(self) -> int:
         given = self.options.max_queued_requests
         return BackPressure.plan(self.limits).gateway_queued if given is None else given
+
+    @property
+    def max_queued_bytes(self) -> int:
+        """As given, else the queued requests' largest bodies up to MAX_DEFAULT_QUEUED_BYTES; at least one body."""
+        given = self.options.max_queued_bytes
+        if given is None:
+            given = min(self.max_queued_requests * self.max_request_bytes, MAX_DEFAULT_QUEUED_BYTES)
+        return max(given, self.max_request_bytes)
 
     @property
     def max_request_bytes(self) -> int:

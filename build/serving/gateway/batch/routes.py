@@ -51,7 +51,8 @@ class BatchAPI:
         self.settings = settings
         self.store = BatchStore(options.batch_redis)
         self.files = FileStore(options.batch_dir)
-        runner_options = RunnerOptions(options.batch_runners, options.batch_share, options.batch_claim_s)
+        runner_options = RunnerOptions(options.batch_runners, options.batch_share, options.batch_claim_s,
+                                       options.batch_group_images)  # fmt: skip
         self.runner = BatchRunner(self.store, self.files, planner, complete, admission, runner_options, metrics)
 
     async def start(self) -> None:

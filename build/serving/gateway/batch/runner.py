@@ -25,6 +25,7 @@ import anyio.to_thread
 from pydantic import ValidationError
 
 from ...client import InferenceError
+from ...request import BATCH_PRIORITY
 from ..admission import Admission
 from ..metrics import GatewayMetrics
 from ..planning import Plan, Planner
@@ -57,11 +58,14 @@ RUNNING = ("validating", "in_progress")
 @dataclass(frozen=True)
 class RunnerOptions:
     """runners: lines run at once by this gateway; share: the most of its request slots batch lines take (and only
-    while no request waits); claim_s: a work entry whose runner stopped holding it for this long is another's."""
+    while no request waits); claim_s: a work entry whose runner stopped holding it for this long is another's;
+    group_images: lines that share their first image run together (else each line is an entry of its own, taken in
+    the file's order)."""
 
     runners: int = 4
     share: float = 0.5
     claim_s: float = 60.0
+    group_images: bool = True
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ class BatchRunner:
                     await self.store.record(batch.id, parsed.index, line, "failed")
                     continue
                 assert parsed.line is not None
-                key = image_key(parsed.line.body) or f"line {parsed.index}"
+                key = (image_key(parsed.line.body) if self.options.group_images else None) or f"line {parsed.index}"
                 chunks = groups.setdefault(key, [[]])
                 if len(chunks[-1]) == GROUP_LINES:
                     chunks.append([])
@@ -237,15 +241,16 @@ class BatchRunner:
         return None
 
     async def _plan(self, endpoint: str, body: dict[str, Any]) -> Plan:
+        """The line planned as an interactive request is, to run at the deployment's lowest priority."""
         started = time.monotonic()
         try:
             if endpoint == _CHAT:
                 chat = ChatCompletionRequest.model_validate(body)
                 _no_stream(chat.stream)
-                return await self.planner.plan(chat, started)
+                return await self.planner.plan(chat, started, BATCH_PRIORITY)
             completion = CompletionRequest.model_validate(body)
             _no_stream(completion.stream)
-            return await self.planner.plan_completion(completion, started)
+            return await self.planner.plan_completion(completion, started, BATCH_PRIORITY)
         except ValidationError as e:
             raise APIError(400, _first_problem(e)) from None
 
@@ -394,7 +399,7 @@ class BatchRunner:
                 wanted = time.monotonic()
                 async with self.admission.batch_slot(self.options.share):
                     started = time.monotonic()
-                    self.metrics.batch_slot_wait.observe(started - wanted)
+                    self.metrics.queue_wait.labels("batch").observe(started - wanted)
                     plan = await self._plan(batch.endpoint, line.body)
                     answer = await self.complete(plan)
                     self.metrics.batch_line_duration.observe(time.monotonic() - started)
