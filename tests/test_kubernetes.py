@@ -14,6 +14,7 @@ of its own, <venv>/checkov (scripts/bootstrap.sh), because its pins would downgr
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -28,7 +29,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from qwen3vl_trt.cli import parser as cli_parser
+from qwen3vl_trt.qa.ports import free_port
 from qwen3vl_trt.serving import interface
+from qwen3vl_trt.serving.gateway.batch.store import BatchStore, BatchStoreError
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +39,15 @@ DEPLOY = ROOT / "deploy" / "kubernetes"
 ADAPTER_RULES = DEPLOY / "prometheus-adapter" / "rules.yaml"
 KUBERNETES_VERSION = "1.37.0"  # the API the manifests are written for (kubernetes-validate's schemas)
 # Overlay -> GPUs per replica (and per vision pool member).
-OVERLAYS = {"gpu": 1, "gpu-tp": 2, "gpu-keda": 1, "cpu": 0, "gpu-vision-pool": 1, "gpu-vision-pool-keda": 1}
+OVERLAYS = {"gpu": 1, "gpu-tp": 2, "gpu-keda": 1, "cpu": 0, "gpu-vision-pool": 1, "gpu-vision-pool-keda": 1,
+            "gpu-batch-keda": 1}  # fmt: skip
 # Overlays whose replicas KEDA scales (a ScaledObject instead of the base's HPA), and the overlay with the HPAs whose
 # bounds and targets the ScaledObjects take.
-KEDA_OVERLAYS = {"gpu-keda": "gpu", "gpu-vision-pool-keda": "gpu-vision-pool"}
+KEDA_OVERLAYS = {"gpu-keda": "gpu", "gpu-vision-pool-keda": "gpu-vision-pool", "gpu-batch-keda": "gpu"}
+# Overlays with the Batch API on the gateways (components/batch), the replicas also scaled on its backlog.
+BATCH_OVERLAYS = ("gpu-batch-keda",)
+BATCH_REDIS = "qwen3vl-batch-redis"  # its StatefulSet, Service and NetworkPolicy
+BATCH_REPLICAS_CAP = 4  # replicas the batch backlog alone scales to at most (components/batch-keda, docs/batch.md)
 # Overlays with a vision pool (components/vision-pool): members of their own, serving language replicas.
 POOL_OVERLAYS = ("gpu-vision-pool", "gpu-vision-pool-keda")
 REPLICAS = "qwen3vl-triton"
@@ -428,6 +436,66 @@ def test_redis_is_a_bounded_lru_cache(fleet):
     assert re.fullmatch(rf"redis://{service['metadata']['name']}:{port}/\d+", serve.visual_cache)
 
 
+def test_batches_keep_their_state_in_a_durable_redis_and_their_files_on_shared_storage(fleet, tmp_path):
+    """components/batch: the gateways' --batch-redis is a Redis of its own, on a volume of its own, that the gateway's
+    own start check accepts (a real redis-server run with the overlay's arguments: append-only persistence synced,
+    noeviction), reachable from the gateways alone; --batch-dir a ReadWriteMany claim every gateway mounts read-write.
+    Without the component the gateways serve no batches."""
+    overlay, objects, replicas = fleet
+    gateway = _one(objects, "Deployment", "qwen3vl-gateway")
+    container = _container(gateway, "gateway")
+    options = _cli(container)
+    if overlay not in BATCH_OVERLAYS:
+        assert (options.batch_redis, options.batch_dir) == (None, None)
+        return
+    redis = _one(objects, "StatefulSet", BATCH_REDIS)
+    assert redis["spec"]["replicas"] == 1
+    (server,) = _pod(redis)["containers"]
+    args = server["args"]
+    assert args[0] == "redis-server"
+    assert 0 < _redis_bytes(_flag(args, "--maxmemory")) < _bytes(server["resources"]["limits"]["memory"])
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert _mount(server, claim["metadata"]["name"])["mountPath"] == _flag(args, "--dir")
+    service = _one(objects, "Service", redis["spec"]["serviceName"])
+    assert _selects(service["spec"]["selector"], redis)
+    port = next(p["port"] for p in service["spec"]["ports"] if _port(server, p["targetPort"]) == 6379)
+    assert options.batch_redis == f"redis://{service['metadata']['name']}:{port}/0"
+
+    local = [*args[1:], "--port", str(free_port()), "--bind", "127.0.0.1"]
+    local[local.index("--dir") + 1] = str(tmp_path)
+    process = subprocess.Popen([shutil.which("redis-server") or "redis-server", *local], stdout=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{local[local.index('--port') + 1]}/0"
+
+        async def check() -> None:
+            for _ in range(100):  # until it listens
+                store = BatchStore(url)
+                try:
+                    await store.check()
+                    return
+                except BatchStoreError as e:
+                    if "cannot be reached" not in str(e):
+                        raise
+                    await asyncio.sleep(0.1)
+                finally:
+                    await store.close()
+            pytest.fail(f"redis-server {' '.join(local)} did not start")
+
+        asyncio.run(check())
+    finally:
+        process.terminate()
+        process.wait(10)
+
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(options.batch_dir)]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in _pod(gateway)["volumes"] if v["name"] == mount["name"]]
+    files = _one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert files["spec"]["accessModes"] == ["ReadWriteMany"]
+    policy = _policy(objects, redis)
+    assert _admits(policy, server, 6379, gateway["spec"]["template"]["metadata"]["labels"], same_namespace=True)
+    assert not _admits(policy, server, 6379, replicas["spec"]["template"]["metadata"]["labels"], same_namespace=True)
+
+
 def test_termination_outlasts_the_drain(fleet):
     _, objects, _ = fleet
     for server in _servers(objects):
@@ -451,7 +519,9 @@ def test_every_pod_runs_non_root_and_locked_down(fleet):
     deployments = _objects(objects, "Deployment")
     pool = {POOL} if overlay in POOL_OVERLAYS else set()
     assert {d["metadata"]["name"] for d in deployments} == {REPLICAS, "qwen3vl-gateway", "qwen3vl-redis", *pool}
-    for deployment in deployments:
+    stateful = _objects(objects, "StatefulSet")
+    assert {s["metadata"]["name"] for s in stateful} == ({BATCH_REDIS} if overlay in BATCH_OVERLAYS else set())
+    for deployment in [*deployments, *stateful]:
         pod = _pod(deployment)
         context = pod["securityContext"]
         assert context["runAsNonRoot"] is True and context["runAsUser"] > 0
@@ -474,11 +544,11 @@ def test_volumes_fit_the_pods_ephemeral_storage(fleet):
     """The kubelet evicts a pod whose disk emptyDirs, logs and writable layers exceed its containers' ephemeral-storage
     limits together: the emptyDirs' size limits fit within them (memory-backed ones count as memory instead)."""
     _, objects, _ = fleet
-    for deployment in _objects(objects, "Deployment"):
+    for deployment in [*_objects(objects, "Deployment"), *_objects(objects, "StatefulSet")]:
         pod = _pod(deployment)
         disk = sum(
             _bytes(v["emptyDir"]["sizeLimit"])
-            for v in pod["volumes"]
+            for v in pod.get("volumes", [])  # a StatefulSet's claims are volumeClaimTemplates
             if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
         )
         limit = sum(_bytes(c["resources"]["limits"]["ephemeral-storage"]) for c in pod["containers"])
@@ -824,7 +894,8 @@ def test_keda_scales_the_replicas(rendered, overlay):
             "llm-waiting-requests": "qwen3vl_llm_waiting_requests",
         },
     )
-    assert set(triggers) == {"llm-queue-compute-ratio", "llm-waiting-requests", "gateway-requests-queued"}
+    batch = {"batch-backlog"} if overlay in BATCH_OVERLAYS else set()
+    assert set(triggers) == {"llm-queue-compute-ratio", "llm-waiting-requests", "gateway-requests-queued", *batch}
     namespace = _one(objects, "Deployment", REPLICAS)["metadata"]["namespace"]
     # The gateways' admission queue (build/serving/gateway/metrics.py), summed over the gateway pods.
     queued = triggers["gateway-requests-queued"]["metadata"]
@@ -833,6 +904,18 @@ def test_keda_scales_the_replicas(rendered, overlay):
     assert metric in {m.name for m in GatewayMetrics().registry.collect()}
     assert f'namespace="{namespace}"' in queued["query"] and queued["query"].startswith("sum(")
     assert float(queued["threshold"]) >= 1
+    if batch:
+        # The batch backlog: every gateway reports the deployment's whole backlog (its largest, not their sum),
+        # clamped so that the backlog alone asks for at most BATCH_REPLICAS_CAP replicas.
+        backlog = triggers["batch-backlog"]["metadata"]
+        query = _promql(backlog["query"])
+        found = re.fullmatch(rf'clamp_max\(max\((qwen3vl_gateway_\w+)\{{namespace="{namespace}"\}}\),(\d+)\)', query)
+        assert found, query
+        assert found[1] == "qwen3vl_gateway_batch_entries_queued" and found[1] in {
+            m.name for m in GatewayMetrics().registry.collect()
+        }
+        assert int(found[2]) / float(backlog["threshold"]) == BATCH_REPLICAS_CAP
+        assert BATCH_REPLICAS_CAP < _scaled_object(rendered, overlay)["spec"]["maxReplicaCount"]
 
 
 # -- the vision pool (components/vision-pool) -------------------------------------------------------------------------
