@@ -6,6 +6,7 @@ tests/test_openai_agents.py."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from qwen3vl_trt.cli import _gateway_options, parser
 from qwen3vl_trt.serving.gateway.auth import (
     API_KEY,
+    KEY_OWNER,
     APIKeyError,
     APIKeyGuard,
     APIKeys,
@@ -44,8 +46,9 @@ def test_keys_load_from_flags_and_files_and_match_bearer_headers_only(tmp_path):
     keys = APIKeys.load([KEY], [_key_file(tmp_path)])
     assert keys.ids == tuple(key_id(k) for k in ALL_KEYS)  # the file's duplicate once
     assert all(re.fullmatch(r"key-[0-9a-f]{8}", name) for name in keys.ids)
-    assert keys.match(f"Bearer {KEY}") == key_id(KEY)
-    assert keys.match(f"bearer   {FILE_KEYS[1]} ".encode()) == key_id(FILE_KEYS[1])  # the scheme is case-insensitive
+    assert keys.match(f"Bearer {KEY}") == hashlib.sha256(KEY.encode()).digest()
+    # The scheme is case-insensitive.
+    assert keys.match(f"bearer   {FILE_KEYS[1]} ".encode()) == hashlib.sha256(FILE_KEYS[1].encode()).digest()
     for refused in (None, "", "Bearer", "Bearer ", f"Bearer {KEY}x", f"Basic {KEY}", KEY, f"Token {KEY}"):
         assert keys.match(refused) is None, refused
     # No key in its repr, nor in the options' (the settings' repr holds APIKeys's).
@@ -65,7 +68,7 @@ def test_every_key_is_compared_in_constant_time(monkeypatch):
 
     monkeypatch.setattr(hmac, "compare_digest", counting)
     keys = APIKeys.load(ALL_KEYS)
-    assert keys.match(f"Bearer {ALL_KEYS[0]}") == key_id(ALL_KEYS[0])
+    assert keys.match(f"Bearer {ALL_KEYS[0]}") == hashlib.sha256(ALL_KEYS[0].encode()).digest()
     # The first key matched, and the others were compared all the same (no early exit), digests of equal length.
     assert len(calls) == len(ALL_KEYS) and {len(a) for pair in calls for a in pair} == {32}
 
@@ -118,10 +121,10 @@ def test_an_open_api_beyond_loopback_is_warned_of():
 
 
 async def _echo_app(scope, receive, send):
-    """What got through: the path and the key id the guard put in the scope."""
+    """What got through: the path and the key id and owner the guard put in the scope."""
     if scope["type"] != "http":
         return
-    body = f"{scope['path']} {scope.get(API_KEY)}".encode()
+    body = f"{scope['path']} {scope.get(API_KEY)} {scope.get(KEY_OWNER)}".encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": body})
 
@@ -149,8 +152,9 @@ def test_the_guard_requires_a_bearer_key_on_v1_and_metrics():
     _assert_401(client.get("/metrics"), "no API key")
     for path in ("/v1/models", "/v1/chat/completions", "/metrics"):
         response = client.get(path, headers={"Authorization": f"Bearer {FILE_KEYS[1]}"})
-        assert (response.status_code, response.text) == (200, f"{path} {key_id(FILE_KEYS[1])}")
-    assert client.get("/health").text == "/health None"  # open: probes carry no key
+        owner = "key-" + hashlib.sha256(FILE_KEYS[1].encode()).hexdigest()  # the whole digest: no two keys share it
+        assert (response.status_code, response.text) == (200, f"{path} {key_id(FILE_KEYS[1])} {owner}")
+    assert client.get("/health").text == "/health None None"  # open: probes carry no key
     refused = metrics.refusals.labels("unauthorized")._value.get()
     admitted = {name: metrics.registry.get_sample_value("qwen3vl_gateway_api_key_requests_total", {"key": name})
                 for name in keys.ids}  # fmt: skip

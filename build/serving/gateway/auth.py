@@ -5,7 +5,8 @@ and `WWW-Authenticate: Bearer`.
 
 Keys are kept only as SHA-256 digests, compared in constant time against every configured key (no early exit
 that would tell which key came closest), and never logged, counted or repeated in an error message: logs and
-metrics name a key by its id (key_id, a short prefix of its digest)."""
+metrics name a key by its id (key_id, a short prefix of its digest); what a key owns (its batches and files) is
+keyed by its whole digest (key_owner), which no other key shares."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .metrics import GatewayMetrics
 from .protocol import APIError
 
 API_KEY = "qwen3vl_trt.api_key"  # the scope key of an authenticated request's key id
+KEY_OWNER = "qwen3vl_trt.key_owner"  # and of its key_owner
 UNAUTHORIZED = "unauthorized"  # the refusals counter's reason for a 401
 _BEARER = "bearer"  # schemes are case-insensitive (RFC 9110 11.1)
 
@@ -44,6 +46,12 @@ def _digest(key: str) -> bytes:
 
 def _id(digest: bytes) -> str:
     return "key-" + digest.hex()[:8]
+
+
+def key_owner(digest: bytes) -> str:
+    """What a key's batches and files are kept under: "key-" and its whole SHA-256 (two keys sharing an id's 8 hex
+    digits still own apart)."""
+    return "key-" + digest.hex()
 
 
 def _check(key: str, where: str) -> str:
@@ -97,8 +105,8 @@ class APIKeys:
     def __repr__(self) -> str:
         return f"APIKeys({', '.join(self.ids)})"
 
-    def match(self, authorization: str | bytes | None) -> str | None:
-        """The id of the key an Authorization header value carries as `Bearer <key>`, or None (no header,
+    def match(self, authorization: str | bytes | None) -> bytes | None:
+        """The digest of the key an Authorization header value carries as `Bearer <key>`, or None (no header,
         another scheme, an unknown key). Every configured key is compared, in constant time."""
         token = bearer_token(authorization)
         if token is None:
@@ -108,7 +116,7 @@ class APIKeys:
         for digest in self.digests:
             if hmac.compare_digest(presented, digest):
                 found = digest
-        return None if found is None else _id(found)
+        return found
 
 
 def bearer_token(authorization: str | bytes | None) -> bytes | None:
@@ -133,8 +141,8 @@ def _unauthorized(message: str) -> APIError:
 
 class APIKeyGuard:
     """ASGI middleware: requests to /v1/* (and /metrics unless open_metrics) need a valid API key, else 401.
-    An accepted request's key id is in its scope (API_KEY) and counted by key id; refusals are counted as
-    refusals{reason="unauthorized"}. Without keys it passes everything through."""
+    An accepted request's key id is in its scope (API_KEY, its owner under KEY_OWNER) and counted by key id;
+    refusals are counted as refusals{reason="unauthorized"}. Without keys it passes everything through."""
 
     def __init__(self, app: ASGIApp, keys: APIKeys, open_metrics: bool = False, metrics: GatewayMetrics | None = None):
         self.app, self.keys, self.open_metrics, self.metrics = app, keys, open_metrics, metrics
@@ -157,8 +165,8 @@ class APIKeyGuard:
             await self.app(scope, receive, send)
             return
         header = _header(scope, b"authorization")
-        key = self.keys.match(header)
-        if key is None:
+        digest = self.keys.match(header)
+        if digest is None:
             if header is None:
                 error = _unauthorized("no API key: send it in the header Authorization: Bearer <key>")
             elif bearer_token(header) is None:
@@ -171,7 +179,8 @@ class APIKeyGuard:
             headers = {"WWW-Authenticate": "Bearer", "Connection": "close"}
             await error_response(error, headers)(scope, receive, send)
             return
-        scope[API_KEY] = key
+        key = _id(digest)
+        scope[API_KEY], scope[KEY_OWNER] = key, key_owner(digest)
         if self.requests is not None:
             self.requests.labels(key).inc()
         await self.app(scope, receive, send)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse
 
 from ..admission import Admission
-from ..auth import API_KEY
+from ..auth import KEY_OWNER
 from ..metrics import GatewayMetrics
 from ..options import BODY_SLACK_BYTES
 from ..planning import Planner
@@ -68,7 +68,7 @@ class BatchAPI:
         store, files = self.store, self.files
 
         def owner(request: Request) -> str:
-            return request.scope.get(API_KEY, OPEN)
+            return request.scope.get(KEY_OWNER, OPEN)
 
         async def owned_file(request: Request, file_id: str) -> FileObject:
             file = await store.file(owner(request), file_id)
