@@ -247,12 +247,12 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
         MAX_DEFAULT_REQUEST_BYTES, 4 * -(-images.max_image_bytes // 3) * images.max_images + BODY_SLACK_BYTES
     )
     assert settings.max_queued_bytes == min(settings.max_queued_requests * settings.max_request_bytes, 2**30)
-    assert (settings.options.queue_order, settings.options.queue_ageing) == ("short-first", 1.5)
+    assert (settings.options.queue_order, settings.options.queue_ageing) == ("short-first", 2.0)
 
     args = parser().parse_args(
         ["openai", "--max-concurrent-requests", "3", "--max-queued-requests", "0", "--max-queue-wait", "2.5"]
         + ["--max-request-bytes", "1000", "--request-timeout", "9", "--served-model-name", "m"]
-        + ["--queue-order", "fifo", "--queue-ageing", "2", "--max-queued-bytes", "500"]
+        + ["--queue-order", "fifo", "--queue-ageing", "3", "--max-queued-bytes", "500"]
     )
     options = _gateway_options(args)
     assert options == GatewayOptions(
@@ -264,7 +264,7 @@ def test_settings_take_their_bounds_from_the_engine_limits_unless_told(tmp_path)
         request_timeout_s=9.0,
         replica_ready_port=8003,
         queue_order="fifo",
-        queue_ageing=2.0,
+        queue_ageing=3.0,
         max_queued_bytes=500,
     )
     settings = GatewaySettings.resolve("127.0.0.1:8001", tmp_path / "checkpoint", LIMITS, options)

@@ -71,7 +71,7 @@ class Admission:
         max_wait_s: float,
         max_queued_bytes: int,
         order: QueueOrder = "short-first",
-        ageing: float = 1.5,
+        ageing: float = 2.0,
     ):
         self.max_in_flight, self.max_queued, self.max_wait_s = max_in_flight, max_queued, max_wait_s
         self.max_queued_bytes, self.order, self.ageing = max_queued_bytes, order, ageing

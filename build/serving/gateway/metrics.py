@@ -88,7 +88,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.in_flight = Gauge("qwen3vl_gateway_requests_in_flight", "Chat requests being served", registry=r)
-        self.queued = Gauge("qwen3vl_gateway_requests_queued", "Chat requests waiting for a slot", registry=r)
+        self.queued = Gauge(
+            "qwen3vl_gateway_requests_queued",
+            "Requests held without a slot: being read, planned or waiting",
+            registry=r,
+        )
         self.replica_requests = Counter(
             "qwen3vl_gateway_replica_requests", "Requests sent to each Triton replica, retries included", ["replica"],
             registry=r,

@@ -74,7 +74,7 @@ class GatewayOptions:
     max_queue_wait_s: float = 30.0
     max_queued_bytes: int | None = None
     queue_order: QueueOrder = "short-first"
-    queue_ageing: float = 1.5
+    queue_ageing: float = 2.0
     max_request_bytes: int | None = None
     request_timeout_s: float = 600.0
     reasoning_parser: str = "auto"
