@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import pathlib
 import signal
 import sys
@@ -450,8 +451,8 @@ def _positive_float(text: str) -> float:
 
 def _ageing(text: str) -> float:
     value = float(text)
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"{text} is below 1")
+    if not 1 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of 1 or more")
     return value
 
 

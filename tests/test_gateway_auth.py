@@ -23,6 +23,7 @@ from qwen3vl_trt.serving.gateway.auth import (
     access_note,
     is_loopback,
     key_id,
+    key_owner,
 )
 from qwen3vl_trt.serving.gateway.metrics import GatewayMetrics
 from qwen3vl_trt.serving.gateway.options import GatewayOptions
@@ -69,6 +70,10 @@ def test_every_key_is_compared_in_constant_time(monkeypatch):
     monkeypatch.setattr(hmac, "compare_digest", counting)
     keys = APIKeys.load(ALL_KEYS)
     assert keys.match(f"Bearer {ALL_KEYS[0]}") == hashlib.sha256(ALL_KEYS[0].encode()).digest()
+    # What a key owns: 64 hex digits of its own, not the digest keys are checked against.
+    owners = {key_owner(hashlib.sha256(k.encode()).digest()) for k in ALL_KEYS}
+    assert len(owners) == len(set(ALL_KEYS)) and all(re.fullmatch(r"owner-[0-9a-f]{64}", o) for o in owners)
+    assert not any(hashlib.sha256(k.encode()).hexdigest() in o for k in ALL_KEYS for o in owners)
     # The first key matched, and the others were compared all the same (no early exit), digests of equal length.
     assert len(calls) == len(ALL_KEYS) and {len(a) for pair in calls for a in pair} == {32}
 
@@ -152,7 +157,7 @@ def test_the_guard_requires_a_bearer_key_on_v1_and_metrics():
     _assert_401(client.get("/metrics"), "no API key")
     for path in ("/v1/models", "/v1/chat/completions", "/metrics"):
         response = client.get(path, headers={"Authorization": f"Bearer {FILE_KEYS[1]}"})
-        owner = "key-" + hashlib.sha256(FILE_KEYS[1].encode()).hexdigest()  # the whole digest: no two keys share it
+        owner = key_owner(hashlib.sha256(FILE_KEYS[1].encode()).digest())
         assert (response.status_code, response.text) == (200, f"{path} {key_id(FILE_KEYS[1])} {owner}")
     assert client.get("/health").text == "/health None None"  # open: probes carry no key
     refused = metrics.refusals.labels("unauthorized")._value.get()

@@ -145,10 +145,14 @@ def test_admission_grants_several_slots_at_once_and_refuses_more_than_it_has():
         tasks.start_soon(wide)
         await anyio.sleep(0.01)
         assert order == ["a in", "b in"] and admission.in_flight == 2  # the one free slot waits for two more
-        holds["a"].set()
+        # A cheaper request that comes meanwhile goes first, into the free slot, at once.
+        holds |= await _requests(tasks, admission, {"c": 1.0}, order)
+        assert order == ["a in", "b in", "c in"] and admission.in_flight == 3
+        for name in "ab":
+            holds[name].set()
         await anyio.sleep(0.01)
-        assert order == ["a in", "b in"]
-        holds["b"].set()
+        assert order == ["a in", "b in", "c in"]  # wide waits for c too
+        holds["c"].set()
         await anyio.sleep(0.01)
         assert order[-1] == "wide in" and (admission.in_flight, admission.queued) == (0, 0)
         with pytest.raises(APIError, match="n = 4 is more than the 3 requests"):
@@ -189,6 +193,9 @@ def test_admission_bounds_the_bytes_of_bodies_held_without_a_slot():
 
     async def main() -> None:
         await admission.run(first, 1.0)  # running: its body no longer counts
+        assert admission.queued_bytes == 400
+        with anyio.move_on_after(0.05):  # waiting for the one slot: its body still counts
+            await admission.run(second, 1.0)
         assert admission.queued_bytes == 400
         admission.leave(second)
         assert admission.queued_bytes == 0 and admission.queued == 0

@@ -20,7 +20,8 @@ GATEWAY_QUEUED_BATCHES = 8
 @dataclass(frozen=True)
 class BackPressure:
     """triton_queue: requests preprocessing and the python llm each hold waiting in Triton's dynamic batcher
-    (its queue policy's max_queue_size). preprocessing_in_flight: requests the preprocessing stage holds at once,
+    (its queue policy's max_queue_size), at each priority level: batch lines (request.BATCH_PRIORITY) have a queue of
+    that size of their own. preprocessing_in_flight: requests the preprocessing stage holds at once,
     its queue plus one batch being prepared (its async execute takes batches out of Triton's queue at once, so
     the stage enforces the bound itself). gateway_in_flight / gateway_queued: chat requests the gateway serves at
     once and lets wait for a slot."""

@@ -102,17 +102,19 @@ class Admission:
 
     async def run(self, ticket: Ticket, cost: float, count: int = 1) -> float:
         """Waits until count slots are the request's (ordered by `cost` as the order says), or raises Overloaded
-        after max_wait_s; returns the seconds it waited. Its body's bytes are no longer counted from here."""
+        after max_wait_s; returns the seconds it waited. Its body's bytes are counted until it has its slots."""
         if count > self.max_in_flight:
             raise APIError(400, f"n = {count} is more than the {self.max_in_flight} requests this gateway runs at "
                            "once", param="n")  # fmt: skip
-        self._drop_body(ticket)
         if not self._queue and self.in_flight + count <= self.max_in_flight:
             self._grant(ticket, count)
             return 0.0
         passes = self.max_in_flight + int((self.ageing - 1) * (len(self._queue) + 1))
         waiter = _Waiter(ticket, cost, count, next(self._joins), passes)
         self._queue.append(waiter)
+        self._dispatch()  # it may go first, and fit the slots a request needing more leaves free
+        if waiter.turn.is_set():
+            return 0.0
         joined = time.monotonic()
         try:
             with anyio.move_on_after(self.max_wait_s):
@@ -154,6 +156,7 @@ class Admission:
             self._dispatch()
 
     def _grant(self, ticket: Ticket, count: int) -> None:
+        self._drop_body(ticket)
         self.waiting -= 1
         self.in_flight += count
         ticket.slots = count
@@ -287,8 +290,8 @@ def at_capacity(error: Overloaded) -> APIError:
 
 
 async def _read_body(receive: Receive, limit: int, hold: Callable[[int], None]) -> bytes | None:
-    """The request's body, or its first bytes past limit; None if the client went away. Each chunk is held (`hold`)
-    as it comes."""
+    """The request's body, or its first bytes past limit; None if the client went away. Each chunk within the limit
+    is held (`hold`) as it comes."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -296,10 +299,12 @@ async def _read_body(receive: Receive, limit: int, hold: Callable[[int], None]) 
         if message["type"] == "http.disconnect":
             return None
         chunk = message.get("body", b"")
-        hold(len(chunk))
         chunks.append(chunk)
         size += len(chunk)
-        if size > limit or not message.get("more_body", False):
+        if size > limit:  # refused as too large (413), not held: no retry would fit it
+            return b"".join(chunks)
+        hold(len(chunk))
+        if not message.get("more_body", False):
             return b"".join(chunks)
 
 

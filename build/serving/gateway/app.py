@@ -439,7 +439,8 @@ def create_app(settings: GatewaySettings, readiness: Callable[[], bool] | None =
         """Runs the plan once its slots are the request's (ChatRequestGuard gives them back)."""
         try:
             waited = await admission.run(request.scope[TICKET], plan.expected_cost, plan.n)
-        except Overloaded as e:
+        except Overloaded as e:  # waited max_queue_wait_s for a slot in vain
+            metrics.queue_wait.labels("interactive").observe(admission.max_wait_s)
             metrics.refusals.labels("overloaded").inc()
             raise at_capacity(e) from None
         metrics.queue_wait.labels("interactive").observe(waited)

@@ -49,9 +49,10 @@ def _id(digest: bytes) -> str:
 
 
 def key_owner(digest: bytes) -> str:
-    """What a key's batches and files are kept under: "key-" and its whole SHA-256 (two keys sharing an id's 8 hex
-    digits still own apart)."""
-    return "key-" + digest.hex()
+    """What a key's batches and files are kept under: "owner-" and a whole SHA-256 of its digest, so two keys
+    sharing an id's 8 hex digits still own apart, and the batch store never holds the digest keys are checked
+    against."""
+    return "owner-" + hashlib.sha256(b"qwen3vl-trt batch owner\0" + digest).hexdigest()
 
 
 def _check(key: str, where: str) -> str:

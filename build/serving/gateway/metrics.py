@@ -81,8 +81,8 @@ class GatewayMetrics:
         )
         self.queue_wait = Histogram(
             "qwen3vl_gateway_queue_wait_seconds",
-            "From asking for a request slot to getting one, by traffic class (interactive: a planned request; batch: "
-            "a batch line, which waits while interactive requests do)",
+            "From asking for a request slot to getting one (or to being refused at the wait limit), by traffic class "
+            "(interactive: a planned request; batch: a batch line, which waits while interactive requests do)",
             ["traffic_class"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

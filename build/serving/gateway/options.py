@@ -5,6 +5,7 @@ the bounds left to its engine limits."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -95,9 +96,9 @@ class GatewayOptions:
     def __post_init__(self) -> None:
         if self.queue_order not in QUEUE_ORDERS:
             raise ServingError(f"the queue order {self.queue_order!r} is none of {', '.join(QUEUE_ORDERS)}")
-        if self.queue_ageing < 1:
-            raise ServingError(f"queue ageing {self.queue_ageing:g} is below 1: a request would go before those "
-                               "that came first even under FIFO")  # fmt: skip
+        if not 1 <= self.queue_ageing < math.inf:
+            raise ServingError(f"queue ageing must be a number of 1 or more (1: first come first served), got "
+                               f"{self.queue_ageing:g}")  # fmt: skip
         if (self.batch_redis is None) != (self.batch_dir is None):
             raise ServingError("the Batch API needs both --batch-redis (its state) and --batch-dir (its files)")
 

@@ -2,7 +2,7 @@
 keep what it is given (append-only persistence, `noeviction`), which BatchStore.check asks of it at start.
 
 Keys, under `qwen3vl:batch:`:
-    file:{id}             hash: a file's FileObject fields and its owner (the API key's id)
+    file:{id}             hash: a file's FileObject fields and its owner (auth.key_owner of its API key)
     owner:{owner}:files   sorted set: the owner's files by creation time (and owner:{owner}:batches, its batches)
     batch:{id}            hash: a batch's Batch fields (JSON values), its owner, and the counts
     batch:{id}:results    hash: line index -> the line's output or error line, each written once (HSETNX)
