@@ -232,7 +232,8 @@ def test_sampling_field_names_are_spelled_in_the_one_module_and_the_engine_mappi
     the engine mapping (the preprocessing stage; the CPU llm, which reads the tensorrt_llm inputs as the backend does;
     interface, which declares those inputs) and the OpenAI protocol, whose parameters bear the same names."""
     content = {"prompt", "prompt_ids", "max_tokens", "images", "videos", "messages", "raw_prompt", "tools", "stream"}
-    sampling = {f.name for f in fields(GenerationRequest)} - content
+    # priority travels as the gRPC request's own field, under tritonclient's name for it (client.stream_request).
+    sampling = {f.name for f in fields(GenerationRequest)} - content - {"priority"}
     mapping = ("request.py", "interface.py", "stages/preprocessing.py", "stages/cpu_llm.py", "gateway/protocol.py")
     allowed = {REPO / "build/serving" / name for name in mapping}
     found = []
