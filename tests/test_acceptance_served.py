@@ -1,12 +1,12 @@
 """The GPU acceptance's served rows (build/qa/acceptance.py) run against the CPU target's deployment: every check they
-make of a served repository (warm-up, tokens against transformers, the tokens ensemble, the visual cache, guided
-decoding, sampling options, healing, draining) and the rows and report around them, on tritonserver 2.51 with the
-reference runtime where a GPU host runs them on the tensorrtllm backend. As on a GPU host, the vision models read a
-vision engine (the GPU target's graph in fp32, built through the TensorRT stand-in) and tritonserver's python stub
-runs it with the engine runner (`VisionBatching(engine_dir=...)`, its warm-up at load included), with the stand-in and
-CUDA on the host (tests/tensorrt_standin/stub_gpu.py, imported first by that model's model.py). Only what needs CUDA
-or TensorRT is taken as present. What this deployment cannot do fails here as the check says it must: tritonserver
-2.51 cuts a stream in flight when it stops (docs/gpu-hosts.md)."""
+make of a served repository (warm-up, tokens against transformers, the batch lines' priority, the tokens ensemble,
+the visual cache, guided decoding, sampling options, healing, draining) and the rows and report around them, on
+tritonserver 2.51 with the reference runtime where a GPU host runs them on the tensorrtllm backend. As on a GPU host,
+the vision models read a vision engine (the GPU target's graph in fp32, built through the TensorRT stand-in) and
+tritonserver's python stub runs it with the engine runner (`VisionBatching(engine_dir=...)`, its warm-up at load
+included), with the stand-in and CUDA on the host (tests/tensorrt_standin/stub_gpu.py, imported first by that model's
+model.py). Only what needs CUDA or TensorRT is taken as present. What this deployment cannot do fails here as the
+check says it must: tritonserver 2.51 cuts a stream in flight when it stops (docs/gpu-hosts.md)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,7 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
         "served tokens vs transformers greedy, text only",
         "served tokens vs transformers greedy, one JPEG",
         "served tokens vs transformers greedy, an H.264 video",  # the host decodes it here, without a warning
+        "the same requests at the batch lines' priority get the same tokens",
         "the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble",
         "top_logprobs from the engine's generation logits vs transformers' log-softmax",
         "a repeated image: a visual cache hit, no decode, no vision encoder",
@@ -194,6 +195,7 @@ def test_every_served_check_passes_on_the_cpu_deployment(run):
     ):
         assert rows[check].status == PASS, rows[check]
     assert "0 server log lines on tensors missing the CUDA memory pool" in rows["serve the GPU repository"].figure
+    assert rows["the same requests at the batch lines' priority get the same tokens"].figure == "3/3 answers the same"
     tops = rows["top_logprobs from the engine's generation logits vs transformers' log-softmax"].figure
     pattern = r"alternatives; the served token the likeliest (\d+)/\1; largest \|log prob - transformers'\| 0\.0000$"
     assert re.search(pattern, tops), tops

@@ -41,6 +41,7 @@ CHECKS = [
             "served tokens vs transformers greedy, one JPEG",
             "served tokens vs transformers greedy, an H.264 video",
             "serve's warm-up through every model, then the first request against the next ten",
+            "the same requests at the batch lines' priority get the same tokens",
             "the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble",
             "top_logprobs from the engine's generation logits vs transformers' log-softmax",
             "a repeated image: a visual cache hit, no decode, no vision encoder",

@@ -497,17 +497,19 @@ class Acceptance:
         sampled: list[tuple[bool, str]] = []
         drained: list[tuple[bool, str]] = []
         warmed: list[tuple[bool, str]] = []
+        prioritized: list[tuple[bool, str]] = []
         decoded: list[tuple[bool, str]] = []
         alternatives: list[tuple[bool, str]] = []
 
         log_path = self.work / f"server-{name}.log"
 
         def serve_and_send() -> tuple[bool, str]:
-            tokens, warm, ids, tops, hits, guides, options, heals, drains = _served_tokens(
+            tokens, warm, lowest, ids, tops, hits, guides, options, heals, drains = _served_tokens(
                 self._built(name), requests, log_path
             )
             served.update(tokens)
             warmed.append(warm)
+            prioritized.append(lowest)
             decoded.append(ids)
             alternatives.append(tops)
             cached.append(hits)
@@ -531,6 +533,7 @@ class Acceptance:
         sampling = f"logit bias, presence penalty and log probs on the engine ({name})"
         warming = f"serve's warm-up through every model, then the first request against the next ten ({name})"
         decoding = f"the tokens ensemble streams the engine's ids, decoded by the client as the text ensemble ({name})"
+        lowering = f"the same requests at the batch lines' priority get the same tokens ({name})"
         topping = f"top_logprobs from the engine's generation logits vs transformers' log-softmax ({name})"
         splitting = (
             f"the vision pool: a member and a language replica (--role language) answer as the colocated ({name})"
@@ -543,6 +546,7 @@ class Acceptance:
                 self.report.rows.append(Row(check, SKIPPED, limit=limit, detail="the repository was not served"))
             for check, check_limit in (
                 (warming, f"first / median <= {FIRST_REQUEST_RATIO:g}"),
+                (lowering, "same tokens"),
                 (decoding, "same text and ids"),
                 (topping, top_limit),
                 (caching, "same tokens, 0 runs"),
@@ -572,6 +576,7 @@ class Acceptance:
             video_needs = [_PYNVVIDEOCODEC] if videos else []
             self.row(f"served tokens vs transformers greedy, {kind} ({name})", limit, needs + video_needs, compare)
         self.row(warming, f"first / median <= {FIRST_REQUEST_RATIO:g}", needs, lambda: warmed[0])
+        self.row(lowering, "same tokens", needs, lambda: prioritized[0])
         self.row(decoding, "same text and ids", needs, lambda: decoded[0])
         self.row(topping, top_limit, needs, lambda: alternatives[0])
         self.row(caching, "same tokens, 0 runs", needs, lambda: cached[0])
@@ -1024,10 +1029,12 @@ def _served_tokens(
     tuple[bool, str],
     tuple[bool, str],
     tuple[bool, str],
+    tuple[bool, str],
 ]:
     """serve's warm-up (see _warm_up), then greedy token ids of each request through the build's GPU repository on a
-    real tritonserver, whether the tokens ensemble gives the same answers decoded by the client (see
-    _tokens_ensemble) and top_logprobs as transformers (see _top_logprobs), then whether
+    real tritonserver, the same requests at the batch lines' priority (see _batch_priority), whether the tokens
+    ensemble gives the same answers decoded by the client (see _tokens_ensemble) and top_logprobs as transformers
+    (see _top_logprobs), then whether
     a request's image sent again is answered from the visual cache (see _cache_hit), whether the engine's guided
     decoding holds (see _guided_answers) and its sampling options apply (see _sampling_options), whether the
     deployment heals (see _heals), and whether its stop lets a stream in flight finish (see _drains), each with its
@@ -1049,6 +1056,7 @@ def _served_tokens(
                 kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos).token_ids
                 for kind, (prompt, images, videos) in requests.items()
             }
+            lowest = _checked(lambda c: _batch_priority(c, requests, tokens), client)
             ids = _checked(lambda c: _tokens_ensemble(c, build_dir, requests), client)
             tops = _checked(lambda c: _top_logprobs(c, build_dir), client)
             hits = _cache_hit(server, client, next((r[:2], tokens[k]) for k, r in requests.items() if r[1]))
@@ -1057,7 +1065,7 @@ def _served_tokens(
         finally:
             client.close()
         heals = _heals(server)
-        return tokens, warmed, ids, tops, hits, guided, options, heals, _drains(server)
+        return tokens, warmed, lowest, ids, tops, hits, guided, options, heals, _drains(server)
     finally:
         server.stop()
 
@@ -1237,6 +1245,23 @@ def _top_logprobs(client: Any, build_dir: Path) -> tuple[bool, str]:
         f"{likeliest}/{len(answer.token_ids)}; largest |log prob - transformers'| {worst:.4f}"
     )
     return counted and likeliest == len(answer.token_ids) > 0 and worst <= TOP_LOGPROB_GAP, figure
+
+
+def _batch_priority(
+    client: Any, requests: dict[str, tuple[str, list[bytes], list[bytes]]], tokens: dict[str, list[int]]
+) -> tuple[bool, str]:
+    """The requests sent again at the batch lines' Triton priority (the python models' lower level, which the
+    tensorrtllm model takes as its default) are answered with the same tokens."""
+    from ..serving.request import BATCH_PRIORITY
+
+    again = {
+        kind: client.generate(prompt, images, max_tokens=NEW_TOKENS, videos=videos, priority=BATCH_PRIORITY).token_ids
+        for kind, (prompt, images, videos) in requests.items()
+    }
+    differ = [kind for kind in requests if again[kind] != tokens[kind]]
+    return not differ, f"{len(requests) - len(differ)}/{len(requests)} answers the same" + (
+        f"; differ: {', '.join(differ)}" if differ else ""
+    )
 
 
 def _checked(check: Callable[[Any], tuple[bool, str]], client: Any) -> tuple[bool, str]:
