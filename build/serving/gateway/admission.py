@@ -76,20 +76,16 @@ class Admission:
         self.max_in_flight, self.max_queued, self.max_wait_s = max_in_flight, max_queued, max_wait_s
         self.max_queued_bytes, self.order, self.ageing = max_queued_bytes, order, ageing
         self.in_flight = 0  # slots in use
-        self.waiting = 0  # requests entered that hold no slot
+        self.queued = 0  # requests entered that hold no slot (being read, planned, or waiting for slots)
         self.queued_bytes = 0  # their bodies
         self._queue: list[_Waiter] = []  # in the order they joined
         self._joins = itertools.count()
 
-    @property
-    def queued(self) -> int:
-        return self.waiting
-
     def enter(self) -> Ticket:
         """A place for a request that just arrived, or Overloaded when the gateway holds all it takes."""
-        if self.in_flight + self.waiting >= self.max_in_flight + self.max_queued:
-            raise Overloaded(f"{self.in_flight} requests in flight and {self.waiting} waiting, the most it takes")
-        self.waiting += 1
+        if self.in_flight + self.queued >= self.max_in_flight + self.max_queued:
+            raise Overloaded(f"{self.in_flight} requests in flight and {self.queued} waiting, the most it takes")
+        self.queued += 1
         return Ticket()
 
     def hold(self, ticket: Ticket, size: int) -> None:
@@ -138,7 +134,7 @@ class Admission:
             ticket.slots = 0
             self._dispatch()
         else:
-            self.waiting -= 1
+            self.queued -= 1
 
     @contextlib.asynccontextmanager
     async def batch_slot(self, share: float) -> AsyncIterator[None]:
@@ -157,7 +153,7 @@ class Admission:
 
     def _grant(self, ticket: Ticket, count: int) -> None:
         self._drop_body(ticket)
-        self.waiting -= 1
+        self.queued -= 1
         self.in_flight += count
         ticket.slots = count
 
